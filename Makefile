@@ -1,0 +1,15 @@
+# Shortcuts. Each target sets up .venv first (quick when already set up).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test train bench lint
+setup:
+	@./scripts/setup_env.sh
+test: setup
+	$(PY) -m pytest -q tests
+train: setup
+	$(VENV)/bin/grpo-fast train
+bench: setup
+	$(PY) benchmarks/bench_loss.py
+lint: setup
+	$(VENV)/bin/ruff check grpo_fast kernels tests benchmarks

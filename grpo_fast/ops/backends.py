@@ -1,0 +1,69 @@
+"""Backend dispatch: which implementation computes the fused linear -> log-prob math.
+
+A backend is an object with three functions over flattened tensors (hidden [N, H], weight [V, H],
+bias [V] or None, target [N] int64):
+
+    forward(hidden, weight, bias, target, temperature) -> (logp, entropy, lse)        each [N] f32
+    backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs)
+        -> (grad_hidden, grad_weight, grad_bias)       needs = which of the three are wanted
+    fused(hidden, weight, bias, target, temperature, dloss_dlogp, needs)
+        -> (logp, entropy, grad_hidden, grad_weight, grad_bias)   gradients in the forward pass
+
+Heavy imports (the native extension, Triton) happen here, when a backend is first asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import SimpleNamespace
+
+import torch
+
+from . import chunked
+
+BACKENDS = ("auto", "triton", "cpu", "torch")
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The concrete backend name for `backend` on `device`, or a ValueError saying why not."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; expected one of {list(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else ("cpu" if device.type == "cpu" else "torch")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got tensors on {device.type}; on the CPU use "
+            "backend='cpu' or 'torch', or set TRITON_INTERPRET=1 before importing grpo_fast to run "
+            "the Triton kernels through Triton's interpreter"
+        )
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device.type}")
+    return backend
+
+
+def _from_row_ops(row_ops: chunked.RowOps) -> SimpleNamespace:
+    return SimpleNamespace(
+        forward=functools.partial(chunked.forward, row_ops),
+        backward=functools.partial(chunked.backward, row_ops),
+        fused=functools.partial(chunked.fused, row_ops),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def get(name: str) -> SimpleNamespace:
+    if name == "torch":
+        return _from_row_ops(chunked.TORCH_ROW_OPS)
+    if name == "cpu":
+        from . import cpu
+
+        return _from_row_ops(cpu.ROW_OPS)
+    if name == "triton":
+        try:
+            from grpo_fast.kernels import linear_logprobs
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError(f"backend='triton' needs the `triton` package: {err}") from err
+        return SimpleNamespace(
+            forward=linear_logprobs.forward, backward=linear_logprobs.backward, fused=linear_logprobs.fused
+        )
+    raise ValueError(f"backend={name!r} is unknown; expected one of {list(BACKENDS)}")

@@ -1,0 +1,123 @@
+"""The token-chunk loop shared by the `torch` and `cpu` backends.
+
+For each chunk of C tokens: `logits = hidden_c @ weight.T` (one matmul into a bounded `[C, V]`
+slab), a row pass (log-sum-exp, target log-prob, entropy), and for gradients a second row pass
+that overwrites the slab in place with `g * (onehot - softmax) / temperature`, then the two
+gradient matmuls. Memory is O(C * V) whatever N is. The backends differ only in the row passes
+(`RowOps`): PyTorch ops for `torch`, one vectorised OpenMP C++ pass for `cpu`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# Slab budget: 2**22 fp32 logits = 16 MiB. Bounded memory is the point; beyond this size the
+# matmuls already run at full speed on the CPU (see benchmarks/bench_loss.py).
+SLAB_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class RowOps:
+    # (logits [C, V] f32, target [C], temperature) -> (logp, entropy, lse), each [C] f32
+    stats: Callable
+    # in place: logits [C, V] f32 <- g * (onehot - softmax(logits / T)) / T; lse [C], g [C] f32
+    grad_: Callable
+
+
+def torch_stats(logits, target, temperature):
+    z = logits / temperature if temperature != 1.0 else logits
+    lse = torch.logsumexp(z, dim=-1)
+    logp_target = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
+    p = torch.exp(z - lse.unsqueeze(-1))
+    entropy = lse - (p * z).sum(-1)
+    return logp_target, entropy, lse
+
+
+def torch_grad_(logits, target, lse, g, temperature):
+    scale = (g / temperature).unsqueeze(-1)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    logits.sub_(lse.unsqueeze(-1)).exp_().mul_(-scale)  # -g p / T
+    logits.scatter_add_(-1, target.unsqueeze(-1), scale)  # + g onehot / T
+    return logits
+
+
+TORCH_ROW_OPS = RowOps(stats=torch_stats, grad_=torch_grad_)
+
+
+def chunk_rows(n: int, vocab: int, chunk_size: Optional[int] = None) -> int:
+    return max(1, min(n, chunk_size or max(1, SLAB_ELEMENTS // vocab)))
+
+
+def _logits(hidden_c, weight, bias):
+    out = hidden_c @ weight.t()
+    if bias is not None:
+        out = out + bias
+    return out.float()
+
+
+def forward(row_ops: RowOps, hidden, weight, bias, target, temperature, chunk_size=None):
+    """Per-token (logp, entropy, lse), each [N] f32, without a [N, V] tensor."""
+    n = hidden.shape[0]
+    logp = hidden.new_empty(n, dtype=torch.float32)
+    entropy = torch.empty_like(logp)
+    lse = torch.empty_like(logp)
+    step = chunk_rows(n, weight.shape[0], chunk_size)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        logp[s:e], entropy[s:e], lse[s:e] = row_ops.stats(_logits(hidden[s:e], weight, bias), target[s:e], temperature)
+    return logp, entropy, lse
+
+
+def backward(row_ops: RowOps, hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None):
+    """Gradients of sum(grad_logp * logp) w.r.t. (hidden, weight, bias), recomputing logit chunks."""
+    return _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=lse, grad_logp=grad_logp)[2:]
+
+
+def fused(row_ops: RowOps, hidden, weight, bias, target, temperature, dloss_dlogp, needs=(True, True, True), chunk_size=None):
+    """One pass: (logp, entropy, grad_hidden, grad_weight, grad_bias).
+
+    `dloss_dlogp(start, end, logp_chunk) -> g_chunk` gives the loss gradient for the chunk's tokens
+    as soon as their log-probs are known (valid when the loss is local per token), so the logits
+    are computed once, not recomputed in a backward pass.
+    """
+    return _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, dloss_dlogp=dloss_dlogp)
+
+
+def _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=None, grad_logp=None, dloss_dlogp=None):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    need_h, need_w, need_b = needs
+    grad_hidden = torch.empty_like(hidden) if need_h else None
+    # fp32 accumulators whatever the input dtype (bf16 partial sums would lose the small chunks)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if (need_b and bias is not None) else None
+    logp = entropy = None
+    if dloss_dlogp is not None:
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        entropy = torch.empty_like(logp)
+    step = chunk_rows(n, vocab, chunk_size)
+    w_mm = weight if weight.dtype == torch.float32 else None
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        logits = _logits(hidden[s:e], weight, bias)
+        if dloss_dlogp is not None:
+            logp[s:e], entropy[s:e], lse_c = row_ops.stats(logits, target[s:e], temperature)
+            g = dloss_dlogp(s, e, logp[s:e]).float()
+        else:
+            lse_c, g = lse[s:e], grad_logp[s:e].float()
+        grad_logits = row_ops.grad_(logits, target[s:e], lse_c, g, temperature)  # (C, V) f32
+        if need_h:
+            w = w_mm if w_mm is not None else weight
+            grad_hidden[s:e] = (grad_logits.to(w.dtype) @ w).to(hidden.dtype)
+        if need_w:
+            grad_weight.addmm_(grad_logits.t(), hidden[s:e].float())
+        if grad_bias is not None:
+            grad_bias += grad_logits.sum(0)
+    if need_w:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return logp, entropy, grad_hidden, grad_weight, grad_bias

