@@ -1,0 +1,25 @@
+"""Test setup shared by the whole suite.
+
+Without a GPU, Triton kernels run through Triton's interpreter: TRITON_INTERPRET must be set
+before any kernel is defined, so it is set here, before the tests import grpo_fast.kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at test time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; its CPU twin runs through the Triton interpreter")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
