@@ -1,0 +1,21 @@
+"""Reward functions with TRL's signature ``f(prompts, completions, completion_ids, **columns)``.
+
+Light to import: math-verify loads on the first math reward call.
+"""
+
+from .extract import completion_text, final_answer
+from .registry import BUILTIN_REWARDS, get_reward_funcs, reward_name
+from .verifiable import LengthAwareMathReward, format_reward, is_correct, math_reward, overlong_penalty
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "LengthAwareMathReward",
+    "completion_text",
+    "final_answer",
+    "format_reward",
+    "get_reward_funcs",
+    "is_correct",
+    "math_reward",
+    "overlong_penalty",
+    "reward_name",
+]

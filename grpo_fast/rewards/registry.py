@@ -1,0 +1,82 @@
+"""Resolve reward names to reward functions: built-ins by name, user functions by import path."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+from .verifiable import LengthAwareMathReward, format_reward, math_reward
+
+# name -> a reward function, or a factory (class) that builds one from keyword options.
+BUILTIN_REWARDS: dict[str, Callable] = {
+    "math": math_reward,
+    "format": format_reward,
+    "math_length": LengthAwareMathReward,
+}
+
+
+def reward_name(func: Callable) -> str:
+    """The name used in metrics (``rewards/<name>/mean``): ``__name__``, else the class name."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _build_builtin(name: str, options: dict) -> Callable:
+    entry = BUILTIN_REWARDS[name]
+    if not inspect.isclass(entry):
+        return entry
+    # Factories take the options they declare; the rest (meant for other rewards) are ignored.
+    accepted = inspect.signature(entry).parameters
+    return entry(**{k: v for k, v in options.items() if k in accepted})
+
+
+def _import_function(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: expected 'module.path:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward {spec!r}: expected a callable, got {type(obj).__name__}")
+    return obj
+
+
+def get_reward_funcs(names: list[str] | str, **options) -> list[Callable]:
+    """Reward functions for ``names``, in order.
+
+    Args:
+        names: a list of names, or one string (comma-separated for several). Each is a built-in
+            (``"math"``, ``"format"``, ``"math_length"``), a ``"module.path:function"`` import path,
+            or already a callable (passed through).
+        **options: keyword options for the built-in factories that declare them, e.g.
+            ``max_completion_length=256, buffer=64`` for ``"math_length"``; ignored by the others.
+
+    Raises:
+        ValueError: an unknown name (listing the known ones) or an import path that does not resolve.
+    """
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"reward names: expected at least one of {sorted(BUILTIN_REWARDS)} or 'module:function', got none")
+    funcs = []
+    for name in names:
+        if callable(name):
+            funcs.append(name)
+        elif not isinstance(name, str):
+            raise TypeError(f"reward names: expected str or callable entries, got {type(name).__name__}")
+        elif name in BUILTIN_REWARDS:
+            funcs.append(_build_builtin(name, options))
+        elif ":" in name:
+            funcs.append(_import_function(name))
+        else:
+            raise ValueError(
+                f"unknown reward {name!r}: expected one of {sorted(BUILTIN_REWARDS)} or a 'module.path:function' import path"
+            )
+    return funcs
