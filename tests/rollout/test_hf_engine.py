@@ -1,0 +1,94 @@
+"""HFEngine against an independent recomputation of the processed log-probs from full logits."""
+
+import pytest
+import torch
+
+from grpo_fast.rollout import Completion, make_engine
+from grpo_fast.rollout.hf_engine import HFEngine
+from tests.helpers import assert_close
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_policy):
+    model, tokenizer = tiny_policy
+    return HFEngine(model, tokenizer)
+
+
+def processed_logprobs(model, prompt, completion, temperature, top_k=-1):
+    """Reference in float64: log-softmax(top-k(logits / T)) at each completion position."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()  # (T_new, V)
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, -1), (0.8, 20)])
+def test_groups_shapes_and_processed_logprobs(engine, tiny_policy, temperature, top_k):
+    groups = engine.generate(PROMPTS, n=3, max_new_tokens=7, temperature=temperature, top_k=top_k, seed=0)
+    assert len(groups) == len(PROMPTS) and all(len(g) == 3 for g in groups)
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            assert isinstance(c, Completion) and 1 <= len(c.token_ids) <= 7
+            assert len(c.logprobs) == len(c.token_ids)
+            assert c.finish_reason == ("stop" if c.token_ids[-1] in engine.eos_ids else "length")
+            expected = processed_logprobs(tiny_policy[0], prompt, c.token_ids, temperature, top_k)
+            assert_close(c.logprobs, expected, atol=1e-4, name=f"logprobs T={temperature} top_k={top_k}")
+    # samples of one prompt differ (n rows are sampled independently)
+    assert len({tuple(c.token_ids) for c in groups[0]}) > 1
+
+
+def test_greedy_is_argmax_with_raw_logprobs(engine, tiny_policy):
+    model = tiny_policy[0]
+    (c,), = engine.generate([PROMPTS[0]], n=1, max_new_tokens=5, temperature=0)
+    ids = torch.tensor([PROMPTS[0] + c.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPTS[0]) - 1 : -1]
+    assert c.token_ids == logits.argmax(-1).tolist()
+    assert_close(c.logprobs, processed_logprobs(model, PROMPTS[0], c.token_ids, 0.0), atol=1e-4, name="greedy logprobs")
+
+
+def test_stop_tokens_and_max_new_tokens(engine):
+    (free,), = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0)
+    assert len(free.token_ids) == 6 and free.finish_reason == "length"
+    stop = free.token_ids[2]
+    (cut,), = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0, stop_token_ids=[stop])
+    first = free.token_ids.index(stop)
+    assert cut.token_ids == free.token_ids[: first + 1] and cut.finish_reason == "stop"
+    assert cut.logprobs == pytest.approx(free.logprobs[: first + 1], abs=1e-5)
+
+
+def test_seed_reproducible(engine):
+    a = engine.generate(PROMPTS, n=2, max_new_tokens=5, seed=7)
+    b = engine.generate(PROMPTS, n=2, max_new_tokens=5, seed=7)
+    c = engine.generate(PROMPTS, n=2, max_new_tokens=5, seed=8)
+    ids = lambda groups: [[x.token_ids for x in g] for g in groups]
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+
+
+def test_shares_weights_and_keeps_training_mode(tiny_model_dir):
+    from tests.tiny_model import load_tiny_model
+
+    model, tokenizer = load_tiny_model(tiny_model_dir)
+    engine = make_engine("hf", model=model, tokenizer=tokenizer)
+    before = engine.generate([PROMPTS[0]], n=1, max_new_tokens=4, temperature=0)[0][0]
+    model.train()
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))  # tied: embeddings move too
+    engine.update_weights(model)  # no-op by design; the engine holds the module itself
+    after = engine.generate([PROMPTS[0]], n=1, max_new_tokens=4, temperature=0)[0][0]
+    assert model.training, "generate must hand the caller's training mode back"
+    assert before.logprobs != pytest.approx(after.logprobs, abs=1e-3)
+
+
+def test_max_model_len_caps_generation(tiny_policy):
+    engine = HFEngine(*tiny_policy, max_model_len=8)
+    (a,), (b,) = engine.generate([[1, 2, 3, 4, 5, 6], [1, 2]], n=1, max_new_tokens=10, temperature=0)
+    assert len(a.token_ids) == 2 and a.finish_reason == "length"
+    assert len(b.token_ids) == 6
