@@ -54,4 +54,13 @@ def __getattr__(name):  # lazy: the engines import torch / transformers / vllm
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Completion", "RolloutEngine", "SamplingRequest", "HFEngine", "VLLMEngine", "make_engine", "vllm_available", "ENGINES"]
+__all__ = [
+    "Completion",
+    "RolloutEngine",
+    "SamplingRequest",
+    "HFEngine",
+    "VLLMEngine",
+    "make_engine",
+    "vllm_available",
+    "ENGINES",
+]

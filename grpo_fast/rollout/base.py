@@ -54,7 +54,17 @@ def _is_int(x) -> bool:
 
 
 def validate_request(
-    prompt_ids, *, n, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed, vocab_size: int, max_model_len: int
+    prompt_ids,
+    *,
+    n,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    stop_token_ids,
+    seed,
+    vocab_size: int,
+    max_model_len: int,
 ) -> tuple[list[list[int]], SamplingRequest]:
     """Check `generate`'s arguments before any work; return the prompts as lists of int and the request.
 

@@ -33,7 +33,7 @@ def processed_logprobs(model, prompt, completion, temperature, top_k=-1):
 def test_groups_shapes_and_processed_logprobs(engine, tiny_policy, temperature, top_k):
     groups = engine.generate(PROMPTS, n=3, max_new_tokens=7, temperature=temperature, top_k=top_k, seed=0)
     assert len(groups) == len(PROMPTS) and all(len(g) == 3 for g in groups)
-    for prompt, group in zip(PROMPTS, groups):
+    for prompt, group in zip(PROMPTS, groups, strict=True):
         for c in group:
             assert isinstance(c, Completion) and 1 <= len(c.token_ids) <= 7
             assert len(c.logprobs) == len(c.token_ids)
@@ -46,7 +46,7 @@ def test_groups_shapes_and_processed_logprobs(engine, tiny_policy, temperature, 
 
 def test_greedy_is_argmax_with_raw_logprobs(engine, tiny_policy):
     model = tiny_policy[0]
-    (c,), = engine.generate([PROMPTS[0]], n=1, max_new_tokens=5, temperature=0)
+    ((c,),) = engine.generate([PROMPTS[0]], n=1, max_new_tokens=5, temperature=0)
     ids = torch.tensor([PROMPTS[0] + c.token_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, len(PROMPTS[0]) - 1 : -1]
@@ -55,10 +55,10 @@ def test_greedy_is_argmax_with_raw_logprobs(engine, tiny_policy):
 
 
 def test_stop_tokens_and_max_new_tokens(engine):
-    (free,), = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0)
+    ((free,),) = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0)
     assert len(free.token_ids) == 6 and free.finish_reason == "length"
     stop = free.token_ids[2]
-    (cut,), = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0, stop_token_ids=[stop])
+    ((cut,),) = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0, stop_token_ids=[stop])
     first = free.token_ids.index(stop)
     assert cut.token_ids == free.token_ids[: first + 1] and cut.finish_reason == "stop"
     assert cut.logprobs == pytest.approx(free.logprobs[: first + 1], abs=1e-5)
