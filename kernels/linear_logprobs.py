@@ -1,0 +1,421 @@
+"""Fused linear -> log-prob / entropy of target ids, over vocabulary tiles (Triton).
+
+The `triton` backend of `grpo_fast.ops` (protocol in `grpo_fast/ops/backends.py`). Shapes, all
+flattened: hidden `[N, H]`, weight `[V, H]` (contiguous), bias `[V]` or None, target `[N]` int64;
+logits are `z = (hidden @ weight.T + bias) / temperature`.
+
+forward  One kernel. Each program owns BLOCK_N rows and a contiguous range of vocabulary tiles
+         (a "split"); per tile it computes `z` with `tl.dot` over H blocks and folds it into an
+         online log-sum-exp: running max m, s = sum exp(z - m), t = sum exp(z - m) (z - m), and the
+         target's logit. Nothing of `z` reaches global memory; the few per-(split, row) partials
+         are merged in PyTorch (O(N * splits)). Splits exist to fill the GPU when N is small.
+         entropy = log s - t / s (the shifted t avoids the cancellation of lse - sum p z).
+backward Per chunk of C rows: one kernel recomputes each [BLOCK_N, BLOCK_V] tile of `z` and writes
+         `g * (onehot - softmax(z)) / temperature` (computed in fp32, stored in the input dtype)
+         into a bounded [C, V] slab; cuBLAS then does grad_hidden = slab @ W and
+         grad_weight += slab.T @ hidden (fp32 accumulation across chunks). 3 matmuls.
+fused    Forward and gradients with 3 matmuls, not 4: per chunk the forward kernel also stores
+         its fp32 logit tiles (STORE_LOGITS) into a [C, V] fp32 slab, the callback turns the
+         chunk's log-probs into g, an elementwise kernel turns the slab into the gradient slab,
+         and cuBLAS does the two gradient matmuls. The slab costs ~10 bytes per logit of memory
+         traffic, cheaper than recomputing the logits (2 H flops per logit) for any H >= 64.
+         The plain forward never writes logits; only this gradient path uses the workspace.
+
+Offsets are int64 (N * H and C * V pass 2**31 at real sizes); the grids are one-dimensional, so
+N is not bounded by the 65535 limit of grid axes 1 and 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's interpreter (3.9) runs tl.dot on bf16 as np.matmul of the uint16 bit patterns it stores
+# them as: garbage. There, operands are upcast to fp32 first: bf16 x bf16 products are exact in fp32,
+# so this is the same arithmetic as the GPU's bf16 MMA with fp32 accumulation. Never on a GPU.
+UPCAST_DOT = INTERPRET
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch parameters: all of them, in one place
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_n: int  # rows (tokens) per program
+    block_v: int  # vocabulary columns per tile
+    block_k: int  # hidden-dim slice per tl.dot step
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the H loop
+
+
+# Hopper (H100/H200), bf16/fp16: 128x128 fp32 accumulator over 8 warps (two warpgroups of wgmma,
+# 64 registers a thread for the accumulator), 3 stages of 128x64 + 128x64 bf16 operands = 96 KiB of
+# shared memory: the shape Triton's own Hopper matmul and flash-attention tutorials use. Not yet
+# tuned on the H200 (benchmarks/check_gpu.py --sweep times the alternatives).
+# fp32 inputs use exact fp32 products (input_precision="ieee", no tf32, like torch's default), which
+# run on FMA units: smaller tiles keep registers and shared memory in bounds. Not the fast path.
+# The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
+# span several tiles, tails and chunks.
+GPU_CONFIGS = {
+    torch.bfloat16: LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3),
+    torch.float16: LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3),
+    torch.float32: LaunchConfig(block_n=64, block_v=64, block_k=32, num_warps=4, num_stages=2),
+}
+INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1)
+# Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
+# of the work (each program is long: BLOCK_N rows x its share of V).
+PROGRAMS_PER_SM = 8
+# Backward: programs are ordered in groups of GROUP_N row blocks (the column sweep of a group
+# reuses its hidden rows from L2), as in Triton's matmul tutorial.
+GROUP_N = 8
+# Gradient workspace of one chunk (fused: fp32 logits + gradient slab; backward: gradient slab):
+# 4 GiB holds ~4700 rows at V=151936 in the fused path, big enough for cuBLAS to run at full rate.
+WORKSPACE_BYTES = 4 << 30
+
+
+def launch_config(dtype: torch.dtype) -> LaunchConfig:
+    return INTERPRET_CONFIG if INTERPRET else GPU_CONFIGS[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a pretend GPU, so that tiny tests still use several splits
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w, inv_temp,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """z [BLOCK_N, BLOCK_V] f32 = (hidden[rows] @ weight[cols].T + bias[cols]) * inv_temp."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = hidden_ptr + rows[:, None] * stride_h + ks[None, :]  # (BLOCK_N, BLOCK_K)
+    w_ptrs = weight_ptr + cols[:, None] * stride_w + ks[None, :]  # (BLOCK_V, BLOCK_K)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + ks) < H
+            h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # interpreter only: its tl.dot multiplies the raw bits of bf16 (see UPCAST_DOT)
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:  # fp32 inputs: exact products, as torch's fp32 matmul (no tf32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+        else:  # bf16/fp16 operands, fp32 accumulation
+            acc = tl.dot(h, tl.trans(w), acc)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_temp
+
+
+@triton.jit
+def _dlogits(z, cols, target, lse, g, inv_temp):
+    """d(sum_rows g * logp[target]) / d(pre-temperature logits) = g (onehot - softmax(z)) / T, in
+    fp32 (1 - p is never formed in bf16, where it cancels for confident tokens)."""
+    p = tl.exp(z - lse[:, None])
+    onehot = (cols[None, :] == target[:, None]).to(tl.float32)
+    return (g * inv_temp)[:, None] * (onehot - p)
+
+
+@triton.jit
+def _linear_logprobs_fwd_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr,  # [N, H], [V, H], [V] | dummy, [N] int64
+    stats_ptr,  # [S, 4, N] f32 out: per split m, s, t, target logit
+    logits_ptr,  # [N, V] f32 out when STORE_LOGITS (fused path), else a dummy
+    N, V, H, inv_temp, n_splits, tiles_per_split,
+    stride_h, stride_w, stride_l,
+    HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # 1-D grid, split fastest: programs running together share hidden rows (L2) and sweep W.
+    pid = tl.program_id(0)
+    split = pid % n_splits
+    rows = (pid // n_splits).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+
+    # Finite start (not -inf): (m_old - m_new) * s stays 0, never nan, before the first tile.
+    m = tl.full([BLOCK_N], -1.0e30, dtype=tl.float32)
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t = tl.zeros([BLOCK_N], dtype=tl.float32)
+    z_target = tl.zeros([BLOCK_N], dtype=tl.float32)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    for tile in range(tile_lo, tile_hi):
+        cols = (tile * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)  # tile * BLOCK_V < V: no overflow
+        col_ok = cols < V
+        z = _logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+                         inv_temp, HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+        if STORE_LOGITS:
+            tl.store(logits_ptr + rows[:, None] * stride_l + cols[None, :], z,
+                     mask=row_ok[:, None] & col_ok[None, :])
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 1))
+        alpha = tl.exp(m - m_new)
+        d = z - m_new[:, None]
+        p = tl.exp(d)  # 0 on padded columns
+        t = alpha * (t + (m - m_new) * s) + tl.sum(p * tl.where(col_ok[None, :], d, 0.0), 1)  # no 0 * -inf
+        s = alpha * s + tl.sum(p, 1)
+        m = m_new
+        z_target += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), 1)
+
+    out = stats_ptr + (split.to(tl.int64) * 4) * N + rows  # int64: S * 4 * N may pass 2**31
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + N, s, mask=row_ok)
+    tl.store(out + 2 * N, t, mask=row_ok)
+    tl.store(out + 3 * N, z_target, mask=row_ok)
+
+
+@triton.jit
+def _grouped_tile(pid, n_row_blocks, n_col_tiles, GROUP: tl.constexpr):
+    """Program id -> (row block, column tile), GROUP row blocks at a time, row block fastest."""
+    per_group = GROUP * n_col_tiles
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(n_row_blocks - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _linear_logprobs_bwd_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, g_ptr,  # [C, H], [V, H], [V], [C], [C], [C]
+    grad_ptr,  # [C, V] out, input dtype: g (onehot - p) / T
+    N, V, H, inv_temp,
+    stride_h, stride_w, stride_g,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rb, ct = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
+    rows = rb.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = ct.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok, col_ok = rows < N, cols < V
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    z = _logits_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+                     inv_temp, HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+    dz = _dlogits(z, cols, target, lse, g, inv_temp)
+    tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], dz.to(grad_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _logits_to_grad_kernel(
+    logits_ptr, target_ptr, lse_ptr, g_ptr,  # [C, V] f32 (z / T), [C], [C], [C]
+    grad_ptr,  # [C, V] out, input dtype; may alias logits_ptr (fp32: each element read, then written)
+    N, V, inv_temp, stride_l, stride_g,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(V, BLOCK_V)
+    rows = (pid // n_col_tiles).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (pid % n_col_tiles).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok, col_ok = rows < N, cols < V
+    mask = row_ok[:, None] & col_ok[None, :]
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    z = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=0.0)
+    dz = _dlogits(z, cols, target, lse, g, inv_temp)
+    tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], dz.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def fwd_grid(n: int, vocab: int, cfg: LaunchConfig, num_sms: int):
+    """((programs,), splits, tiles_per_split) of the forward kernel: a 1-D grid whatever N is."""
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(vocab, cfg.block_v)
+    splits = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * num_sms, row_blocks)))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+    return (row_blocks * splits,), splits, tiles_per_split
+
+
+def tile_grid(n: int, vocab: int, cfg: LaunchConfig):
+    """(programs,) of the per-tile kernels (backward, logits -> gradient): 1-D, whatever N is."""
+    return (triton.cdiv(n, cfg.block_n) * triton.cdiv(vocab, cfg.block_v),)
+
+
+def _common(hidden, weight, bias):
+    assert hidden.stride(-1) == 1 and weight.is_contiguous(), "hidden rows and weight must be contiguous"
+    cfg = launch_config(hidden.dtype)
+    consts = dict(HAS_BIAS=bias is not None, EVEN_K=hidden.shape[1] % cfg.block_k == 0,
+                  IEEE=hidden.dtype == torch.float32, UPCAST=UPCAST_DOT and hidden.dtype != torch.float32,
+                  BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return cfg, consts, (bias if bias is not None else weight)  # dummy pointer when no bias
+
+
+def _launch_fwd(hidden, weight, bias, target, temperature, logits: Optional[torch.Tensor] = None):
+    """Per-split partials [S, 4, N] f32 (m, s, t, target logit); fills `logits` [N, V] f32 if given."""
+    (n, h), vocab = hidden.shape, weight.shape[0]
+    cfg, consts, bias_arg = _common(hidden, weight, bias)
+    grid, splits, tiles_per_split = fwd_grid(n, vocab, cfg, _num_sms(hidden.device))
+    stats = torch.empty(splits, 4, n, dtype=torch.float32, device=hidden.device)
+    _linear_logprobs_fwd_kernel[grid](
+        hidden, weight, bias_arg, target, stats, logits if logits is not None else stats,
+        n, vocab, h, 1.0 / temperature, splits, tiles_per_split,
+        hidden.stride(0), weight.stride(0), logits.stride(0) if logits is not None else 0,
+        STORE_LOGITS=logits is not None, **consts,
+    )
+    return stats
+
+
+def _merge_splits(stats):
+    """[S, 4, N] partials -> (logp, entropy, lse), each [N] f32: the log-sum-exp merge."""
+    m, s, t, z_target = stats.unbind(1)  # each [S, N]
+    m_all = m.amax(0)
+    scale = torch.exp(m - m_all)
+    s_all = (s * scale).sum(0)
+    t_all = ((t + (m - m_all) * s) * scale).sum(0)  # sum exp(z - m_all) (z - m_all)
+    log_s = torch.log(s_all)
+    lse = m_all + log_s
+    return z_target.sum(0) - lse, log_s - t_all / s_all, lse
+
+
+def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits):
+    """grad_logits [C, V] <- g (onehot - softmax) / T, recomputing the logits tile by tile."""
+    (n, h), vocab = hidden.shape, weight.shape[0]
+    cfg, consts, bias_arg = _common(hidden, weight, bias)
+    _linear_logprobs_bwd_kernel[tile_grid(n, vocab, cfg)](
+        hidden, weight, bias_arg, target, lse, g, grad_logits, n, vocab, h, 1.0 / temperature,
+        hidden.stride(0), weight.stride(0), grad_logits.stride(0), GROUP=GROUP_N, **consts,
+    )
+
+
+def _launch_logits_to_grad(logits, target, lse, g, temperature, grad_logits):
+    """grad_logits [C, V] <- g (onehot - softmax) / T from stored fp32 logits [C, V] (may alias)."""
+    n, vocab = logits.shape
+    cfg = launch_config(grad_logits.dtype)
+    _logits_to_grad_kernel[tile_grid(n, vocab, cfg)](
+        logits, target, lse, g, grad_logits, n, vocab, 1.0 / temperature, logits.stride(0), grad_logits.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Backend protocol (see grpo_fast/ops/backends.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def forward(hidden, weight, bias, target, temperature):
+    """(logp, entropy, lse), each [N] f32, of target [N] under (hidden [N, H] @ weight.T + bias) / T.
+
+    One kernel launch; no logits in global memory."""
+    n = hidden.shape[0]
+    if n == 0:
+        return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
+    return _merge_splits(_launch_fwd(hidden, weight, bias, target, temperature))
+
+
+class _ParamGrads:
+    """Gradient outputs, filled chunk by chunk from [C, V] gradient slabs with cuBLAS matmuls."""
+
+    def __init__(self, hidden, weight, bias, needs: Sequence[bool], single_chunk: bool):
+        need_h, need_w, need_b = needs
+        self.hidden, self.weight = hidden, weight
+        self.grad_hidden = torch.empty_like(hidden) if need_h else None
+        # fp32 across chunks; one chunk: cuBLAS's own fp32 accumulation, rounded once at the end
+        exact = single_chunk or weight.dtype == torch.float32
+        self.grad_weight = None
+        if need_w:
+            self.grad_weight = torch.zeros(weight.shape, dtype=torch.float32 if not exact else weight.dtype,
+                                           device=weight.device)
+        self.grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if (need_b and bias is not None) else None
+        self.bias = bias
+
+    def add(self, start, end, grad_logits):  # grad_logits [C, V] in the input dtype
+        if self.grad_hidden is not None:
+            torch.mm(grad_logits, self.weight, out=self.grad_hidden[start:end])
+        if self.grad_weight is not None:
+            if self.grad_weight.dtype == grad_logits.dtype:
+                self.grad_weight.addmm_(grad_logits.t(), self.hidden[start:end])
+            else:  # chunk product accumulated in fp32 by cuBLAS, summed over chunks in fp32
+                self.grad_weight += grad_logits.t() @ self.hidden[start:end]
+        if self.grad_bias is not None:
+            self.grad_bias += grad_logits.sum(0, dtype=torch.float32)
+
+    def result(self):
+        gw = None if self.grad_weight is None else self.grad_weight.to(self.weight.dtype)
+        gb = None if self.grad_bias is None else self.grad_bias.to(self.bias.dtype)
+        return self.grad_hidden, gw, gb
+
+
+def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int]):
+    step = chunk_size or max(1, WORKSPACE_BYTES // (vocab * bytes_per_logit))
+    step = max(1, min(n, step))
+    return step, [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None):
+    """Gradients (grad_hidden [N, H], grad_weight [V, H], grad_bias [V] | None) of
+    sum(grad_logp * logp), given the forward's lse [N]; None where `needs` says not wanted.
+
+    Per chunk of C rows: one kernel recomputes the logits tiles into the gradient slab [C, V]
+    (input dtype), then two cuBLAS matmuls. `chunk_size` overrides the workspace budget (tests)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size)
+    grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
+    if not any(needs) or n == 0:
+        return grads.result()
+    slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    g = grad_logp.float().contiguous()
+    for s, e in chunks:
+        grad_logits = slab[: e - s]
+        _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], temperature, grad_logits)
+        grads.add(s, e, grad_logits)
+    return grads.result()
+
+
+def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None):
+    """(logp [N] f32, entropy [N] f32, grad_hidden, grad_weight, grad_bias) in one pass.
+
+    `dloss_dlogp(start, end, logp_chunk [C]) -> g [C]` gives the loss gradient of the chunk's tokens
+    once their log-probs are known. Per chunk: the forward kernel also keeps its fp32 logit tiles in
+    a [C, V] slab, the slab becomes the gradient in place (fp32) or into a second slab (bf16/fp16),
+    then two cuBLAS matmuls: 3 matmuls in all, against 4 for forward + backward."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    separate = hidden.dtype != torch.float32
+    step, chunks = _chunks(n, vocab, 4 + (hidden.element_size() if separate else 0), chunk_size)
+    grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
+    logp = hidden.new_empty(n, dtype=torch.float32)
+    entropy = torch.empty_like(logp)
+    if n == 0:
+        return (logp, entropy, *grads.result())
+    logits_slab = torch.empty(step, vocab, dtype=torch.float32, device=hidden.device)
+    grad_slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device) if separate else logits_slab
+    for s, e in chunks:
+        logits, grad_logits = logits_slab[: e - s], grad_slab[: e - s]
+        stats = _launch_fwd(hidden[s:e], weight, bias, target[s:e], temperature, logits=logits)
+        logp[s:e], entropy[s:e], lse = _merge_splits(stats)
+        g = dloss_dlogp(s, e, logp[s:e])
+        assert tuple(g.shape) == (e - s,), f"dloss_dlogp returned shape {tuple(g.shape)}, expected ({e - s},)"
+        _launch_logits_to_grad(logits, target[s:e], lse, g.float().contiguous(), temperature, grad_logits)
+        grads.add(s, e, grad_logits)
+    return (logp, entropy, *grads.result())
