@@ -21,10 +21,13 @@ SLAB_ELEMENTS = 1 << 22
 
 @dataclass(frozen=True)
 class RowOps:
-    # (logits [C, V] f32, target [C], temperature) -> (logp, entropy, lse), each [C] f32
+    # (logits [C, V], target [C], temperature) -> (logp, entropy, lse), each [C] f32
     stats: Callable
-    # in place: logits [C, V] f32 <- g * (onehot - softmax(logits / T)) / T; lse [C], g [C] f32
+    # in place: logits [C, V] <- g * (onehot - softmax(logits / T)) / T; lse [C], g [C] f32
     grad_: Callable
+    # logit dtypes the passes take as they are (accumulating in f32 inside); any other dtype is
+    # widened to a float32 copy of the chunk first
+    slab_dtypes: tuple = (torch.float32,)
 
 
 def torch_stats(logits, target, temperature):
@@ -52,23 +55,28 @@ def chunk_rows(n: int, vocab: int, chunk_size: Optional[int] = None) -> int:
     return max(1, min(n, chunk_size or max(1, SLAB_ELEMENTS // vocab)))
 
 
-def _logits(hidden_c, weight, bias):
-    out = hidden_c @ weight.t()
-    if bias is not None:
-        out = out + bias
-    return out.float()
+def _logits(slab, hidden_c, weight, bias, row_ops: RowOps):
+    """Logits of one chunk, `[C, V]`, written into the reused `slab` (no allocation per chunk)."""
+    out = slab[: hidden_c.shape[0]]
+    if bias is None:
+        torch.mm(hidden_c, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden_c, weight.t(), out=out)
+    return out if out.dtype in row_ops.slab_dtypes else out.float()
 
 
 def forward(row_ops: RowOps, hidden, weight, bias, target, temperature, chunk_size=None):
     """Per-token (logp, entropy, lse), each [N] f32, without a [N, V] tensor."""
-    n = hidden.shape[0]
+    n, vocab = hidden.shape[0], weight.shape[0]
     logp = hidden.new_empty(n, dtype=torch.float32)
     entropy = torch.empty_like(logp)
     lse = torch.empty_like(logp)
-    step = chunk_rows(n, weight.shape[0], chunk_size)
+    step = chunk_rows(n, vocab, chunk_size)
+    slab = weight.new_empty(step, vocab)
     for s in range(0, n, step):
         e = min(n, s + step)
-        logp[s:e], entropy[s:e], lse[s:e] = row_ops.stats(_logits(hidden[s:e], weight, bias), target[s:e], temperature)
+        logits = _logits(slab, hidden[s:e], weight, bias, row_ops)
+        logp[s:e], entropy[s:e], lse[s:e] = row_ops.stats(logits, target[s:e], temperature)
     return logp, entropy, lse
 
 
@@ -91,7 +99,7 @@ def _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_
     n, vocab = hidden.shape[0], weight.shape[0]
     need_h, need_w, need_b = needs
     grad_hidden = torch.empty_like(hidden) if need_h else None
-    # fp32 accumulators whatever the input dtype (bf16 partial sums would lose the small chunks)
+    # f32 accumulators whatever the input dtype (bf16 running sums would lose the small chunks)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if (need_b and bias is not None) else None
     logp = entropy = None
@@ -99,25 +107,36 @@ def _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_
         logp = hidden.new_empty(n, dtype=torch.float32)
         entropy = torch.empty_like(logp)
     step = chunk_rows(n, vocab, chunk_size)
-    w_mm = weight if weight.dtype == torch.float32 else None
+    slab = weight.new_empty(step, vocab)
     for s in range(0, n, step):
         e = min(n, s + step)
-        logits = _logits(hidden[s:e], weight, bias)
+        hidden_c = hidden[s:e]
+        logits = _logits(slab, hidden_c, weight, bias, row_ops)
         if dloss_dlogp is not None:
             logp[s:e], entropy[s:e], lse_c = row_ops.stats(logits, target[s:e], temperature)
             g = dloss_dlogp(s, e, logp[s:e]).float()
         else:
             lse_c, g = lse[s:e], grad_logp[s:e].float()
-        grad_logits = row_ops.grad_(logits, target[s:e], lse_c, g, temperature)  # (C, V) f32
-        if need_h:
-            w = w_mm if w_mm is not None else weight
-            grad_hidden[s:e] = (grad_logits.to(w.dtype) @ w).to(hidden.dtype)
-        if need_w:
-            grad_weight.addmm_(grad_logits.t(), hidden[s:e].float())
-        if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
+        grad_logits = row_ops.grad_(logits, target[s:e], lse_c, g, temperature)  # (C, V)
+        _grad_matmuls(grad_logits, hidden_c, weight, grad_hidden[s:e] if need_h else None, grad_weight, grad_bias)
     if need_w:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return logp, entropy, grad_hidden, grad_weight, grad_bias
+
+
+def _grad_matmuls(grad_logits, hidden_c, weight, grad_hidden_c, grad_weight, grad_bias):
+    """grad_hidden_c = grad_logits @ weight (written in place); grad_weight += grad_logits.T @ hidden_c."""
+    if grad_hidden_c is not None:
+        if grad_logits.dtype == weight.dtype:
+            torch.mm(grad_logits, weight, out=grad_hidden_c)
+        else:
+            grad_hidden_c.copy_(grad_logits.to(weight.dtype) @ weight)
+    if grad_weight is not None:
+        if grad_logits.dtype == torch.float32:
+            grad_weight.addmm_(grad_logits.t(), hidden_c.float())
+        else:  # bf16 slab: the chunk's product in bf16 (fast), summed over chunks in f32
+            grad_weight += grad_logits.t() @ hidden_c
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0, dtype=torch.float32)

@@ -1,12 +1,21 @@
-"""The `cpu` backend: the row passes of the chunk loop in C++ (`grpo_fast._C`, see csrc/)."""
+"""The `cpu` backend: the row passes of the chunk loop in C++ (`grpo_fast._C`, see csrc/).
+
+The C++ passes take float32 or bfloat16 logit slabs by pointer; this file only checks layouts,
+allocates the per-row outputs and passes pointers.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .chunked import RowOps
 
+_DTYPE_BITS = {torch.float32: 32, torch.bfloat16: 16}
 
+
+@functools.lru_cache(maxsize=None)
 def _native():
     try:
         from grpo_fast import _C
@@ -18,23 +27,33 @@ def _native():
     return _C
 
 
+def _slab(logits: torch.Tensor) -> torch.Tensor:
+    assert logits.dim() == 2 and logits.device.type == "cpu", (logits.shape, logits.device)
+    if logits.dtype not in _DTYPE_BITS:  # float16 slabs: the passes run in float32
+        logits = logits.float()
+    return logits.contiguous()
+
+
 def _stats(logits, target, temperature):
-    logits = logits.contiguous()
-    c = logits.shape[0]
+    """(logp, entropy, lse), each [C] float32, of the rows of `logits [C, V]` divided by temperature."""
+    logits = _slab(logits)
+    c, v = logits.shape
     logp, entropy, lse = (torch.empty(c, dtype=torch.float32) for _ in range(3))
     target = target.to(torch.int64).contiguous()
-    _native().row_stats(logits.data_ptr(), target.data_ptr(), c, logits.shape[1], float(temperature),
+    _native().row_stats(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, float(temperature),
                         logp.data_ptr(), entropy.data_ptr(), lse.data_ptr())
     return logp, entropy, lse
 
 
 def _grad_(logits, target, lse, g, temperature):
-    assert logits.is_contiguous() and logits.dtype == torch.float32
+    """In place: `logits [C, V] <- g * (onehot(target) - softmax(logits / T)) / T`; returns logits."""
+    assert logits.is_contiguous() and logits.dtype in _DTYPE_BITS, (logits.dtype, logits.stride())
+    c, v = logits.shape
     target = target.to(torch.int64).contiguous()
     lse, g = lse.float().contiguous(), g.float().contiguous()
-    _native().row_grad_(logits.data_ptr(), target.data_ptr(), logits.shape[0], logits.shape[1], float(temperature),
+    _native().row_grad_(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, float(temperature),
                         lse.data_ptr(), g.data_ptr())
     return logits
 
 
-ROW_OPS = RowOps(stats=_stats, grad_=_grad_)
+ROW_OPS = RowOps(stats=_stats, grad_=_grad_, slab_dtypes=tuple(_DTYPE_BITS))

@@ -69,8 +69,13 @@ class FusedTokenGRPOLossFunction(torch.autograd.Function):
         return finish(logp, entropy)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_grpo_loss: backward ran twice; its gradients were computed once, in forward")
+        grads, ctx.grads = ctx.grads, None
+        # scale in place: `g * grad_loss` would hold a second [V, H] weight gradient at the peak
+        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
         return (*grads, None, None, None, None)
 
 
