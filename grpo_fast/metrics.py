@@ -1,0 +1,143 @@
+"""What a run reports: metrics.jsonl, TensorBoard events, a PNG of reward and eval accuracy, and a
+live progress bar. Names follow TRL (reward, reward_std, rewards/<func>/mean, kl, entropy, ...).
+
+All output lands in the run's output_dir. TensorBoard and matplotlib load lazily; a missing one
+is reported once and skipped (the jsonl file is always written).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_KEYS = ("reward", "eval/accuracy", "completions/mean_length", "step_time")
+
+
+def _clean(value):
+    """A JSON-safe float (NaN/inf become null: JSON has no spelling for them)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class MetricsLogger:
+    """Append one JSON line per logged step to `<output_dir>/metrics.jsonl` and mirror to TensorBoard.
+
+    `history` keeps every logged record in memory for the plot; a resumed run reloads the records
+    already in the file (up to the resumed step) so the plot covers the whole run.
+    """
+
+    def __init__(self, output_dir: str, *, resume_step: int = 0, tensorboard: bool = True):
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.history = self._reload(resume_step) if resume_step else []
+        with open(self.path, "w") as f:  # rewrite: drop records past the resumed step
+            for record in self.history:
+                f.write(json.dumps(record) + "\n")
+        self.writer = self._tensorboard() if tensorboard else None
+
+    def _reload(self, resume_step: int) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return [r for r in records if r.get("step", 0) <= resume_step]
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # pragma: no cover - tensorboard is a dependency
+            logger.warning("TensorBoard unavailable (%s): metrics go to metrics.jsonl only", err)
+            return None
+        return SummaryWriter(log_dir=os.path.join(self.output_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> dict:
+        record = {"step": step, "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for name, value in record.items():
+                if name not in ("step", "time") and value is not None:
+                    self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+        return record
+
+    def plot(self, filename: str = "reward.png") -> str | None:
+        """Write reward (and eval accuracy when logged) against step to a PNG; return its path."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as err:  # pragma: no cover - matplotlib is a dependency
+            logger.warning("matplotlib unavailable (%s): no plot", err)
+            return None
+        series = {key: [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
+                  for key in ("reward", "eval/accuracy")}
+        if not any(series.values()):
+            return None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if series["reward"]:
+            ax.plot(*zip(*series["reward"], strict=True), label="train reward (mean)", color="tab:blue", alpha=0.8)
+        if series["eval/accuracy"]:
+            ax.plot(*zip(*series["eval/accuracy"], strict=True), "o-", label="held-out accuracy", color="tab:red")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward / accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(self.output_dir, filename)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+class ProgressBar:
+    """A rich progress bar over optimizer steps showing the key figures of the last step."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True):
+        self.progress = None
+        if not enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),
+            TimeRemainingColumn(), TextColumn("{task.fields[figures]}"),
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, figures="")
+        self.progress.start()
+
+    def update(self, step: int, metrics: dict):
+        if self.progress is None:
+            return
+        figures = "  ".join(f"{k.split('/')[-1]} {metrics[k]:.3g}" for k in PROGRESS_KEYS
+                            if metrics.get(k) is not None and math.isfinite(metrics[k]))
+        self.progress.update(self.task, completed=step, figures=figures)
+
+    def print(self, message: str):
+        if self.progress is not None:
+            self.progress.console.print(message)
+        else:
+            print(message, flush=True)
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.stop()

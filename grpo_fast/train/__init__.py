@@ -1,0 +1,1 @@
+"""The parts of GRPOTrainer's loop: the packed policy forward, rollout batches, scoring, the train step."""

@@ -1,0 +1,73 @@
+"""The policy forward of training: packed rows -> final hidden states -> fused op. No logits.
+
+`model.<base_model_prefix>` (e.g. `LlamaForCausalLM.model`) ends with the final norm, so its output
+is what the lm_head would multiply; the lm_head weight goes to the fused op instead, which computes
+log-probs (and the loss and its gradient) over vocab chunks without a `[tokens, vocab]` tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..data.packing import PackedMicroBatch, pack_sequences, plan_micro_batches, uses_varlen
+from ..ops import fused_linear_logprobs
+
+
+def policy_parts(model):
+    """(base model ending at the final hidden state, lm_head weight [V, H], lm_head bias [V] or None)."""
+    base = getattr(model, model.base_model_prefix, None)
+    head = model.get_output_embeddings()
+    if base is None or head is None:
+        raise ValueError(
+            f"{type(model).__name__}: expected a causal LM with a base model at .{model.base_model_prefix} "
+            "and an lm_head (get_output_embeddings()); grpo_fast applies the lm_head inside the fused loss"
+        )
+    return base, head.weight, getattr(head, "bias", None)
+
+
+def completion_hidden(base, mb: PackedMicroBatch) -> torch.Tensor:
+    """(b, Tc, H): for each sequence, the hidden states predicting its completion tokens."""
+    hidden = base(**mb.model_inputs()).last_hidden_state  # (1, L, H)
+    return hidden[0][mb.hidden_index]
+
+
+class Packer:
+    """Cuts a list of samples into packed micro-batches of at most `max_tokens` tokens."""
+
+    def __init__(self, model, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.varlen = uses_varlen(model)
+        self.device = next(model.parameters()).device
+
+    def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None):
+        """Yield PackedMicroBatch over samples with a completion (and `include[i]` when given)."""
+        lengths = [
+            0 if (include is not None and not include[i]) or not completion_ids[i]
+            else len(prompt_ids[i]) + len(completion_ids[i]) - 1
+            for i in range(len(prompt_ids))
+        ]
+        for rows in plan_micro_batches(lengths, self.max_tokens):
+            yield pack_sequences(prompt_ids, completion_ids, rows, device=self.device, varlen=self.varlen)
+
+
+@torch.no_grad()
+def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, temperature: float, backend: str) -> list[torch.Tensor]:
+    """Per-sample log-probs `[C_i]` (float32, CPU) of the completion tokens under `model`, no grad.
+
+    Used for the old-policy and reference passes: hidden states, then the fused linear op, so no
+    logits tensor exists here either. Samples with an empty completion get an empty tensor.
+    """
+    base, weight, bias = policy_parts(model)
+    out = [torch.zeros(0) for _ in prompt_ids]
+    for mb in packer.micro_batches(prompt_ids, completion_ids):
+        hidden = completion_hidden(base, mb)
+        active = mb.completion_mask
+        logp = fused_linear_logprobs(hidden[active], weight, mb.target_ids[active], bias=bias,
+                                     temperature=temperature, backend=backend)
+        full = torch.zeros(mb.target_ids.shape, dtype=torch.float32, device=logp.device)
+        full[active] = logp
+        for i, values in zip(mb.rows, mb.unpad(full), strict=True):
+            out[i] = values.cpu()
+    return out

@@ -1,0 +1,199 @@
+"""Building a run once: inputs checked, policy loaded, engine, optimizer, schedule; and the
+per-batch arithmetic the loop reads as one call (advantages, reward metrics)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import os
+import tempfile
+from typing import Callable, Sequence
+
+import torch
+
+from ..objective import group_advantages
+from .rollouts import Rollouts, reward_name, weighted_rewards, zero_std_groups
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+
+def check_reward_funcs(reward_funcs, config) -> list[Callable]:
+    funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or [])
+    if not funcs:
+        raise ValueError("reward_funcs: expected at least one reward function, got none")
+    for i, f in enumerate(funcs):
+        if not callable(f):
+            raise TypeError(f"reward_funcs[{i}]: expected a callable f(prompts, completions, completion_ids, **columns), got {type(f).__name__}")
+    if config.reward_weights is not None and len(config.reward_weights) != len(funcs):
+        raise ValueError(f"GRPOConfig.reward_weights has {len(config.reward_weights)} weights for {len(funcs)} reward "
+                         f"functions ({[reward_name(f) for f in funcs]}); give one weight per function")
+    return funcs
+
+
+def as_rows(dataset, prompt_column: str, name: str) -> list[dict]:
+    """A list of dict rows from a list of dicts or an HF Dataset, checked to hold prompts."""
+    from ..data import check_rows
+
+    rows = [dict(r) for r in dataset]
+    check_rows(rows, prompt_column=prompt_column, where=name)
+    return rows
+
+
+def datasets_from_config(config) -> tuple[list[dict], list[dict] | None]:
+    """(train rows, held-out rows) for config.dataset (its 'test' split when it has one) or config.task."""
+    from ..data import load_dataset_rows
+    from ..data.tasks import task_rows
+
+    if config.dataset is None:
+        train = task_rows(f"{config.task}:{config.task_train_size}", split="train", seed=config.seed)
+        held_out = task_rows(f"{config.task}:{config.eval_max_samples}", split="test", seed=config.seed)
+        return train, held_out
+    train = load_dataset_rows(config.dataset, split="train", prompt_column=config.prompt_column)
+    try:
+        held_out = load_dataset_rows(config.dataset, split="test", prompt_column=config.prompt_column)
+    except (ValueError, FileNotFoundError, KeyError):
+        held_out = None
+    if held_out is not None and held_out == train:  # a single file is every split: no held-out set
+        held_out = None
+    return train, held_out
+
+
+def encode(rows, tokenizer, config) -> list[list[int]]:
+    from ..data import encode_prompts
+
+    ids, _, _ = encode_prompts(rows, tokenizer, prompt_column=config.prompt_column,
+                               max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation)
+    return ids
+
+
+# ---- policy, reference, engine --------------------------------------------------------------
+
+
+def train_dtype(config) -> torch.dtype:
+    bf16 = config.use_bf16
+    if bf16 is None:
+        bf16 = torch.cuda.is_available()
+    if config.dtype == "float16":
+        return torch.float16
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def load_policy(config, model=None, tokenizer=None):
+    """(model, tokenizer, model_path): the given ones, or loaded from config.model / the default.
+
+    model_path is a folder vLLM can load when one is known (None for a model passed in)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = None
+    if model is None:
+        from .. import models
+
+        path = config.model or models.default_model_path()
+        model, loaded_tokenizer = models.load_policy(path, dtype=train_dtype(config))
+        tokenizer = tokenizer or loaded_tokenizer
+    elif tokenizer is None:
+        raise ValueError("GRPOTrainer: a model was passed without its tokenizer; pass tokenizer= too")
+    model.to(device)
+    for module in model.modules():  # TRL's disable_dropout: sampling and training see one policy
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model.train()
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if path is None and os.path.isdir(getattr(model, "name_or_path", "") or ""):
+        path = model.name_or_path
+    return model, tokenizer, path
+
+
+def frozen_copy(model):
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def build_engine(config, model, tokenizer, model_path):
+    """The rollout engine of config.engine ("auto": vLLM when installed and the model is on disk)."""
+    from ..rollout import make_engine, vllm_available
+
+    kind = config.engine
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    if kind == "hf":
+        return make_engine("hf", model=model, tokenizer=tokenizer, max_model_len=config.vllm_max_model_length)
+    if model_path is None:  # a model passed in: vLLM loads from disk, so write it once
+        model_path = tempfile.mkdtemp(prefix="grpo_fast_engine_")
+        model.save_pretrained(model_path, safe_serialization=True)
+        tokenizer.save_pretrained(model_path)
+    kwargs = dict(dtype=str(train_dtype(config)).replace("torch.", ""), max_model_len=config.vllm_max_model_length,
+                  seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                  enable_sleep_mode=config.vllm_enable_sleep_mode)
+    from ..rollout import VLLMEngine
+
+    accepted = inspect.signature(VLLMEngine.__init__).parameters
+    engine = make_engine("vllm", model_path=model_path, **{k: v for k, v in kwargs.items() if k in accepted})
+    engine.update_weights(model)  # the policy may differ from the folder (resumed, or cast)
+    return engine
+
+
+# ---- optimizer and schedule -------------------------------------------------------------------
+
+
+def build_optimizer(model, config):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             eps=config.adam_epsilon, weight_decay=config.weight_decay)
+
+
+def build_scheduler(optimizer, config):
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * config.max_steps)
+    kind, total = config.lr_scheduler_type, config.max_steps
+
+    def factor(step: int) -> float:
+        if kind != "constant" and step < warmup:
+            return (step + 1) / (warmup + 1)
+        if kind in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---- per-batch arithmetic ----------------------------------------------------------------------
+
+
+def advantages(rewards: torch.Tensor, config) -> torch.Tensor:
+    """(n,) float32 group advantages: the objective's `group_advantages` with the config's options."""
+    return group_advantages(rewards, config.num_generations, scale_rewards=config.scale_rewards, std=config.advantage_std,
+                            reward_weights=config.reward_weights, aggregation=config.multi_objective_aggregation)
+
+
+def weighted_mean(rewards: torch.Tensor, weights) -> float:
+    total = weighted_rewards(rewards, weights)
+    known = total[~total.isnan()]
+    return known.mean().item() if known.numel() else float("nan")
+
+
+def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], config) -> dict:
+    """TRL's per-step reward and completion metrics for the completions of one step."""
+    G = config.num_generations
+    total = weighted_rewards(batch.rewards, config.reward_weights).view(-1, G)
+    group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in total])
+    lengths = batch.completion_lengths()
+    clipped = torch.tensor([r == "length" for r in batch.finish_reason], dtype=torch.float32)
+    m = {
+        "reward": weighted_mean(batch.rewards, config.reward_weights),
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std_step": zero_std_groups(batch.rewards, config.reward_weights, G).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": clipped.mean().item(),
+        "advantages/abs_mean": batch.advantages.abs().mean().item(),
+    }
+    for j, f in enumerate(reward_funcs):
+        col = batch.rewards[:, j]
+        known = col[~col.isnan()]
+        m[f"rewards/{reward_name(f)}/mean"] = known.mean().item() if known.numel() else float("nan")
+        m[f"rewards/{reward_name(f)}/std"] = known.std().item() if known.numel() > 1 else 0.0
+    return m

@@ -1,0 +1,109 @@
+"""One optimizer step over a slice of the generation batch: packed micro-batches, fused loss, backward.
+
+Gradient accumulation keeps every aggregation global over the step, whatever the token budget cuts:
+
+    dapo      num_items_in_batch = completion tokens of the whole step (the op divides by it)
+    grpo      each micro-batch's mean over its b sequences is scaled by b / B_step
+    dr_grpo   Σ ℓM / (b · L_max) scaled by b / B_step  ->  Σ ℓM / (B_step · L_max)
+    bnpo      each micro-batch's token mean / number of micro-batches (TRL's accumulation)
+
+A non-finite loss or gradient norm skips the step: gradients are dropped, the weights and the
+optimizer state stay as they were, and `skipped` is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..ops import fused_linear_grpo_loss
+from .forward import Packer, completion_hidden, policy_parts
+from .rollouts import Rollouts
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The fused loss's options from GRPOConfig (one place, passed as one object)."""
+
+    loss_type: str
+    beta: float
+    epsilon_low: float
+    epsilon_high: Optional[float]
+    delta: Optional[float]
+    temperature: float
+    importance_sampling_level: str
+    max_completion_length: int
+    mask_truncated_completions: bool
+    backend: str
+
+    @classmethod
+    def from_config(cls, c) -> "LossOptions":
+        return cls(loss_type=c.loss_type, beta=c.beta, epsilon_low=c.epsilon, epsilon_high=c.epsilon_high,
+                   delta=c.delta, temperature=c.temperature, importance_sampling_level=c.importance_sampling_level,
+                   max_completion_length=c.max_completion_length,
+                   mask_truncated_completions=c.mask_truncated_completions, backend=c.loss_backend)
+
+
+def trainable_mask(batch: Rollouts, options: LossOptions) -> list[bool]:
+    """Which completions enter the loss: non-empty ones, minus truncated ones when masked (DAPO)."""
+    return [bool(ids) and not (options.mask_truncated_completions and reason == "length")
+            for ids, reason in zip(batch.completion_ids, batch.finish_reason, strict=True)]
+
+
+def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float) -> dict:
+    """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
+    (loss, kl, entropy, clip_ratio/*, grad_norm, skipped, num_tokens)."""
+    base, weight, bias = policy_parts(model)
+    include = trainable_mask(batch, options)
+    num_items = sum(len(c) for c, keep in zip(batch.completion_ids, include, strict=True) if keep)
+    micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include))
+    optimizer.zero_grad(set_to_none=True)
+    totals, skipped, loss_sum = {}, False, 0.0
+    for mb in micro_batches:
+        loss, metrics = fused_linear_grpo_loss(
+            completion_hidden(base, mb), weight, mb.target_ids,
+            batch.advantages[mb.rows].to(weight.device), mb.completion_mask,
+            old_logp=None if batch.old_logp is None else mb.pad(batch.old_logp),
+            ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
+            is_weights=None if batch.is_weights is None else mb.pad(batch.is_weights),
+            bias=bias, beta=options.beta, epsilon_low=options.epsilon_low, epsilon_high=options.epsilon_high,
+            delta=options.delta, temperature=options.temperature, loss_type=options.loss_type,
+            importance_sampling_level=options.importance_sampling_level,
+            max_completion_length=options.max_completion_length, num_items_in_batch=max(num_items, 1),
+            backend=options.backend,
+        )
+        loss = loss * _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
+        if not torch.isfinite(loss):
+            skipped = True
+            break
+        loss.backward()
+        loss_sum += float(loss.detach())
+        tokens = int(mb.completion_mask.sum())
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + float(value) * tokens
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float("nan")
+    if not skipped:
+        clip = max_grad_norm if max_grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        skipped = not math.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out = {name: total / max(num_items, 1) for name, total in totals.items()}
+    out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
+               num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
+    return out
+
+
+def _accumulation_scale(loss_type: str, rows: int, step_rows: int, num_micro_batches: int) -> float:
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / step_rows
+    if loss_type == "bnpo":
+        return 1.0 / num_micro_batches
+    return 1.0  # dapo: the global normaliser is num_items_in_batch

@@ -1,0 +1,374 @@
+"""`GRPOTrainer`: build once, then a short loop over named stages (DESIGN.md, "the data path of one step").
+
+    for each generation batch:
+        generate     prompts -> engine -> completions + sampling log-probs     (time/generate)
+        score        reward functions -> rewards [n, k]                        (time/reward)
+        advantages   group-relative advantages [n]
+        logprobs     [no grad] old / reference log-probs, IS weights           (time/logprob)
+        train step   for μ iterations, for each optimizer step: packed micro-batches -> fused loss (time/train)
+        sync         copy the new weights into the engine                      (time/weight_sync)
+
+Everything that changes during training lives in `TrainState` (saved in checkpoints), so a resumed
+run continues at the same step with the same data order and sampling seeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .config import GRPOConfig
+from .train import setup
+from .train.forward import Packer, completion_logprobs
+from .train.rollouts import Rollouts, from_engine, importance_weights, reward_name, score, zero_std_groups
+from .train.step import LossOptions, train_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Everything of the loop that a checkpoint must restore."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # passes over the training prompts started
+    cursor: int = 0  # next position in this epoch's prompt order
+    generation_calls: int = 0  # engine calls made (each gets seed + this, for reproducible sampling)
+    skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient
+    eval_history: list = field(default_factory=list)  # (step, accuracy)
+
+
+class GRPOTrainer:
+    """GRPO on a causal LM. See GRPOConfig for every option.
+
+    reward_funcs: callables with TRL's signature `f(prompts, completions, completion_ids, **columns)
+    -> list[float | None]`. train_dataset / eval_dataset: lists of dict rows (or HF datasets) with
+    `config.prompt_column` and the columns the rewards read. model / tokenizer: a transformers causal
+    LM and its tokenizer; None loads `config.model` (default: SmolLM2-135M-Instruct).
+    engine: an already built rollout engine (None: built from `config.engine`).
+    """
+
+    def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
+                 model=None, tokenizer=None, engine=None):
+        self.config = config
+        self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
+        self.train_rows = setup.as_rows(train_dataset, config.prompt_column, "train_dataset")
+        self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
+        torch.manual_seed(config.seed)
+        self.model, self.tokenizer, self.model_path = setup.load_policy(config, model, tokenizer)
+        self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
+        self.ref_model = setup.frozen_copy(self.model) if config.beta > 0 else None
+        self.engine = engine if engine is not None else setup.build_engine(config, self.model, self.tokenizer, self.model_path)
+        self.packer = Packer(self.model, config.max_tokens_per_microbatch)
+        self.loss_options = LossOptions.from_config(config)
+        self.optimizer = setup.build_optimizer(self.model, config)
+        self.scheduler = setup.build_scheduler(self.optimizer, config)
+        self.state = TrainState()
+        # the HF engine samples with the policy itself: its log-probs are the trainer's, no IS needed
+        self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
+        self.use_is = config.vllm_importance_sampling_correction and not self.engine_shares_weights
+        self.needs_old_logp = config.num_iterations > 1 or config.steps_per_generation > 1 or self.use_is
+        self.metrics_logger = None
+
+    @classmethod
+    def from_config(cls, config: GRPOConfig) -> "GRPOTrainer":
+        """Everything from the config: model, reward functions by name, the dataset or built-in task."""
+        from .rewards import get_reward_funcs
+
+        train_rows, eval_rows = setup.datasets_from_config(config)
+        funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length)
+        return cls(config, funcs, train_rows, eval_rows)
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Train for config.max_steps optimizer steps; returns the last logged metrics."""
+        c = self.config
+        if c.resume_from_checkpoint:
+            self._resume(c.resume_from_checkpoint)
+        self.metrics_logger = _metrics_logger(c.output_dir, self.state.step)
+        bar = _progress(c, self.state.step)
+        last = {}
+        if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
+            last = self._log_eval(bar)
+        try:
+            while self.state.step < c.max_steps:
+                last = self._train_generation_batch(bar) or last
+        finally:
+            bar.close()
+        if self.eval_rows is not None and (not self.state.eval_history or self.state.eval_history[-1][0] != self.state.step):
+            last = self._log_eval(bar)
+        if c.save_final:
+            self._save(os.path.join(c.output_dir, "final"), final=True)
+        plot = self.metrics_logger.plot()
+        if plot:
+            bar.print(f"reward plot: {plot}")
+        self.metrics_logger.close()
+        return last
+
+    def _train_generation_batch(self, bar) -> dict:
+        c, times = self.config, {}
+        batch, sampling_stats = self._generate_and_score(times)
+        batch.advantages = setup.advantages(batch.rewards, c)
+        with _timed(times, "time/logprob"):
+            logp_stats = self._side_inputs(batch)
+        steps = _split_groups(len(batch) // c.num_generations, c.steps_per_generation)
+        logged, saved = {}, False
+        round_steps = min(c.num_iterations * len(steps), c.max_steps - self.state.step)
+        shared = {k: v / round_steps for k, v in times.items()}  # round costs, spread over its steps
+        shared["time/weight_sync"] = 0.0
+        done = 0
+        for _ in range(c.num_iterations):
+            for groups in steps:
+                if self.state.step >= c.max_steps:
+                    break
+                part = batch.select([g * c.num_generations + j for g in groups for j in range(c.num_generations)])
+                start = time.perf_counter()
+                step_metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, c.max_grad_norm)
+                train_time = _sync_time(start)
+                self.scheduler.step()
+                self.state.step += 1
+                done += 1
+                self.state.skipped_steps += int(step_metrics["skipped"])
+                if step_metrics["skipped"]:
+                    bar.print(f"step {self.state.step}: non-finite loss or gradient, step skipped (weights untouched)")
+                if done == round_steps:  # the round's last step pays for the weight sync
+                    with _timed(shared, "time/weight_sync"):
+                        self._sync_weights()
+                metrics = self._step_metrics(part, batch, step_metrics, sampling_stats, logp_stats, shared, train_time)
+                logged = self._log(metrics, bar)
+                saved |= c.save_steps > 0 and self.state.step % c.save_steps == 0
+                if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
+                    logged = self._log_eval(bar) or logged
+        if saved or (c.save_steps and self.state.step >= c.max_steps and self.state.step % c.save_steps == 0):
+            self._save()  # at the round's end, where a resumed run can pick up exactly
+        return logged
+
+    # ---- stages ------------------------------------------------------------------------------
+
+    def _generate_and_score(self, times: dict) -> tuple[Rollouts, dict]:
+        """Sample the generation batch and score it. With dynamic sampling (DAPO), groups whose
+        rewards all agree are dropped and more prompts sampled, up to dynamic_sampling_max_rounds."""
+        c, G = self.config, self.config.num_generations
+        wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
+        while True:
+            with _timed(times, "time/generate"):
+                part = self._generate(self._next_prompts(wanted - sum(len(k) // G for k in kept)))
+            with _timed(times, "time/reward"):
+                score(self.reward_funcs, part, c.prompt_column, _conversational(part.rows[0][c.prompt_column]))
+            zero = zero_std_groups(part.rewards, c.reward_weights, G)
+            sampled_groups, zero_groups, rounds = sampled_groups + len(zero), zero_groups + int(zero.sum()), rounds + 1
+            if not c.dynamic_sampling:
+                kept = [part]
+                break
+            keep = [g * G + j for g in range(len(zero)) if not zero[g] for j in range(G)]
+            if keep:
+                kept.append(part.select(keep))
+            if sum(len(k) for k in kept) >= wanted * G or rounds > c.dynamic_sampling_max_rounds:
+                break
+        batch = Rollouts.concat(kept) if kept else part  # nothing informative: train on the last round
+        if len(batch) > wanted * G:
+            batch = batch.select(range(wanted * G))
+        stats = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds}
+        return batch, stats
+
+    def _generate(self, prompt_index: list[int]) -> Rollouts:
+        c = self.config
+        self.state.generation_calls += 1
+        groups = self.engine.generate(
+            [self.train_prompt_ids[i] for i in prompt_index], n=c.num_generations, max_new_tokens=c.max_completion_length,
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed * 100_003 + self.state.generation_calls,
+        )
+        return from_engine(groups, [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index])
+
+    def _side_inputs(self, batch: Rollouts) -> dict:
+        """Old-policy and reference log-probs (no grad, no logits) and IS weights, as needed."""
+        c, stats = self.config, {}
+        compute = lambda m: completion_logprobs(m, self.packer, batch.prompt_ids, batch.completion_ids,
+                                               temperature=c.temperature, backend=c.loss_backend)
+        if self.needs_old_logp:
+            batch.old_logp = compute(self.model)
+            stats.update(_sampling_stats(batch.old_logp, batch.sampling_logp))
+        if self.use_is:
+            batch.is_weights = [importance_weights(o, s, mode=c.vllm_importance_sampling_mode, cap=c.vllm_importance_sampling_cap,
+                                                   clip_min=c.vllm_importance_sampling_clip_min)
+                                for o, s in zip(batch.old_logp, batch.sampling_logp, strict=True)]
+            flat = torch.cat(batch.is_weights) if batch.is_weights else torch.zeros(0)
+            if flat.numel():
+                stats.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
+                              "sampling/importance_sampling_ratio/mean": flat.mean().item(),
+                              "sampling/importance_sampling_ratio/max": flat.max().item()})
+        if self.ref_model is not None:
+            batch.ref_logp = compute(self.ref_model)
+        return stats
+
+    def _sync_weights(self):
+        if not self.engine_shares_weights:
+            self.engine.update_weights(self.model)
+
+    def _next_prompts(self, k: int) -> list[int]:
+        """The next k prompt indices in the seeded per-epoch order (wrapping into the next epoch)."""
+        out, n = [], len(self.train_rows)
+        while len(out) < k:
+            order = _epoch_order(n, self.config.seed, self.state.epoch, self.config.shuffle_dataset)
+            take = order[self.state.cursor : self.state.cursor + k - len(out)]
+            out += take
+            self.state.cursor += len(take)
+            if self.state.cursor >= n:
+                self.state.epoch, self.state.cursor = self.state.epoch + 1, 0
+        return out
+
+    # ---- evaluation --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, rows: Optional[list] = None) -> dict:
+        """Greedy completions for the held-out prompts; accuracy = mean of the first reward function
+        (missing counts as 0). Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths."""
+        c = self.config
+        rows = (rows if rows is not None else self.eval_rows or [])[: c.eval_max_samples]
+        if not rows:
+            raise ValueError("evaluate() needs eval rows: pass eval_dataset to GRPOTrainer or rows= to evaluate()")
+        prompt_ids = setup.encode(rows, self.tokenizer, c)
+        groups = self.engine.generate(prompt_ids, n=1, max_new_tokens=c.eval_max_completion_length or c.max_completion_length,
+                                      temperature=0.0)
+        batch = from_engine(groups, prompt_ids, rows)
+        score(self.reward_funcs, batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
+        first = torch.nan_to_num(batch.rewards[:, 0], nan=0.0)
+        out = {"eval/accuracy": first.mean().item(), "eval/reward": setup.weighted_mean(batch.rewards, c.reward_weights),
+               "eval/completions/mean_length": batch.completion_lengths().mean().item()}
+        for j, f in enumerate(self.reward_funcs):
+            out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(batch.rewards[:, j])
+        return out
+
+    def _log_eval(self, bar) -> dict:
+        start = time.perf_counter()
+        metrics = self.evaluate()
+        metrics["time/eval"] = time.perf_counter() - start
+        self.state.eval_history.append((self.state.step, metrics["eval/accuracy"]))
+        bar.print(f"step {self.state.step}: held-out accuracy {metrics['eval/accuracy']:.3f} "
+                  f"({min(len(self.eval_rows), self.config.eval_max_samples)} prompts, greedy, {metrics['time/eval']:.0f}s)")
+        return self.metrics_logger.log(self.state.step, metrics)
+
+    # ---- metrics, checkpoints ----------------------------------------------------------------
+
+    def _step_metrics(self, part: Rollouts, batch: Rollouts, step_metrics: dict, sampling_stats: dict, logp_stats: dict,
+                      shared: dict, train_time: float) -> dict:
+        c = self.config
+        m = setup.reward_metrics(part, self.reward_funcs, c)
+        m.update(sampling_stats)
+        m.update(logp_stats)
+        m.update({k: v for k, v in step_metrics.items() if k not in ("skipped",)})
+        m.update(shared)
+        m["time/train"] = train_time
+        m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
+        tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))
+        m["tokens_per_second"] = tokens / max(m["step_time"], 1e-9)
+        m["learning_rate"] = self.scheduler.get_last_lr()[0]
+        m["skipped_steps"] = self.state.skipped_steps
+        m["rewards/non_finite"] = batch.stats.get("rewards_non_finite", 0)
+        return m
+
+    def _log(self, metrics: dict, bar) -> dict:
+        step = self.state.step
+        bar.update(step, metrics)
+        if step % self.config.logging_steps == 0 or step == self.config.max_steps:
+            return self.metrics_logger.log(step, metrics)
+        return metrics
+
+    def _save(self, path: Optional[str] = None, final: bool = False):
+        from . import checkpoint
+
+        c = self.config
+        if final:
+            self.model.save_pretrained(path, safe_serialization=True)
+            self.tokenizer.save_pretrained(path)
+            return
+        checkpoint.save_checkpoint(c.output_dir, self.state.step, model=self.model, tokenizer=self.tokenizer,
+                                   optimizer=self.optimizer, scheduler=self.scheduler,
+                                   state=dataclasses.asdict(self.state), config=c.to_dict(), total_limit=c.save_total_limit)
+
+    def _resume(self, spec: str):
+        from . import checkpoint
+
+        path = checkpoint.resolve_checkpoint(spec, self.config.output_dir)
+        saved = checkpoint.load_trainer_state(path)
+        checkpoint.load_model_weights(self.model, path)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state = TrainState(**saved["state"])
+        checkpoint.set_rng_state(saved["rng"])
+        self._sync_weights()
+        logger.info("resumed from %s at step %d", path, self.state.step)
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
+def _split_groups(num_groups: int, parts: int) -> list[list[int]]:
+    """Split group indices into `parts` contiguous, nearly equal, non-empty slices."""
+    parts = max(1, min(parts, num_groups))
+    bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+def _conversational(prompt) -> bool:
+    return isinstance(prompt, list)
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    known = x[~x.isnan()]
+    return known.mean().item() if known.numel() else float("nan")
+
+
+def _sampling_stats(old: list[torch.Tensor], sampling: list[torch.Tensor]) -> dict:
+    diffs = [(o - s).abs() for o, s in zip(old, sampling, strict=True) if o.numel() and s.numel() == o.numel()]
+    if not diffs:
+        return {}
+    flat = torch.nan_to_num(torch.cat(diffs), nan=0.0)
+    return {"sampling/logp_diff_mean": flat.mean().item(), "sampling/logp_diff_max": flat.max().item()}
+
+
+def _sync_time(start: float) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _timed(times: dict, name: str):
+    """Add the block's wall time to times[name]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + _sync_time(start)
+
+
+def _metrics_logger(output_dir: str, step: int):
+    from .metrics import MetricsLogger
+
+    return MetricsLogger(output_dir, resume_step=step)
+
+
+def _progress(config: GRPOConfig, step: int):
+    from .metrics import ProgressBar
+
+    return ProgressBar(config.max_steps, step, enabled=not config.disable_tqdm)
+
