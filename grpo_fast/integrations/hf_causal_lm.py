@@ -1,0 +1,91 @@
+"""The two halves of a transformers causal LM that the fused path needs, kept apart.
+
+A causal LM is `lm_head(decoder(input_ids))`. The fused ops take the decoder's final hidden states
+and the lm_head weight, so the model is never called end to end: the `[tokens x vocab]` logits
+never exist. This file finds the decoder and the head (through PEFT and accelerate wrappers),
+runs the decoder, and turns hidden states into per-token log-probs with `fused_linear_logprobs`.
+It knows nothing of TRL.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import fused_linear_logprobs
+
+# Config fields that make a model transform its logits after the lm_head (Gemma's softcap,
+# Cohere's logit_scale, Granite's logits_scaling, ...): the fused ops do not, so these models
+# are refused rather than trained on a different distribution. Same list TRL 1.16 reads.
+LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside `model` (already unwrapped from DDP/accelerate).
+
+    A PEFT model is looked through: its LoRA layers live inside the base model's modules, so running
+    the base model's decoder still applies the adapter, and `disable_adapter()` (TRL's reference
+    pass) still turns it off.
+    """
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def decoder_of(lm: nn.Module) -> nn.Module:
+    """The backbone that returns the final (normed) hidden states: `model.model` for Llama."""
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    decoder = decoder if decoder is not None and decoder is not lm else getattr(lm, "base_model", None)
+    if decoder is None or decoder is lm:
+        raise ValueError(
+            f"{type(lm).__name__} has no separate decoder (get_decoder() / base_model): the fused path needs "
+            "the hidden states before the lm_head"
+        )
+    return decoder
+
+
+def output_head(lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [V, H], bias [V] or None) of the lm_head; tied embeddings share the weight Parameter."""
+    head = lm.get_output_embeddings()
+    if type(head) is not nn.Linear:  # a PEFT-wrapped head (LoRA on lm_head) would silently lose its adapter
+        raise ValueError(
+            f"the lm_head must be a plain torch.nn.Linear for the fused loss, got {type(head).__name__}; "
+            "remove 'lm_head' from the PEFT target_modules"
+        )
+    return head.weight, head.bias
+
+
+def check_fusable(lm: nn.Module, name: str = "model") -> None:
+    """Raise a ValueError naming the reason when the fused path cannot reproduce `lm`'s logits."""
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    for field in LOGIT_TRANSFORM_FIELDS:
+        value = getattr(config, field, None)
+        if value is not None and not (field != "final_logit_softcapping" and value == 1.0):
+            raise ValueError(
+                f"{name}: config.{field}={value!r} transforms the logits after the lm_head, which the fused loss "
+                "does not do; use trl.GRPOTrainer for this model"
+            )
+    decoder_of(lm)
+    output_head(lm)
+
+
+def completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+    """Final hidden states `[B, logits_to_keep, H]` at the positions that predict the last
+    `logits_to_keep` tokens of `input_ids [B, L]`: positions L-1-logits_to_keep .. L-2 (the last
+    prompt position predicts the first completion token)."""
+    out = decoder_of(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[:, -logits_to_keep - 1 : -1]
+
+
+def masked_logprobs(hidden, weight, bias, target_ids, mask, *, temperature: float, backend: str = "auto"):
+    """Log-probs and entropies `[B, T]` (float32) of `target_ids [B, T]` from `hidden [B, T, H]`,
+    computed only where `mask` is set and 0 elsewhere (as TRL returns them). Differentiable in logp."""
+    active = mask.bool()
+    hidden = hidden.to(weight.dtype)  # autocast may hand back another dtype; the op wants one
+    logp_a, entropy_a = fused_linear_logprobs(
+        hidden[active], weight, target_ids[active], bias=bias, temperature=temperature, return_entropy=True,
+        backend=backend,
+    )
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
+    return zeros.masked_scatter(active, logp_a), zeros.masked_scatter(active, entropy_a)

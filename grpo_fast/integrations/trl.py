@@ -1,0 +1,322 @@
+"""grpo_fast as an accelerated backend for TRL's `GRPOTrainer`.
+
+    from grpo_fast.integrations.trl import FastGRPOTrainer      # same arguments as trl.GRPOTrainer
+    trainer = FastGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+
+    trainer = accelerate(existing_trl_trainer)                  # or switch a built trainer over
+
+Only the per-token log-prob passes (policy, old policy, reference) and the loss change: the decoder
+runs to its final hidden states and grpo_fast's fused ops take them with the lm_head weight, so no
+`[tokens x vocab]` logits tensor is ever materialised. Data, generation (transformers or vLLM),
+rewards, advantages, logging and callbacks stay TRL's, and so do the logged metric names and values.
+
+Supported: loss_type grpo | bnpo | dr_grpo | dapo, token and sequence importance sampling, beta with
+a reference model (or PEFT's disabled adapter), num_iterations >= 1, epsilon / epsilon_high, delta
+(when delta >= 1 + epsilon_high), vLLM importance-sampling correction (all modes),
+top_entropy_quantile, off_policy_mask_threshold, tool masks, tied embeddings, lm_head bias,
+cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulation, DDP.
+Anything else raises a ValueError naming the option when the trainer is built.
+"""
+
+from __future__ import annotations
+
+import inspect
+from importlib import metadata
+
+TRL_RANGE = ("1.14", "1.17")  # >= first, < second: the versions whose GRPOTrainer this file was checked against
+
+
+def _check_trl_version() -> None:
+    from packaging.version import Version
+
+    wanted = f"trl>={TRL_RANGE[0]},<{TRL_RANGE[1]}"
+    try:
+        found = metadata.version("trl")
+    except metadata.PackageNotFoundError:
+        raise ImportError(f"grpo_fast.integrations.trl needs TRL ({wanted}): pip install 'grpo_fast[trl]'") from None
+    if not Version(TRL_RANGE[0]) <= Version(found) < Version(TRL_RANGE[1]):
+        raise ImportError(
+            f"grpo_fast.integrations.trl supports {wanted}, found trl {found}: it overrides GRPOTrainer internals "
+            f"(_compute_loss, _get_per_token_logps_and_entropies) checked against those versions only; "
+            f"pip install '{wanted}'"
+        )
+
+
+_check_trl_version()
+
+import torch  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+from trl.models.utils import _ForwardRedirection  # noqa: E402
+from trl.trainer.utils import nanmax, nanmin  # noqa: E402
+
+from .. import objective  # noqa: E402
+from ..ops import fused_linear_grpo_loss  # noqa: E402
+from .hf_causal_lm import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
+
+SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # grpo, bnpo, dr_grpo, dapo: the aggregations the fused loss implements
+# Model inputs of vision-language models: the decoder-only path here does not feed them
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                   "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles")
+
+
+# ----------------------------------------------------------------------------------------------
+# What the fused path supports
+# ----------------------------------------------------------------------------------------------
+
+
+def check_supported_args(args) -> None:
+    """Refuse, naming the option, every GRPOConfig setting the fused loss would silently get wrong."""
+    if args is None:  # TRL's defaults are all supported
+        return
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        raise ValueError(
+            f"loss_type={args.loss_type!r} is not supported by grpo_fast's fused loss; expected one of "
+            f"{list(SUPPORTED_LOSS_TYPES)} (use trl.GRPOTrainer for {args.loss_type!r})"
+        )
+    if getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        raise ValueError(
+            f"an entropy bonus (entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}) "
+            "is not supported: the fused ops' entropy carries no gradient; set entropy_coef=0.0, use_adaptive_entropy=False"
+        )
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if args.delta is not None and args.delta < 1 + epsilon_high:
+        # TRL clips the raw ratio and caps the unclipped one at delta; the fused objective caps first, then
+        # clips. The two agree exactly when delta >= 1 + epsilon_high, the only sensible setting.
+        raise ValueError(f"delta={args.delta} < 1 + epsilon_high ({1 + epsilon_high}) is not supported by the fused "
+                         "loss; use delta >= 1 + epsilon_high or delta=None")
+
+
+def check_supported_trainer(trainer) -> None:
+    """Refuse, naming the option, what only shows once the trainer is built (models, distribution)."""
+    check_supported_args(trainer.args)
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise ValueError("the MoE router load-balancing loss (router_aux_loss_coef != 0 with output_router_logits) "
+                         "is not supported by the fused path; set router_aux_loss_coef=0.0")
+    if getattr(trainer, "_is_vlm", False):
+        raise ValueError("vision-language models are not supported by the fused path (images enter through the "
+                         "model's own forward); use trl.GRPOTrainer")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError("FSDP is not supported by the fused path (the lm_head weight is sharded); use DDP")
+    if getattr(trainer, "is_deepspeed_enabled", False) and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise ValueError("DeepSpeed ZeRO-3 is not supported by the fused path (the lm_head weight is sharded); "
+                         "use ZeRO stage <= 2 or DDP")
+    check_fusable(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)), "model")
+    if trainer.ref_model is not None:
+        check_fusable(causal_lm_of(trainer.accelerator.unwrap_model(trainer.ref_model)), "ref_model")
+
+
+def _reject_multimodal(values: dict) -> None:
+    given = [key for key in MULTIMODAL_KEYS if values.get(key) is not None]
+    if given:
+        raise ValueError(f"multimodal inputs {given} are not supported by the fused path; use trl.GRPOTrainer")
+
+
+# ----------------------------------------------------------------------------------------------
+# The overrides
+# ----------------------------------------------------------------------------------------------
+
+
+class FastGRPOMixin:
+    """Replaces GRPOTrainer's log-prob passes and loss; put it before GRPOTrainer in the bases."""
+
+    fused_backend = "auto"  # grpo_fast backend: "auto" (triton on CUDA, cpu on CPU), "triton", "cpu", "torch"
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("The GRPOTrainer does not support returning outputs")
+        # The decoder is called directly, not through the wrapper: route the call through the wrapper's
+        # forward so DDP still prepares its gradient reduction (as TRL does for Liger).
+        unwrapped = self.accelerator.unwrap_model(model)
+        if model is not unwrapped:
+            return _ForwardRedirection()(model, unwrapped, self._compute_loss, unwrapped, inputs)
+        return self._compute_loss(model, inputs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, num_images=None, **extra):
+        """TRL's per-token log-probs `[B, logits_to_keep]` (and entropies), 0 outside the attention mask,
+        here without logits. Used for the old-policy and reference passes (under no_grad)."""
+        if compute_aux_loss:
+            raise ValueError("compute_aux_loss=True (MoE router loss) is not supported by the fused path")
+        _reject_multimodal(extra)
+        lm = causal_lm_of(self.accelerator.unwrap_model(model))
+        weight, bias = output_head(lm)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):  # row chunks bound the decoder's activations
+            ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            with self.accelerator.autocast():
+                hidden = completion_hidden_states(lm, ids, att, logits_to_keep)
+            logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
+                                            temperature=self.temperature, backend=self.fused_backend)
+            logps.append(logp)
+            entropies.append(entropy)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _compute_loss(self, model, inputs):
+        """TRL's `_compute_loss` (same loss, gradients and logged metrics) through the fused GRPO loss."""
+        _reject_multimodal(inputs)
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        advantages = inputs["advantages"]  # (B,) or (B, T)
+        old = inputs.get("old_per_token_logps")  # None: on-policy, old = current.detach()
+
+        lm = causal_lm_of(model)
+        weight, bias = output_head(lm)
+        with self.accelerator.autocast():
+            hidden = completion_hidden_states(lm, input_ids, attention_mask, completion_ids.size(1))
+        hidden = hidden.to(weight.dtype)
+        loss_options = dict(
+            old_logp=old, ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
+            importance_sampling_level=self.importance_sampling_level,
+        )
+        aggregation = dict(
+            loss_type=self.loss_type, max_completion_length=self.max_completion_length,
+            num_items_in_batch=self._dapo_normaliser(inputs, mode) if self.loss_type == "dapo" else None,
+        )
+        count = mask.sum().float()
+        if self._needs_current_logprobs(old):
+            loss, ratio, kl_sum, entropy_sum = self._loss_from_logprobs(
+                hidden, weight, bias, inputs, mask, advantages, loss_options, aggregation)
+        else:  # on-policy: one fused pass, loss and gradients together; the ratio is exactly 1
+            loss, metrics = fused_linear_grpo_loss(
+                hidden, weight, completion_ids, advantages, mask, bias=bias, beta=self.beta,
+                is_weights=self._policy_token_weights(inputs, advantages, mask, None, None), temperature=self.temperature, backend=self.fused_backend, **loss_options, **aggregation,
+            )
+            ratio = self._ones_ratio(mask)
+            kl_sum, entropy_sum = metrics["kl"] * count, metrics["entropy"] * count  # local means -> sums
+        if self.loss_type != "dapo" and mode == "train":  # TRL scales for gradient accumulation itself
+            loss = loss / self.current_gradient_accumulation_steps
+        self._log_loss_metrics(mode, mask, advantages, ratio, kl_sum, entropy_sum)
+        return loss
+
+    # -- pieces of _compute_loss ----------------------------------------------------------------
+
+    def _bias_corrected_kl(self) -> bool:
+        return self.beta != 0.0 and bool(getattr(self.args, "use_bias_correction_kl", False))
+
+    def _needs_current_logprobs(self, old) -> bool:
+        """Whether anything needs the current log-probs as a tensor: the importance ratio (old given),
+        the entropy / off-policy masks, or TRL's bias-corrected KL (kl times the ratio)."""
+        return (old is not None or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
+                or self._bias_corrected_kl())
+
+    def _loss_from_logprobs(self, hidden, weight, bias, inputs, mask, advantages, loss_options, aggregation):
+        """Loss through differentiable fused log-probs (no logits either; the backward recomputes logit
+        chunks: 4 lm_head matmuls instead of 3) and the objective's token math. Returns
+        (loss, ratio for the clip metrics, local kl sum, local entropy sum)."""
+        logp, entropy = masked_logprobs(hidden, weight, bias, inputs["completion_ids"], inputs["completion_mask"],
+                                        temperature=self.temperature, backend=self.fused_backend)
+        is_weights = self._policy_token_weights(inputs, advantages, mask, logp.detach(), entropy)
+        bias_kl = self._bias_corrected_kl()
+        per_token, ratio, kl = objective.per_token_loss(
+            logp, advantages, mask, is_weights=is_weights, beta=0.0 if bias_kl else self.beta, **loss_options)
+        if bias_kl:  # TRL: kl times the (differentiable) ratio before delta capping
+            raw_ratio = ratio
+            if self.args.delta is not None:
+                _, raw_ratio, _ = objective.per_token_loss(logp, advantages, mask, **{**loss_options, "delta": None})
+            kl = kl * raw_ratio
+            per_token = per_token + self.beta * kl
+        loss = (per_token * objective.loss_weights(mask, **aggregation)).sum()
+        ratio = ratio.detach()
+        ratio = ratio[:, :1] if self.importance_sampling_level == "sequence" else ratio
+        kl_sum = (kl.detach() * mask).sum() if kl is not None else None
+        return loss, ratio, kl_sum, (entropy * mask).sum()
+
+    def _ones_ratio(self, mask):
+        sequence = self.importance_sampling_level == "sequence"
+        return torch.ones((mask.shape[0], 1 if sequence else mask.shape[1]), device=mask.device)
+
+    def _policy_token_weights(self, inputs, advantages, mask, logp, entropy):
+        """Product `[B, T]` of what TRL multiplies the policy-gradient term by before adding the KL term
+        (off-policy sequence mask, high-entropy token mask, vLLM importance ratio), or None."""
+        factors = []
+        if self.off_policy_mask_threshold is not None:
+            old = inputs.get("old_per_token_logps")
+            adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            factors.append(self.get_off_policy_mask(
+                advantages=adv, per_token_logps=logp,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", logp if old is None else old),
+                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
+            ))
+        if self.top_entropy_quantile < 1.0:
+            factors.append(self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile))
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            factors.append(inputs["importance_sampling_ratio"])  # (B, T) token modes, (B, 1) sequence modes
+        if not factors:
+            return None
+        weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
+        for factor in factors:
+            weights = weights * factor.float()
+        return weights
+
+    def _dapo_normaliser(self, inputs, mode):
+        """TRL's dapo denominator: the generation batch's active tokens, rescaled to one accumulation window."""
+        normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return normaliser
+
+    def _log_loss_metrics(self, mode, mask, advantages, ratio, kl_sum, entropy_sum):
+        """Append kl, entropy and clip_ratio/* exactly as TRL's _compute_loss logs them.
+        ratio: `[B, T]` or `[B, 1]` (sequence level); kl_sum, entropy_sum: local masked sums."""
+        count = mask.sum().float()
+
+        def global_mean(local_sum, local_count):  # over all processes, weighted by their counts
+            totals = self.accelerator.reduce(torch.stack([local_sum.float(), local_count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def global_masked_mean(x):  # TRL: per token, or per sequence when x is [B, 1]
+            if x.shape[1] == 1:
+                return global_mean(x.sum(), torch.tensor(float(x.shape[0]), device=x.device))
+            return global_mean((x * mask).sum(), count)
+
+        def masked_seq_mean(x):
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+        logged = self._metrics[mode]
+        if self.beta != 0.0:
+            logged["kl"].append(global_mean(kl_sum, count))
+        logged["entropy"].append(global_mean(entropy_sum, count))
+
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+        logged["clip_ratio/low_mean"].append(global_masked_mean(low))
+        logged["clip_ratio/high_mean"].append(global_masked_mean(high))
+        logged["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+        logged["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+
+
+class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer):
+    """`trl.GRPOTrainer` with grpo_fast's fused log-prob and loss passes; takes exactly its arguments."""
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
+        check_supported_args(bound.arguments.get("args"))  # before any model is loaded
+        super().__init__(*args, **kwargs)
+        check_supported_trainer(self)
+
+
+FastGRPOTrainer.__init__.__signature__ = inspect.signature(GRPOTrainer.__init__)
+
+
+def accelerate(trainer, *, backend: str = "auto"):
+    """Switch an already-built `trl.GRPOTrainer` (or subclass) to the fused path, in place; returns it.
+
+    Its class becomes a subclass with the fused overrides in front, so a user subclass keeps its own
+    methods. backend: the grpo_fast backend ("auto", "triton", "cpu", "torch").
+    """
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"accelerate() expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+    check_supported_trainer(trainer)
+    cls = type(trainer)
+    if not issubclass(cls, FastGRPOMixin):
+        cls = FastGRPOTrainer if cls is GRPOTrainer else type(f"Fast{cls.__name__}", (FastGRPOMixin, cls), {})
+        trainer.__class__ = cls
+    trainer.fused_backend = backend
+    return trainer

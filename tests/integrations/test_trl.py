@@ -1,0 +1,257 @@
+"""FastGRPOTrainer against stock trl.GRPOTrainer: same log-probs, loss, gradients and logged metrics
+on the same prepared batch, for every supported loss type and option; unsupported options refused.
+
+One batch is generated with TRL's own generation path (transformers generate), then both policies
+get the same random perturbation: the stored old log-probs then differ from the current ones (ratios
+away from 1, clipping on both sides) and the reference differs from the policy (KL > 0).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.helpers import assert_close
+
+from .conftest import length_reward
+
+trl = pytest.importorskip("trl")
+from trl import GRPOTrainer  # noqa: E402
+
+from grpo_fast.integrations.trl import FastGRPOTrainer, accelerate  # noqa: E402
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "clip_ratio/low_min", "clip_ratio/high_max")
+
+
+def _perturb(model, seed=1, scale=0.03):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def _generation_batch(dataset, num_prompts=2, num_generations=4):
+    """What TRL's sampler hands _prepare_inputs: each prompt row repeated num_generations times."""
+    return [dataset[i] for i in range(num_prompts) for _ in range(num_generations)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_path, prompts, tmp_path_factory):
+    """(stock, fast, inputs): two trainers on identical perturbed policies, one generated batch."""
+    from .conftest import grpo_config
+
+    out = tmp_path_factory.mktemp("pair")
+    kwargs = dict(reward_funcs=length_reward, train_dataset=prompts)
+    stock = GRPOTrainer(model=tiny_path, args=grpo_config(out, beta=0.1, num_iterations=2), **kwargs)
+    fast = FastGRPOTrainer(model=tiny_path, args=grpo_config(out, beta=0.1, num_iterations=2), **kwargs)
+    torch.manual_seed(0)
+    stock.model.train()
+    inputs = stock._prepare_inputs(_generation_batch(prompts))
+    assert "old_per_token_logps" in inputs and "ref_per_token_logps" in inputs
+    for trainer in (stock, fast):
+        _perturb(trainer.model)
+        trainer.model.train()
+    return stock, fast, inputs
+
+
+def _loss_grads_metrics(trainer, inputs, ga_steps=2):
+    trainer.current_gradient_accumulation_steps = ga_steps  # set by Trainer's loop; > 1 checks the scaling
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), grads, metrics
+
+
+def _configure(trainers, **attrs):
+    for trainer in trainers:
+        for name, value in attrs.items():
+            target = trainer.args if name in ("delta", "use_bias_correction_kl") else trainer
+            setattr(target, name, value)
+
+
+def _assert_same(stock, fast, inputs, expect_clipping=False):
+    loss_s, grads_s, metrics_s = _loss_grads_metrics(stock, inputs)
+    loss_f, grads_f, metrics_f = _loss_grads_metrics(fast, inputs)
+    assert_close(loss_f, loss_s, atol=1e-6, rtol=1e-5, name="loss")
+    assert grads_f.keys() == grads_s.keys()
+    scale = max(g.abs().max().item() for g in grads_s.values())
+    assert scale > 0, "the reference gradient is zero: the comparison would prove nothing"
+    for name in grads_s:
+        assert_close(grads_f[name], grads_s[name], atol=1e-5 * scale, rtol=1e-4, name=f"grad {name}")
+    for key in ("kl", "entropy", *CLIP_METRICS):
+        assert (key in metrics_f) == (key in metrics_s), f"metric {key}: logged by one trainer only"
+        if key in metrics_s:
+            assert_close(metrics_f[key], metrics_s[key], atol=1e-5, rtol=1e-5, name=f"metric {key}")
+    if expect_clipping:
+        assert metrics_s["clip_ratio/region_mean"] > 0, "the batch clips nothing: clip metrics untested"
+    return metrics_s
+
+
+def test_logprob_passes_match_trl(pair):
+    """Policy and reference passes: per-token log-probs and entropies as TRL computes them."""
+    stock, fast, inputs = pair
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    T = inputs["completion_ids"].size(1)
+    for name, model_s, model_f in (("policy", stock.model, fast.model), ("ref", stock.ref_model, fast.ref_model)):
+        entropy = name == "policy"  # TRL's reference head computes no entropy
+        with torch.no_grad():
+            lp_s, ent_s, _ = stock._get_per_token_logps_and_entropies(model_s, ids, att, T, batch_size=3, compute_entropy=entropy)
+            lp_f, ent_f, _ = fast._get_per_token_logps_and_entropies(model_f, ids, att, T, batch_size=3, compute_entropy=entropy)
+        assert_close(lp_f, lp_s, atol=2e-5, name=f"{name} logps")
+        if entropy:
+            assert_close(ent_f, ent_s, atol=2e-5, name=f"{name} entropies")
+
+
+REGIMES = {  # name: (beta, use_bias_correction_kl, num_iterations)
+    "beta0-it1": (0.0, True, 1), "beta0-it2": (0.0, True, 2),
+    "kl-it1": (0.1, False, 1), "kl-it2": (0.1, False, 2),
+    "biaskl-it1": (0.1, True, 1), "biaskl-it2": (0.1, True, 2),
+}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_grads_metrics_match_trl(pair, loss_type, regime, level):
+    stock, fast, inputs = pair
+    beta, bias_kl, iterations = REGIMES[regime]
+    _configure((stock, fast), loss_type=loss_type, beta=beta, use_bias_correction_kl=bias_kl,
+               importance_sampling_level=level, delta=None)
+    if iterations == 1:  # on-policy: TRL uses old = current.detach()
+        inputs = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
+    metrics = _assert_same(stock, fast, inputs, expect_clipping=iterations == 2 and level == "token")
+    if beta:
+        assert metrics["kl"] > 0
+
+
+OPTIONS = {
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.02),
+    "delta": dict(delta=1.3),
+    "vllm_is_token": dict(use_vllm=True, vllm_importance_sampling_correction=True),
+    "vllm_is_sequence": dict(use_vllm=True, vllm_importance_sampling_correction=True),
+    "tool_mask": dict(),
+}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_match_trl(pair, option, loss_type):
+    stock, fast, inputs = pair
+    _configure((stock, fast), **{**dict(loss_type=loss_type, beta=0.1, use_bias_correction_kl=True,
+                                        importance_sampling_level="token", delta=None), **OPTIONS[option]})
+    gen = torch.Generator().manual_seed(3)
+    B, T = inputs["completion_ids"].shape
+    if option == "vllm_is_token":
+        inputs = {**inputs, "importance_sampling_ratio": 0.5 + torch.rand(B, T, generator=gen)}
+    if option == "vllm_is_sequence":
+        inputs = {**inputs, "importance_sampling_ratio": 0.5 + torch.rand(B, 1, generator=gen)}
+    if option == "tool_mask":
+        inputs = {**inputs, "tool_mask": (torch.rand(B, T, generator=gen) > 0.3).long()}
+    try:
+        _assert_same(stock, fast, inputs, expect_clipping=True)
+    finally:  # the trainers are shared by the module: restore TRL's defaults
+        _configure((stock, fast), top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
+                   vllm_importance_sampling_correction=True)
+
+
+def test_lm_head_bias_untied(tiny_path, build):
+    """An untied lm_head with a bias: the bias gets its gradient, the head its own."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    torch.nn.init.normal_(head.bias, std=0.5)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    model.lm_head = head
+    model.config.tie_word_embeddings = False
+    stock = build(GRPOTrainer, model=copy.deepcopy(model), num_iterations=2)
+    fast = build(FastGRPOTrainer, model=copy.deepcopy(model), num_iterations=2)
+    torch.manual_seed(0)
+    stock.model.train()
+    fast.model.train()
+    inputs = stock._prepare_inputs(_generation_batch(stock.train_dataset))
+    for trainer in (stock, fast):
+        _perturb(trainer.model)
+    _assert_same(stock, fast, inputs, expect_clipping=True)
+    assert fast.model.lm_head.bias.grad.abs().sum() > 0
+
+
+def test_accelerate_switches_a_built_trainer(pair, build):
+    stock, fast, inputs = pair
+
+    class MyTrainer(GRPOTrainer):
+        def custom(self):
+            return "kept"
+
+    mine = build(MyTrainer, beta=0.1, num_iterations=2)
+    mine.model.load_state_dict(stock.model.state_dict())
+    assert accelerate(mine) is mine
+    assert isinstance(mine, MyTrainer) and type(mine).__name__ == "FastMyTrainer" and mine.custom() == "kept"
+    mine.model.train()
+    _configure((stock, mine), loss_type="dapo", beta=0.1, importance_sampling_level="token", delta=None)
+    _assert_same(stock, mine, inputs, expect_clipping=True)
+    assert type(accelerate(build(GRPOTrainer))) is FastGRPOTrainer
+
+
+@pytest.mark.parametrize("option, config", [
+    ("loss_type='cispo'", dict(loss_type="cispo")),
+    ("loss_type='sapo'", dict(loss_type="sapo")),
+    ("loss_type='vespo'", dict(loss_type="vespo")),
+    ("loss_type='luspo'", dict(loss_type="luspo", importance_sampling_level="sequence")),
+    ("entropy_coef", dict(entropy_coef=0.01)),
+    ("use_adaptive_entropy", dict(use_adaptive_entropy=True)),
+    ("delta=1.1", dict(delta=1.1)),
+])
+def test_unsupported_options_refused_at_construction(build, option, config):
+    with pytest.raises(ValueError, match=option.split("=")[0]) as info:
+        build(FastGRPOTrainer, **config)
+    assert option.split("=")[-1].strip("'") in str(info.value)
+
+
+def test_accelerate_refuses_unsupported_loss(build):
+    """The known failure elsewhere: an unsupported loss type silently trained as GRPO."""
+    trainer = build(GRPOTrainer, loss_type="cispo")
+    with pytest.raises(ValueError, match="loss_type='cispo'"):
+        accelerate(trainer)
+    assert type(trainer) is GRPOTrainer
+
+
+def test_logit_softcapping_model_refused(tiny_path, build):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        build(FastGRPOTrainer, model=model)
+
+
+def test_multimodal_inputs_refused(pair):
+    _, fast, inputs = pair
+    with pytest.raises(ValueError, match="pixel_values"):
+        fast.compute_loss(fast.model, {**inputs, "pixel_values": torch.zeros(1, 3, 4, 4)})
+
+
+def test_trl_version_checked(monkeypatch):
+    from importlib import metadata
+
+    import grpo_fast.integrations.trl as integration
+
+    monkeypatch.setattr(metadata, "version", lambda name: "1.13.0")
+    with pytest.raises(ImportError, match=r"trl>=1.14,<1.17.*found trl 1.13.0"):
+        integration._check_trl_version()
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(ImportError, match="needs TRL"):
+        integration._check_trl_version()
