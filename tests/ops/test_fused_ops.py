@@ -1,0 +1,128 @@
+"""Every backend of the fused ops equals the specification (`objective.grpo_loss_reference`).
+
+Loss, every metric and the gradients w.r.t. hidden, weight and bias, for all loss types and
+options, against the spec on float64 logits of the same inputs (see tests/ops/cases.py).
+
+Tolerances. Every quantity is allowed `4 x` the error plain PyTorch makes in the input dtype
+(the spec fed logits from a matmul in that dtype; that error is measured in the same test) plus
+a floor of 2e-6 (float32) or 1e-3 (bfloat16, a quarter of its ulp) times (1 + max |expected|).
+Measured on these shapes, max abs against the float64-logit spec: float32, plain 0-6e-8 on the
+loss and 2e-7 to 5e-7 on gradients (values of order 1), the backends 3e-8 and 2e-7 to 1.2e-6;
+bfloat16, plain 3e-4 to 3e-3 on the loss and 4e-3 to 1.1e-2 on gradients, the backends 1e-3 to
+3e-3 and 4e-3 to 1.9e-2. A 1e-4 relative error in the row-gradient scale fails the float32 cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_fast import objective
+from tests.helpers import assert_close
+from tests.ops.cases import Case, backend_params, make_inputs, run_fused, run_reference
+
+FACTOR = 4.0  # x the plain-PyTorch error in the same dtype
+FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3}  # x (1 + largest |expected|); bf16: 1/4 of its ulp
+
+
+def _bound(expected, plain, dtype):
+    expected, plain = expected.double(), plain.double()
+    plain_err = float((plain - expected).abs().max()) if expected.numel() else 0.0
+    return FACTOR * plain_err + FLOOR[dtype] * (1.0 + float(expected.abs().max()) if expected.numel() else 1.0)
+
+
+def _check_against_spec(case: Case, backend: str):
+    inputs = make_inputs(case)
+    loss, metrics, grads = run_fused(case, inputs, backend)
+    ref_loss, ref_metrics, ref_grads = run_reference(case, inputs)
+    plain_loss, plain_metrics, plain_grads = run_reference(case, inputs, plain=True)
+
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_close(loss, ref_loss, atol=_bound(ref_loss, plain_loss, case.dtype), name=f"{backend} loss")
+    n_active = max(int(inputs["mask"].sum()), 1)
+    for name in objective.METRIC_NAMES:
+        if name.startswith("clip_ratio") and case.dtype != torch.float32:
+            atol = 1.0 / n_active + 1e-6  # a bf16 ratio right at the clip edge may flip one token
+        else:
+            atol = _bound(ref_metrics[name], plain_metrics[name], case.dtype)
+        assert_close(metrics[name], ref_metrics[name], atol=atol, name=f"{backend} metric {name}")
+    for what, got, ref, plain in zip(("hidden", "weight", "bias"), grads, ref_grads, plain_grads, strict=True):
+        if ref is None:
+            assert got is None, f"{backend}: unexpected gradient for {what}"
+            continue
+        assert got is not None and got.dtype == case.dtype and got.shape == ref.shape, (what, got)
+        assert_close(got, ref, atol=_bound(ref, plain, case.dtype), name=f"{backend} grad {what}")
+
+
+LOSS_TYPES_AND_LEVELS = [(lt, lvl) for lt in objective.LOSS_TYPES for lvl in objective.IMPORTANCE_SAMPLING_LEVELS]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("loss_type,level", LOSS_TYPES_AND_LEVELS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_types_levels_beta(backend, loss_type, level, beta):
+    case = Case(ref_logp=beta > 0 or loss_type == "bnpo", bias=loss_type in ("grpo", "dapo"),
+                options=dict(loss_type=loss_type, importance_sampling_level=level, beta=beta))
+    _check_against_spec(case, backend)
+
+
+OPTION_CASES = {
+    "eps_high": Case(options=dict(epsilon_high=0.28)),
+    "delta": Case(options=dict(delta=1.5, epsilon_high=0.28)),
+    "delta_seq": Case(options=dict(delta=1.5, importance_sampling_level="sequence")),
+    "is_weights": Case(is_weights=True, ref_logp=True, options=dict(beta=0.04)),
+    "adv_per_token": Case(adv_per_token=True, options=dict(loss_type="grpo")),
+    "adv_per_token_seq": Case(adv_per_token=True, options=dict(importance_sampling_level="sequence")),
+    "no_old_logp": Case(old_logp=False, ref_logp=True, options=dict(beta=0.04)),
+    "no_old_logp_seq": Case(old_logp=False, options=dict(importance_sampling_level="sequence", loss_type="grpo")),
+    "empty_row": Case(mask="empty_row", options=dict(loss_type="grpo")),
+    "empty_row_seq": Case(mask="empty_row", options=dict(importance_sampling_level="sequence")),
+    "all_masked": Case(mask="none", options=dict(loss_type="grpo")),
+    "all_masked_seq": Case(mask="none", options=dict(importance_sampling_level="sequence")),
+    "one_token": Case(B=1, T=1, mask="full"),
+    "one_active_token": Case(mask="one", options=dict(loss_type="bnpo")),
+    "V5": Case(V=5, bias=True),
+    "V131": Case(V=131, T=3, options=dict(epsilon_high=0.28)),
+    "num_items": Case(options=dict(loss_type="dapo", num_items_in_batch=40)),
+    "max_len": Case(options=dict(loss_type="dr_grpo", max_completion_length=9)),
+    "temperature_1": Case(temperature=1.0, ref_logp=True, options=dict(beta=0.04)),
+    "bf16": Case(dtype=torch.bfloat16, bias=True, ref_logp=True, options=dict(beta=0.04, epsilon_high=0.28)),
+    "bf16_seq": Case(dtype=torch.bfloat16, V=131, options=dict(importance_sampling_level="sequence")),
+    "bf16_grpo": Case(dtype=torch.bfloat16, is_weights=True, adv_per_token=True, options=dict(loss_type="grpo")),
+}
+
+
+# The Triton interpreter takes 0.1-0.8 s per case at these shapes: every case runs on it too.
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_options(backend, name):
+    _check_against_spec(OPTION_CASES[name], backend)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_upstream_gradient_is_applied(backend):
+    """loss * 3 vs loss * -0.5: the fused route computes gradients in forward and scales them in
+    backward; both scales must come out right (and not accumulate across calls)."""
+    case = Case(V=37, T=4, ref_logp=True, options=dict(beta=0.04))
+    inputs = make_inputs(case)
+    for scale in (3.0, -0.5):
+        _, _, grads = run_fused(case, inputs, backend, grad_scale=scale)
+        _, _, ref = run_reference(case, inputs, grad_scale=scale)
+        for what, got, exp in zip(("hidden", "weight"), grads, ref, strict=True):
+            assert_close(got, exp, atol=1e-5, rtol=1e-4, name=f"{backend} grad {what} at scale {scale}")
+
+
+@pytest.mark.parametrize("backend", backend_params(triton=False))
+def test_no_grad_inputs(backend):
+    """Inputs that do not require grad: the op still returns the spec's loss (forward only)."""
+    from grpo_fast.ops import fused_linear_grpo_loss
+
+    case = Case()
+    inputs = make_inputs(case)
+    loss, metrics = fused_linear_grpo_loss(
+        inputs["hidden"], inputs["weight"], inputs["target_ids"], inputs["advantages"], inputs["mask"],
+        old_logp=inputs["old_logp"], temperature=case.temperature, backend=backend,
+    )
+    ref_loss, _, _ = run_reference(case, inputs)
+    assert not loss.requires_grad
+    assert_close(loss, ref_loss, atol=1e-6, name="loss")
