@@ -1,0 +1,72 @@
+"""The C++ row passes of the cpu backend (csrc/row_ops.cpp) against float64 PyTorch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers import assert_close
+
+_C = pytest.importorskip("grpo_fast._C", reason="the native extension is not built")
+from grpo_fast.ops import cpu  # noqa: E402
+
+
+def test_exp_approx_accuracy():
+    """The vectorised exp is within 2 ulp-ish (rel 2e-7) of exp over the range the passes use."""
+    x = torch.cat([torch.linspace(-87.0, 0.0, 400_001), torch.tensor([-1e-8, -0.3465736, 0.3465736, 1.0, 5.0])])
+    y = x.clone()
+    _C.exp_approx_(y.data_ptr(), y.numel())
+    rel = ((y.double() - x.double().exp()) / x.double().exp()).abs()
+    assert float(rel.max()) < 2e-7, f"max relative error {float(rel.max()):.3g} at x={float(x[rel.argmax()])}"
+
+
+def test_exp_approx_edges():
+    x = torch.tensor([float("nan"), -float("inf"), -1000.0, -87.4, 0.0])
+    _C.exp_approx_(x.data_ptr(), x.numel())
+    assert math.isnan(x[0]) and x[1:4].eq(0).all() and x[4] == 1.0, x
+
+
+def _reference_stats(logits, target, temperature):
+    z = logits.double() / temperature
+    logp_all = torch.log_softmax(z, -1)
+    lse = torch.logsumexp(z, -1)
+    return logp_all.gather(-1, target[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 5, 37, 1031])
+def test_stats_and_grad(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 9  # more rows than threads, odd
+    # offset 60: z up to ~90, where exp without the max shift overflows float32 at vocab 1031
+    logits = (torch.randn(rows, vocab, generator=g) * 4 + 60).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    temperature = 0.7
+    logp, entropy, lse = cpu._stats(logits, target, temperature)
+    ref = _reference_stats(logits, target, temperature)
+    for name, got, exp in zip(("logp", "entropy", "lse"), (logp, entropy, lse), ref, strict=True):
+        assert_close(got, exp, atol=2e-5, rtol=1e-6, name=name)
+
+    upstream = torch.randn(rows, generator=g)
+    grad = cpu._grad_(logits.clone(), target, lse, upstream, temperature)  # lse of the pass, as in use
+    p = torch.softmax(logits.double() / temperature, -1)
+    onehot = torch.nn.functional.one_hot(target, vocab).double()
+    expected = upstream.double()[:, None] * (onehot - p) / temperature
+    # f32: z = x / T carries an ulp of |z| ~ 90 (8e-6), so p does too; bf16 output: one rounding
+    # of each entry (rel 2^-8)
+    assert_close(grad, expected, atol=1e-5, rtol=2 ** -8 if dtype == torch.bfloat16 else 1e-5, name="grad")
+
+
+@pytest.mark.parametrize("top", [6.0, 20.0])
+def test_bf16_target_entry_is_one_minus_p_in_fp32(top):
+    """At a confident target, g (1 - p) is computed in fp32 and rounded once: rounding p to bf16
+    first (granularity 2^-8 near 1) would make 1 - p = 0.0074 come out as 0.0078 or 0.0039."""
+    logits = torch.tensor([[top, 0.0, 0.0, 0.0]]).bfloat16()
+    target = torch.tensor([0])
+    _, _, lse = cpu._stats(logits, target, 1.0)
+    grad = cpu._grad_(logits.clone(), target, lse, torch.ones(1), 1.0)
+    one_minus_p = 1 - torch.softmax(logits.double(), -1)[0, 0]
+    # one bf16 rounding of the result (2^-9 relative), plus float32's own absolute error on 1 - p
+    assert_close(grad[0, 0], one_minus_p, atol=1.2e-7, rtol=2**-9, name="g (1 - p) at the target")
