@@ -92,11 +92,17 @@ def load_model_weights(model, path: str) -> None:
     weights = {}
     for f in files:
         weights.update(load_file(os.path.join(path, f)))
-    missing, unexpected = model.load_state_dict(weights, strict=True)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    # copy into the live tensors (named_parameters lists a tied lm_head once, under the embedding)
+    params = dict(model.named_parameters())
+    own = {**params, **dict(model.named_buffers())}
+    missing = [name for name in params if name not in weights]
+    unexpected = [name for name in weights if name not in own and not name.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            if name in own:
+                own[name].copy_(tensor)
 
 
 def load_trainer_state(path: str) -> dict:

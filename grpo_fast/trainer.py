@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -135,7 +136,9 @@ class GRPOTrainer:
                 start = time.perf_counter()
                 step_metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, c.max_grad_norm)
                 train_time = _sync_time(start)
-                self.scheduler.step()
+                with warnings.catch_warnings():  # a skipped step still advances the schedule
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.scheduler.step()
                 self.state.step += 1
                 done += 1
                 self.state.skipped_steps += int(step_metrics["skipped"])

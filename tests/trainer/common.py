@@ -1,0 +1,22 @@
+"""Small shared pieces of the trainer tests: a learnable reward, prompt rows, a fast config."""
+
+from grpo_fast.config import GRPOConfig
+
+
+def target_fraction(prompts, completions, completion_ids, **columns):
+    """Trivially learnable: the fraction of completion tokens with an even id (about 0.5 at the start)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def rows(n=24):
+    return [{"prompt": f"question {i}", "answer": str(i)} for i in range(n)]
+
+
+def config(tmp_path, **overrides):
+    fields = dict(
+        reward_funcs=["target_fraction"], num_generations=4, per_device_train_batch_size=16,
+        max_prompt_length=32, max_completion_length=8, max_tokens_per_microbatch=128, learning_rate=3e-2,
+        max_steps=2, engine="hf", output_dir=str(tmp_path / "run"), disable_tqdm=True, eval_max_samples=8,
+    )
+    fields.update(overrides)
+    return GRPOConfig(**fields)

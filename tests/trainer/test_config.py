@@ -1,0 +1,44 @@
+"""GRPOConfig validation: errors name the field, the value and what is allowed."""
+
+import pytest
+
+from grpo_fast.config import GRPOConfig, field_names
+
+
+def test_every_field_has_help():
+    import dataclasses
+
+    for f in dataclasses.fields(GRPOConfig):
+        assert f.metadata.get("help"), f"GRPOConfig.{f.name} has no help text"
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("loss_type", "ppo", "one of \\['grpo', 'bnpo', 'dr_grpo', 'dapo'\\]"),
+    ("num_generations", 1, "a baseline"),
+    ("temperature", 0.0, "positive finite"),
+    ("engine", "sglang", "one of"),
+    ("per_device_train_batch_size", 10, "multiple of num_generations"),
+    ("delta", 0.5, "> 1"),
+    ("max_steps", "ten", "type int"),
+    ("vllm_importance_sampling_mode", "seq", "sequence_mask"),
+    ("max_tokens_per_microbatch", 16, "one sequence must fit"),
+])
+def test_invalid_values_name_field_value_and_allowed(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{field}={value!r} is invalid: expected .*{allowed}"):
+        GRPOConfig(**{field: value})
+
+
+def test_yaml_unknown_key_lists_close_matches(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rat: 1.0e-5\nnum_generation: 4\n")
+    with pytest.raises(ValueError, match=r"'learning_rat' \(did you mean 'learning_rate'") as err:
+        GRPOConfig.from_yaml(path)
+    assert "num_generations" in str(err.value) and str(path) in str(err.value)
+
+
+def test_yaml_round_trip(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 2.0e-6\nreward_funcs: [math]\nbeta: 0.1\n")
+    c = GRPOConfig.from_yaml(path, max_steps=3)
+    assert (c.learning_rate, c.reward_funcs, c.beta, c.max_steps) == (2e-6, ["math"], 0.1, 3)
+    assert len(field_names()) > 50

@@ -1,0 +1,122 @@
+"""GRPOTrainer end to end on a tiny random Llama with the HF engine."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from grpo_fast.trainer import GRPOTrainer
+from tests.trainer.common import config, rows, target_fraction
+
+TRL_NAMES = [
+    "reward", "reward_std", "rewards/target_fraction/mean", "frac_reward_zero_std", "completions/mean_length",
+    "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl", "entropy",
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "learning_rate", "grad_norm",
+    "tokens_per_second", "step_time", "time/generate", "time/reward", "time/logprob", "time/train",
+    "time/weight_sync", "rewards/non_finite", "skipped_steps",
+]
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_full_steps_write_metrics_plot_and_tensorboard(tmp_path, tiny):
+    model, tokenizer = tiny
+    c = config(tmp_path, max_steps=2, beta=0.04, num_iterations=2, save_final=True)
+    trainer = GRPOTrainer(c, [target_fraction], rows(), eval_dataset=rows(8), model=model, tokenizer=tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    records = _records(c.output_dir)
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for name in TRL_NAMES:
+        assert name in steps[-1], f"metric {name!r} missing from metrics.jsonl"
+    assert steps[-1]["kl"] is not None and steps[-1]["kl"] >= 0  # beta > 0: a reference exists
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert os.path.exists(os.path.join(c.output_dir, "reward.png"))
+    assert any(f.startswith("events") for f in os.listdir(os.path.join(c.output_dir, "tensorboard")))
+    assert os.path.exists(os.path.join(c.output_dir, "final", "model.safetensors"))
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters())
+    assert moved > 0, "two optimizer steps left every weight unchanged"
+
+
+def test_reward_rises_on_learnable_reward(tmp_path, tiny):
+    model, tokenizer = tiny
+    c = config(tmp_path, max_steps=10, eval_before_train=False, save_final=False)
+    GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
+    rewards = [r["reward"] for r in _records(c.output_dir) if "reward" in r]
+    assert len(rewards) == 10
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.2, f"mean reward did not rise: first steps {rewards[:3]}, last steps {rewards[-3:]}"
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, tiny_path):
+    from tests.tiny_model import load_tiny_model
+
+    def run(out, max_steps, resume=None):
+        model, tokenizer = load_tiny_model(tiny_path)
+        c = config(tmp_path, output_dir=str(tmp_path / out), max_steps=max_steps, save_steps=2,
+                   save_final=False, resume_from_checkpoint=resume, eval_before_train=False)
+        GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
+        return model, [r for r in _records(c.output_dir) if "reward" in r]
+
+    whole_model, whole = run("whole", 4)
+    run("split", 2)  # stops after step 2, checkpoint-2 written
+    assert os.path.isdir(tmp_path / "split" / "checkpoint-2")
+    resumed_model, resumed = run("split", 4, resume="latest")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole, resumed, strict=True):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"], (a, b)
+    for (name, p), q in zip(whole_model.named_parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs between the uninterrupted and the resumed run"
+
+
+def test_nonfinite_loss_skips_step_and_keeps_weights(tmp_path, tiny, monkeypatch):
+    import grpo_fast.train.step as step_module
+
+    model, tokenizer = tiny
+    real = step_module.fused_linear_grpo_loss
+    monkeypatch.setattr(step_module, "fused_linear_grpo_loss",
+                        lambda *a, **k: (lambda out: (out[0] * math.nan, out[1]))(real(*a, **k)))
+    c = config(tmp_path, max_steps=1, eval_before_train=False, save_final=False)
+    trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed although the loss was NaN"
+    assert trainer.optimizer.state == {} or all(not s for s in trainer.optimizer.state.values())
+    record = [r for r in _records(c.output_dir) if "reward" in r][-1]
+    assert record["skipped_steps"] == 1 and record["loss"] is None
+
+
+def test_dynamic_sampling_fills_batch_with_informative_groups(tmp_path, tiny):
+    model, tokenizer = tiny
+    calls = {"n": 0}
+
+    def half_constant(prompts, completions, completion_ids, answer, **_):
+        # rows with an even answer give every completion the same reward: a zero-std group
+        calls["n"] += 1
+        return [1.0 if int(a) % 2 == 0 else float(len(ids) % 3) for a, ids in zip(answer, completion_ids, strict=True)]
+
+    c = config(tmp_path, max_steps=1, dynamic_sampling=True, eval_before_train=False, save_final=False,
+               reward_funcs=["half_constant"])
+    trainer = GRPOTrainer(c, [half_constant], rows(), model=model, tokenizer=tokenizer)
+    trainer.train()
+    record = [r for r in _records(c.output_dir) if "reward" in r][-1]
+    assert record["frac_reward_zero_std"] > 0.2  # measured over every sampled group
+    assert record["dynamic_sampling/rounds"] >= 2 and calls["n"] == record["dynamic_sampling/rounds"]
+    assert record["frac_reward_zero_std_step"] <= record["frac_reward_zero_std"]
+
+
+def test_prompt_over_max_length_errors_when_configured(tmp_path, tiny):
+    model, tokenizer = tiny
+    long_rows = [{"prompt": "x" * 200}] * 4
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        GRPOTrainer(config(tmp_path, prompt_truncation="error"), [target_fraction], long_rows, model=model, tokenizer=tokenizer)
+    trainer = GRPOTrainer(config(tmp_path), [target_fraction], long_rows, model=model, tokenizer=tokenizer)
+    assert max(map(len, trainer.train_prompt_ids)) == 32  # cut from the left to max_prompt_length
