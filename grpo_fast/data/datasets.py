@@ -69,7 +69,9 @@ def _read_source(path: str, split: str) -> list[dict]:
 
 def _read_folder(path: str, split: str) -> list[dict]:
     # A folder from `datasets.save_to_disk` has dataset_info.json (Dataset) or dataset_dict.json.
-    if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "dataset_info.json")):
+    if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(
+        os.path.join(path, "dataset_info.json")
+    ):
         return _read_saved_hf_dataset(path, split)
     for suffix in _FILE_SUFFIXES:
         candidate = os.path.join(path, split + suffix)
@@ -90,7 +92,9 @@ def _read_jsonl(path: str) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"dataset {path!r}, line {line_no}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise ValueError(
+                    f"dataset {path!r}, line {line_no}: malformed JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(row, dict):
                 raise ValueError(f"dataset {path!r}, line {line_no}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
@@ -108,7 +112,9 @@ def _read_json(path: str, split: str) -> list[dict]:
         raise ValueError(f"dataset {path!r}, line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
     if isinstance(data, dict):
         if split not in data:
-            raise ValueError(f"dataset {path!r}: a JSON object must map split names to row lists; no split {split!r} in {sorted(data)}")
+            raise ValueError(
+                f"dataset {path!r}: a JSON object must map split names to row lists; no split {split!r} in {sorted(data)}"
+            )
         data = data[split]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ValueError(f"dataset {path!r}: expected a list of JSON objects (rows)")
@@ -119,7 +125,9 @@ def _read_parquet(path: str) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"dataset {path!r}: reading parquet needs the `pyarrow` package (pip install pyarrow)") from None
+        raise ImportError(
+            f"dataset {path!r}: reading parquet needs the `pyarrow` package (pip install pyarrow)"
+        ) from None
     return pq.read_table(path).to_pylist()
 
 
@@ -127,7 +135,9 @@ def _read_saved_hf_dataset(path: str, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"dataset {path!r}: reading a saved HF dataset needs the `datasets` package (pip install datasets)") from None
+        raise ImportError(
+            f"dataset {path!r}: reading a saved HF dataset needs the `datasets` package (pip install datasets)"
+        ) from None
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
@@ -229,7 +239,10 @@ def encode_prompts(
     if n_truncated:
         logger.warning(
             "%d of %d prompts were longer than max_prompt_length=%d (longest %d tokens): truncated from the left",
-            n_truncated, len(rows), max_prompt_length, longest,
+            n_truncated,
+            len(rows),
+            max_prompt_length,
+            longest,
         )
     texts = tokenizer.batch_decode(all_ids, skip_special_tokens=False)
     return all_ids, texts, n_truncated

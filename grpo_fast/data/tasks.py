@@ -39,8 +39,10 @@ def _questions(difficulty: str) -> list[tuple[int, str, int]]:
 
 
 def question_split(a: int, op: str, b: int) -> str:
-    """"train" or "test" for a question, from a hash of its text: the same for every seed and size,
-    so the held-out questions never appear in training."""
+    """The split of a question, "train" or "test", from a hash of its text.
+
+    The same for every seed and size, so held-out questions never appear in training.
+    """
     digest = hashlib.sha256(f"{a} {op} {b}".encode()).digest()
     return "test" if int.from_bytes(digest[:8], "little") % 100 < TEST_FRACTION_PERCENT else "train"
 
@@ -59,7 +61,9 @@ def _row(a: int, op: str, b: int) -> dict:
     }
 
 
-def arithmetic_rows(n: int | None = None, *, seed: int = 0, split: str = "train", difficulty: str = "easy") -> list[dict]:
+def arithmetic_rows(
+    n: int | None = None, *, seed: int = 0, split: str = "train", difficulty: str = "easy"
+) -> list[dict]:
     """Arithmetic questions as rows ``{"prompt": str, "answer": str, "question": str}``.
 
     Args:

@@ -26,8 +26,13 @@ def _build_builtin(name: str, options: dict) -> Callable:
     if not inspect.isclass(entry):
         return entry
     # Factories take the options they declare; the rest (meant for other rewards) are ignored.
-    accepted = inspect.signature(entry).parameters
-    return entry(**{k: v for k, v in options.items() if k in accepted})
+    params = inspect.signature(entry).parameters
+    missing = [p for p, spec in params.items() if spec.default is inspect.Parameter.empty and p not in options]
+    if missing:
+        raise ValueError(
+            f"reward {name!r}: needs the option(s) {missing}, e.g. get_reward_funcs({name!r}, {missing[0]}=...)"
+        )
+    return entry(**{k: v for k, v in options.items() if k in params})
 
 
 def _import_function(spec: str) -> Callable:
@@ -64,7 +69,9 @@ def get_reward_funcs(names: list[str] | str, **options) -> list[Callable]:
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     if not names:
-        raise ValueError(f"reward names: expected at least one of {sorted(BUILTIN_REWARDS)} or 'module:function', got none")
+        raise ValueError(
+            f"reward names: expected at least one of {sorted(BUILTIN_REWARDS)} or 'module:function', got none"
+        )
     funcs = []
     for name in names:
         if callable(name):

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # math-verify bounds each parse / comparison with signal.alarm, which only works in the main
 # thread (elsewhere it raises ValueError). Off the main thread we run without its timeout.
 _MATH_VERIFY_TIMEOUT_S = 3
+# Answers are short; a longer "answer" is wrong anyway and can make sympy's parser crawl (100 nested
+# parentheses took 1.5 s to hit the timeout), so it is scored 0 without parsing.
+MAX_ANSWER_CHARS = 200
 
 
 def _timeout_s() -> int | None:
@@ -49,10 +52,11 @@ def _parse_gold(gold: str, timeout_s: int | None):
 def is_correct(text: str, gold) -> bool:
     """True if the final answer of ``text`` equals ``gold`` (number or LaTeX) under math-verify.
 
-    Never raises: a parse error, a timeout or unparsable text count as wrong.
+    Never raises: a parse error, a timeout, unparsable text or an answer longer than
+    ``MAX_ANSWER_CHARS`` count as wrong.
     """
     pred = final_answer(text)
-    if pred is None:
+    if pred is None or len(pred) > MAX_ANSWER_CHARS:
         return False
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException  # a BaseException, so named explicitly
@@ -72,7 +76,9 @@ def is_correct(text: str, gold) -> bool:
 def _column(name: str, values, n: int) -> list:
     """Check a dataset column arrived as one entry per completion."""
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"reward column {name!r}: expected a list with one entry per completion, got {type(values).__name__}")
+        raise TypeError(
+            f"reward column {name!r}: expected a list with one entry per completion, got {type(values).__name__}"
+        )
     if len(values) != n:
         raise ValueError(f"reward column {name!r}: expected {n} entries (one per completion), got {len(values)}")
     return list(values)
@@ -87,7 +93,10 @@ def math_reward(prompts=None, completions=None, completion_ids=None, answer=None
     if answer is None:
         return [None] * len(completions)
     answer = _column("answer", answer, len(completions))
-    return [None if gold is None else float(is_correct(completion_text(c), gold)) for c, gold in zip(completions, answer, strict=True)]
+    return [
+        None if gold is None else float(is_correct(completion_text(c), gold))
+        for c, gold in zip(completions, answer, strict=True)
+    ]
 
 
 math_reward.__name__ = "math"
