@@ -187,10 +187,14 @@ class GRPOTrainer:
     def _generate(self, prompt_index: list[int]) -> Rollouts:
         c = self.config
         self.state.generation_calls += 1
+        if c.vllm_enable_sleep_mode:
+            self.engine.wake()
         groups = self.engine.generate(
             [self.train_prompt_ids[i] for i in prompt_index], n=c.num_generations, max_new_tokens=c.max_completion_length,
             temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed * 100_003 + self.state.generation_calls,
         )
+        if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
+            self.engine.sleep()
         return from_engine(groups, [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index])
 
     def _side_inputs(self, batch: Rollouts) -> dict:
@@ -215,8 +219,11 @@ class GRPOTrainer:
         return stats
 
     def _sync_weights(self):
-        if not self.engine_shares_weights:
-            self.engine.update_weights(self.model)
+        if self.engine_shares_weights:
+            return
+        if self.config.vllm_enable_sleep_mode:
+            self.engine.wake()
+        self.engine.update_weights(self.model)
 
     def _next_prompts(self, k: int) -> list[int]:
         """The next k prompt indices in the seeded per-epoch order (wrapping into the next epoch)."""

@@ -130,7 +130,8 @@ def build_engine(config, model, tokenizer, model_path):
     from ..rollout import VLLMEngine
 
     accepted = inspect.signature(VLLMEngine.__init__).parameters
-    engine = make_engine("vllm", model_path=model_path, **{k: v for k, v in kwargs.items() if k in accepted})
+    engine = make_engine("vllm", model_path=model_path,
+                         **{k: v for k, v in kwargs.items() if k in accepted and v is not None})
     engine.update_weights(model)  # the policy may differ from the folder (resumed, or cast)
     return engine
 

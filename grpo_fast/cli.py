@@ -1,0 +1,192 @@
+"""`grpo-fast train | eval | bench`.
+
+    grpo-fast train                          SmolLM2-135M-Instruct on the arithmetic task (the default run)
+    grpo-fast train --config run.yaml --max_steps 100 --engine hf --learning_rate 5e-6
+    grpo-fast train --output_dir out --resume           continue from out/checkpoint-* (latest)
+    grpo-fast eval --model out/final --task arithmetic  held-out accuracy of a model
+    grpo-fast bench                                     the fused-loss benchmark (benchmarks/bench_loss.py)
+
+Every GRPOConfig field is an option (`--<field> VALUE`); `grpo-fast train --help` lists them with
+their help text. Precedence: defaults < --config file < command-line options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import typing
+
+from .config import GRPOConfig, field_types
+
+
+def _parse_value(name: str, annotation):
+    """An argparse `type=` for a config field: YAML-ish values ('none', lists, bools), typed."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = typing.get_origin(args[0] if args else annotation) or (args[0] if args else annotation)
+    optional = type(None) in typing.get_args(annotation)
+
+    def parse(text: str):
+        import yaml
+
+        if optional and text.lower() in ("none", "null"):
+            return None
+        if base is str:
+            return text
+        if base is list:
+            value = yaml.safe_load(text) if text.strip().startswith("[") else [yaml.safe_load(v) for v in text.split(",")]
+            return [v for v in value]
+        if base is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise argparse.ArgumentTypeError(f"--{name}: expected true or false, got {text!r}")
+        try:
+            return base(yaml.safe_load(text)) if base is float else base(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"--{name}: expected {base.__name__}, got {text!r}") from None
+
+    return parse
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One `--<field>` per GRPOConfig field; help from the field's metadata. Unset options stay out."""
+    types = field_types()
+    group = parser.add_argument_group("GRPOConfig fields (defaults shown; see grpo_fast/config.py)")
+    for f in dataclasses.fields(GRPOConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = f.metadata.get("choices")
+        extra = {"nargs": "?", "const": True} if types[f.name] is bool else {}
+        group.add_argument(
+            f"--{f.name}", type=_parse_value(f.name, types[f.name]), default=argparse.SUPPRESS,
+            metavar=("{" + ",".join(map(str, choices)) + "}") if choices else f.name.upper(),
+            help=f"{f.metadata['help']} (default: {default!r})", **extra,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-fast", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a policy with GRPO", description=__doc__, allow_abbrev=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", help="a YAML file of GRPOConfig fields")
+    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
+    _add_config_options(train)
+
+    ev = sub.add_parser("eval", help="held-out accuracy of a model (greedy, the reward functions' first as accuracy)",
+                        allow_abbrev=False)
+    ev.add_argument("--config", help="a YAML file of GRPOConfig fields")
+    _add_config_options(ev)
+
+    bench = sub.add_parser("bench", help="benchmark the fused GRPO loss against plain PyTorch (and Liger)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to benchmarks/bench_loss.py")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> GRPOConfig:
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "args")}
+    if getattr(args, "resume", False):
+        overrides.setdefault("resume_from_checkpoint", "latest")
+    if args.config:
+        return GRPOConfig.from_yaml(args.config, **overrides)
+    return GRPOConfig.from_dict({}, **overrides)
+
+
+def cmd_train(config: GRPOConfig) -> dict:
+    from .trainer import GRPOTrainer
+
+    start = time.perf_counter()
+    trainer = GRPOTrainer.from_config(config)
+    trainer.train()
+    history = trainer.state.eval_history
+    summary = {"steps": trainer.state.step, "wall_time_s": round(time.perf_counter() - start, 1),
+               "eval_history": history, "output_dir": config.output_dir}
+    if len(history) >= 2:
+        before, after = history[0][1], history[-1][1]
+        summary.update(accuracy_before=before, accuracy_after=after, gain_points=round(100 * (after - before), 1))
+        print(f"held-out accuracy: {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
+              f"in {summary['wall_time_s'] / 60:.1f} min; metrics, plot and model in {config.output_dir}")
+    with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def cmd_eval(config: GRPOConfig) -> dict:
+    from .trainer import GRPOTrainer
+
+    trainer = GRPOTrainer.from_config(config)
+    if trainer.eval_rows is None:
+        raise SystemExit("grpo-fast eval: the dataset has no held-out ('test') split; use --task arithmetic or a dataset folder with test.jsonl")
+    metrics = trainer.evaluate()
+    print(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def cmd_bench(extra: list[str]) -> int:
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_loss.py")
+    if os.path.exists(script):
+        return subprocess.call([sys.executable, script, *extra])
+    return _quick_loss_bench()
+
+
+def _quick_loss_bench() -> int:
+    """Without the repository's benchmarks/: time the fused loss against plain PyTorch logits, once."""
+    import torch
+
+    from .objective import grpo_loss_reference
+    from .ops import fused_linear_grpo_loss
+
+    B, T, H, V = 4, 256, 512, 32768
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    weight = (torch.randn(V, H) * 0.02).requires_grad_(True)
+    target, adv, mask = torch.randint(0, V, (B, T)), torch.randn(B), torch.ones(B, T)
+    for name, fn in [("plain torch (logits)", lambda: grpo_loss_reference(hidden @ weight.T, target, adv, mask)[0]),
+                     ("grpo_fast fused", lambda: fused_linear_grpo_loss(hidden, weight, target, adv, mask)[0])]:
+        fn().backward()  # warm-up
+        start = time.perf_counter()
+        fn().backward()
+        print(f"{name:22s} fwd+bwd B={B} T={T} H={H} V={V}: {1000 * (time.perf_counter() - start):.0f} ms")
+    return 0
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """An unknown option is an error that lists the close GRPOConfig fields."""
+    import difflib
+
+    from .config import field_names
+
+    hints = []
+    for option in (u for u in unknown if u.startswith("--")):
+        name = option[2:].split("=")[0]
+        close = difflib.get_close_matches(name, [*field_names(), "config", "resume"], n=3, cutoff=0.6)
+        hints.append(option + (f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""))
+    parser.error(f"unknown option(s): {'; '.join(hints) or ' '.join(unknown)}")
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "bench":
+        _reject_unknown(parser, unknown)
+    if args.command == "bench":
+        return cmd_bench(args.args)
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"grpo-fast {args.command}: {err}", file=sys.stderr)
+        return 2
+    if args.command == "train":
+        cmd_train(config)
+    else:
+        cmd_eval(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
