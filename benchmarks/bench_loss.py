@@ -1,0 +1,336 @@
+"""GRPO loss, forward + backward: grpo_fast against plain PyTorch, Liger and the matmul floor.
+
+    python benchmarks/bench_loss.py                       # CPU preset (fp32), writes results/loss_cpu.*
+    python benchmarks/bench_loss.py --device cuda --out DIR   # GPU preset (bf16, Qwen2.5 heads)
+    python benchmarks/bench_loss.py --sizes 4x512x512x32768 --impls plain,cpu --rounds 3
+
+Implementations, each run in its own subprocess (so peak memory is its own):
+  floor    the three unavoidable matmuls of the same shapes (logits, grad_hidden, grad_weight),
+           nothing else: no implementation can beat it
+  plain    plain PyTorch as TRL's GRPOTrainer does it: materialise logits [B, T, V], log-softmax
+           + gather (trl.trainer.utils.selective_log_softmax's CPU path: per-row logsumexp for
+           fp32, per-row log_softmax for bf16), entropy under no_grad, then the loss
+  liger    liger_kernel's LigerFusedLinearGRPOLoss (compiled=False on CPU)
+  torch, cpu, triton   grpo_fast.ops.fused_linear_grpo_loss with that backend
+All compute the dapo loss, beta=0, temperature 1, every token active, same seeded inputs.
+
+Time: best and median of `--repeats` runs after `--warmup`, over `--rounds` interleaved rounds
+(the CPU is shared with other jobs: the best is the least disturbed run). Memory: extra peak over
+the inputs, during the runs: peak RSS (ru_maxrss) minus RSS before the first run on CPU, one
+process per (implementation, size); torch.cuda.max_memory_allocated minus the allocated bytes
+before on GPU. It includes the gradients themselves (grad_weight V x H, grad_hidden N x H),
+which every implementation must return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # a plain checkout works too
+
+PRESETS = {
+    # B x T x H x V. The first CPU size is issue 3's target; the others are SmolLM2 and a
+    # Qwen2.5-0.5B head.
+    "cpu": dict(sizes=["4x512x512x32768", "2x512x576x49152", "1x1024x896x151936"], dtype="float32",
+                impls=["floor", "plain", "liger", "torch", "cpu"], warmup=1, repeats=3, rounds=2),
+    # Qwen2.5-0.5B and 7B heads (H 896 / 3584, V 151936), N up to 32k tokens.
+    "cuda": dict(sizes=["8x512x896x151936", "16x1024x896x151936", "32x1024x896x151936",
+                        "16x1024x3584x151936", "32x1024x3584x151936"], dtype="bfloat16",
+                 impls=["floor", "triton", "plain", "torch", "liger"], warmup=2, repeats=5, rounds=1),
+}
+GRPO_FAST = ("torch", "cpu", "triton")
+
+
+def parse_size(text: str):
+    B, T, H, V = (int(x) for x in text.lower().split("x"))
+    return B, T, H, V
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one implementation, runs in its own process
+# ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(size, dtype, device, seed=0):
+    import torch
+
+    B, T, H, V = size
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, device=device).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g, device=device) * H**-0.5).to(dtype).requires_grad_(True)
+    target = torch.randint(0, V, (B, T), generator=g, device=device)
+    advantages = torch.randn(B, generator=g, device=device)
+    mask = torch.ones(B, T, device=device)
+    return hidden, weight, target, advantages, mask
+
+
+def plain_step(hidden, weight, target, advantages, mask):
+    """Plain PyTorch, as TRL: full logits, per-row log-softmax + gather, entropy without grad."""
+    import torch
+
+    from grpo_fast import objective
+
+    logits = hidden @ weight.t()  # (B, T, V) materialised
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # TRL loops rows to cap the peak
+        logp = selected - lse
+    else:
+        logp = torch.stack([torch.log_softmax(row, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1) for row, t in zip(logits, target, strict=True)])
+    with torch.no_grad():  # TRL's entropy_from_logits: chunks of 128 rows
+        entropy = []
+        for chunk in logits.reshape(-1, logits.shape[-1]).split(128):
+            logps = torch.log_softmax(chunk, -1)
+            entropy.append(-(logps.exp() * logps).sum(-1))
+        entropy = torch.cat(entropy).float()
+    loss, _ = objective.grpo_loss_from_logprobs(logp.float(), advantages, mask, entropy=entropy.view_as(logp), loss_type="dapo")
+    loss.backward()
+
+
+def make_step(impl, inputs, device):
+    """A closure running one forward + backward of `impl` on `inputs`."""
+    hidden, weight, target, advantages, mask = inputs
+    if impl == "floor":
+        h2 = hidden.detach().reshape(-1, hidden.shape[-1])
+        w = weight.detach()
+
+        def floor():
+            logits = h2 @ w.t()
+            logits @ w, logits.t() @ h2
+
+        return floor
+    if impl == "plain":
+        return lambda: plain_step(hidden, weight, target, advantages, mask)
+    if impl == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=device == "cuda", loss_type="dapo", temperature=1.0)
+
+        def liger():
+            out = loss_fn(hidden, weight, target, mask, advantages)
+            (out[0] if isinstance(out, tuple) else out).backward()
+
+        return liger
+    if impl in GRPO_FAST:
+        from grpo_fast.ops import fused_linear_grpo_loss
+
+        def fused():
+            loss, _ = fused_linear_grpo_loss(hidden, weight, target, advantages, mask, loss_type="dapo", backend=impl)
+            loss.backward()
+
+        return fused
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(impl, sizes, dtype_name, device, warmup, repeats):
+    """Measure `impl` on each size; prints one JSON line per size."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    for text in sizes:
+        size = parse_size(text)
+        row = dict(impl=impl, size=text, dtype=dtype_name, device=device, threads=torch.get_num_threads())
+        try:
+            # one tiny run first: library start-up (thread pools, MKL buffers, autograd threads) is
+            # paid once per process and is not what the memory column is about
+            B, T, H, V = size
+            tiny = make_inputs((1, 4, H, min(V, 256)), dtype, device)
+            make_step(impl, tiny, device)()
+            del tiny
+            inputs = make_inputs(size, dtype, device)
+            step = make_step(impl, inputs, device)
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            else:
+                base = rss_bytes()
+            times = []
+            for i in range(warmup + repeats):
+                inputs[0].grad = inputs[1].grad = None
+                sync()
+                t0 = time.perf_counter()
+                step()
+                sync()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            row.update(times_s=times, extra_peak_mb=(peak - base) / 2**20)
+            del inputs, step
+        except ImportError as err:
+            row.update(unavailable=f"{type(err).__name__}: {err}")
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver: subprocesses, aggregation, report
+# ------------------------------------------------------------------------------------------------
+
+
+def run_worker(args, impl, sizes):
+    cmd = [sys.executable, __file__, "--worker", impl, "--device", args.device, "--dtype", args.dtype,
+           "--sizes", ",".join(sizes), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return [dict(impl=impl, size=s, failed=f"timed out after {args.timeout}s") for s in sizes]
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    done = {r["size"] for r in rows}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    rows += [dict(impl=impl, size=s, failed=f"rc={proc.returncode}: {tail[0][:200]}") for s in sizes if s not in done]
+    return rows
+
+
+def summarise(rows):
+    """{size: {impl: summary}} with best/median time over every run of every round."""
+    out = {}
+    for r in rows:
+        cell = out.setdefault(r["size"], {}).setdefault(r["impl"], dict(times=[], mem=[], note=None))
+        if "times_s" in r:
+            cell["times"] += r["times_s"]
+            cell["mem"].append(r["extra_peak_mb"])
+        else:
+            cell["note"] = r.get("unavailable") or r.get("failed")
+    for impls in out.values():
+        for cell in impls.values():
+            if cell["times"]:
+                cell.update(best_s=min(cell["times"]), median_s=statistics.median(cell["times"]),
+                            extra_peak_mb=statistics.median(cell["mem"]))
+    return out
+
+
+def flops(size) -> float:
+    B, T, H, V = parse_size(size)
+    return 6.0 * B * T * H * V  # three [N, H] x [H, V]-sized matmuls, 2 flops per multiply-add
+
+
+def markdown(summary, args, command) -> str:
+    lines = [f"# GRPO loss forward + backward, {args.device} ({args.dtype})", "", f"Command: `{command}`", "",
+             f"Machine: {machine()}", "",
+             f"Time: best (and median) of {args.repeats} runs x {args.rounds} round(s) after {args.warmup} warm-up, "
+             "each implementation in its own process; the CPU is shared with other jobs, so the best run is "
+             "the least disturbed one. Ratios use the best times. Memory: extra peak over the inputs "
+             "(includes the gradients every implementation returns). TFLOP/s counts the 3 matmuls (6 N H V); "
+             "`% floor` = floor time / time, the fraction of the measured matmul rate achieved.", ""]
+    for size, impls in summary.items():
+        floor, plain, liger = (impls.get(k, {}).get("best_s") for k in ("floor", "plain", "liger"))
+        plain_mem = impls.get("plain", {}).get("extra_peak_mb")
+        lines += [f"## B x T x H x V = {size.replace('x', ' x ')}", "",
+                  "| impl | best s | median s | x plain | x liger | x floor | TFLOP/s | % floor | extra peak MB | x plain mem |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for impl, c in impls.items():
+            if "best_s" not in c:
+                lines.append(f"| {impl} | {c['note']} | | | | | | | | |")
+                continue
+            t, mem = c["best_s"], c["extra_peak_mb"]
+            cells = [impl, f"{t:.3f}", f"{c['median_s']:.3f}", _ratio(t, plain), _ratio(t, liger), _ratio(t, floor),
+                     f"{flops(size) / t / 1e12:.3f}", f"{100 * floor / t:.0f}%" if floor else "-", f"{mem:.0f}",
+                     _ratio(mem, plain_mem)]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio(x, ref) -> str:
+    return f"{x / ref:.2f}" if ref else "-"
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def plot(summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(summary)
+    fig, axes = plt.subplots(2, len(sizes), figsize=(4.5 * len(sizes), 7), squeeze=False)
+    for j, size in enumerate(sizes):
+        impls = {k: v for k, v in summary[size].items() if "best_s" in v}
+        names = list(impls)
+        colors = ["#999999" if n == "floor" else "#d62728" if n == "plain" else "#ff7f0e" if n == "liger" else "#1f77b4" for n in names]
+        axes[0][j].bar(names, [impls[n]["best_s"] for n in names], color=colors)
+        axes[0][j].set_title(size, fontsize=9)
+        axes[0][j].set_ylabel("fwd+bwd time, s (best)")
+        axes[1][j].bar(names, [impls[n]["extra_peak_mb"] for n in names], color=colors)
+        axes[1][j].set_ylabel("extra peak memory, MB")
+        for ax in axes[:, j]:
+            ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.suptitle("GRPO loss fwd+bwd (grey: matmul floor, red: plain PyTorch, orange: Liger, blue: grpo_fast)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=list(PRESETS), default="cpu")
+    parser.add_argument("--sizes", help="comma-separated BxTxHxV (default: the device preset)")
+    parser.add_argument("--impls", help=f"comma-separated, from floor,plain,liger,{','.join(GRPO_FAST)} (default: the preset)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--rounds", type=int, help="interleaved rounds over all implementations")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.device]
+    for key in ("dtype", "warmup", "repeats", "rounds"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    sizes = args.sizes.split(",") if args.sizes else preset["sizes"]
+    if args.worker:
+        return worker(args.worker, sizes, args.dtype, args.device, args.warmup, args.repeats)
+
+    impls = args.impls.split(",") if args.impls else preset["impls"]
+    command = "python benchmarks/bench_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"loss_{args.device}"
+    rows = []
+    for r in range(args.rounds):
+        for impl in impls:
+            # CPU: one process per (impl, size), since peak RSS only grows; GPU: one per impl
+            groups = [[s] for s in sizes] if args.device == "cpu" else [sizes]
+            for group in groups:
+                new = run_worker(args, impl, group)
+                rows += new
+                for row in new:
+                    t = min(row["times_s"]) if "times_s" in row else None
+                    print(f"round {r + 1} {impl:7s} {row['size']:22s} "
+                          + (f"best {t:.3f} s  extra peak {row['extra_peak_mb']:.0f} MB" if t else row.get("unavailable") or row.get("failed")),
+                          flush=True)
+                summary = summarise(rows)  # rewrite after every worker: a timeout keeps what was measured
+                stem.with_suffix(".json").write_text(json.dumps(dict(command=command, machine=machine(), args=vars(args), summary=summary, runs=rows), indent=1))
+                stem.with_suffix(".md").write_text(markdown(summary, args, command))
+    plot(summarise(rows), stem.with_suffix(".png"))
+    print(stem.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
