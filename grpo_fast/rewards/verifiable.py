@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 import threading
 
 from .extract import boxed_contents, completion_text, final_answer
@@ -21,7 +22,8 @@ from .extract import boxed_contents, completion_text, final_answer
 logger = logging.getLogger(__name__)
 
 # math-verify bounds each parse / comparison with signal.alarm, which only works in the main
-# thread (elsewhere it raises ValueError). Off the main thread we run without its timeout.
+# thread (elsewhere it raises ValueError). Off the main thread we run without its timeout; so we do
+# when a real-time alarm is already pending (e.g. pytest-timeout's), which alarm() would cancel.
 _MATH_VERIFY_TIMEOUT_S = 3
 # Answers are short; a longer "answer" is wrong anyway and can make sympy's parser crawl (100 nested
 # parentheses took 1.5 s to hit the timeout), so it is scored 0 without parsing.
@@ -29,7 +31,11 @@ MAX_ANSWER_CHARS = 200
 
 
 def _timeout_s() -> int | None:
-    return _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if hasattr(signal, "getitimer") and signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return None
+    return _MATH_VERIFY_TIMEOUT_S
 
 
 def _as_boxed(answer: str) -> str:

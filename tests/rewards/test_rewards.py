@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import pytest
@@ -105,6 +106,18 @@ def test_math_reward_off_main_thread():
     t.start()
     t.join()
     assert out["r"] == [1.0, 0.0]
+
+
+def test_math_reward_keeps_a_pending_alarm():
+    # math-verify's signal.alarm would cancel an alarm set by someone else (pytest-timeout, the user).
+    old = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 100.0)
+    try:
+        assert score(["\\boxed{19}"], ["19"]) == [1.0]
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 90
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_math_reward_checks_column_length():
