@@ -15,10 +15,14 @@ backward Per chunk of C rows: one kernel recomputes each [BLOCK_N, BLOCK_V] tile
          into a bounded [C, V] slab; cuBLAS then does grad_hidden = slab @ W and
          grad_weight += slab.T @ hidden (fp32 accumulation across chunks). 3 matmuls.
 fused    Forward and gradients with 3 matmuls, not 4: per chunk the forward kernel also stores
-         its fp32 logit tiles (STORE_LOGITS) into a [C, V] fp32 slab, the callback turns the
-         chunk's log-probs into g, an elementwise kernel turns the slab into the gradient slab,
-         and cuBLAS does the two gradient matmuls. The slab costs ~10 bytes per logit of memory
-         traffic, cheaper than recomputing the logits (2 H flops per logit) for any H >= 64.
+         each logit tile relative to the row's running max, d = z - m (<= 0), in the input dtype,
+         plus that max per (row, tile) in fp32 (STORE_LOGITS); the callback turns the chunk's
+         log-probs into g; an elementwise kernel turns the slab into the gradient in place
+         (p = exp(d + m - lse)); cuBLAS does the two gradient matmuls. The slab costs ~6 bytes of
+         memory traffic per logit (bf16), far cheaper than recomputing it (2 H flops).
+         Precision: d in bf16 has absolute error |d| 2^-9 <= -log(p) 2^-9, so p has relative error
+         <= -log(p) 2^-9 and absolute error <= 2^-9 / e: the same order as storing the gradient
+         in bf16, which cuBLAS needs anyway, and far below bf16 logits' |z| 2^-9 (plain PyTorch).
          The plain forward never writes logits; only this gradient path uses the workspace.
 
 Offsets: each block's start is computed once in int64 (N * H and C * V pass 2**31 at real sizes),
@@ -78,8 +82,8 @@ PROGRAMS_PER_SM = 8
 # Backward: programs are ordered in groups of GROUP_N row blocks (the column sweep of a group
 # reuses its hidden rows from L2), as in Triton's matmul tutorial.
 GROUP_N = 8
-# Gradient workspace of one chunk (fused: fp32 logits + gradient slab; backward: gradient slab):
-# 4 GiB holds ~4700 rows at V=151936 in the fused path, big enough for cuBLAS to run at full rate.
+# Gradient workspace of one chunk: the [C, V] slab in the input dtype (plus C x V/BLOCK_V fp32 tile
+# maxima in the fused path). 4 GiB holds ~14000 rows at V=151936 in bf16: few chunks, full-rate cuBLAS.
 WORKSPACE_BYTES = 4 << 30
 
 
@@ -146,9 +150,10 @@ def _dlogits(z, is_target, lse, g, inv_temp):
 def _linear_logprobs_fwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr,  # [N, H], [V, H], [V] | dummy, [N] int64
     stats_ptr,  # [S, 4, N] f32 out: per split m, s, t, target logit
-    logits_ptr,  # [N, V] f32 out when STORE_LOGITS (fused path), else a dummy
+    logits_ptr,  # [N, V] out when STORE_LOGITS (fused path): z - running max, input dtype; else a dummy
+    tile_max_ptr,  # [N, n_tiles] f32 out when STORE_LOGITS: that running max per row and tile
     N, V, H, inv_temp, n_splits, tiles_per_split,
-    stride_h, stride_w, stride_l,
+    stride_h, stride_w, stride_l, stride_m,
     HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -175,13 +180,15 @@ def _linear_logprobs_fwd_kernel(
         col_ok = col0 + rv < V
         z = _logits_tile(h_base, weight_ptr + col0.to(tl.int64) * stride_w, bias_ptr + col0, row_ok, col_ok,
                          H, stride_h, stride_w, inv_temp, HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
-        if STORE_LOGITS:
-            l_base = logits_ptr + row0.to(tl.int64) * stride_l + col0
-            tl.store(l_base + (rn[:, None] * stride_l + rv[None, :]), z, mask=row_ok[:, None] & col_ok[None, :])
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
         d = z - m_new[:, None]
+        if STORE_LOGITS:
+            l_base = logits_ptr + row0.to(tl.int64) * stride_l + col0
+            tl.store(l_base + (rn[:, None] * stride_l + rv[None, :]), d.to(logits_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(tile_max_ptr + row0.to(tl.int64) * stride_m + (tile_lo + i) + rn * stride_m, m_new, mask=row_ok)
         p = tl.exp(d)  # 0 on padded columns
         t = alpha * (t + (m - m_new) * s) + tl.sum(p * tl.where(col_ok[None, :], d, 0.0), 1)  # no 0 * -inf
         s = alpha * s + tl.sum(p, 1)
@@ -238,9 +245,9 @@ def _linear_logprobs_bwd_kernel(
 
 @triton.jit
 def _logits_to_grad_kernel(
-    logits_ptr, target_ptr, lse_ptr, g_ptr,  # [C, V] f32 (z / T), [C], [C], [C]
-    grad_ptr,  # [C, V] out, input dtype; may alias logits_ptr (fp32: each element read, then written)
-    N, V, inv_temp, stride_l, stride_g,
+    logits_ptr,  # [C, V] in/out, input dtype: d = z - tile max (forward's STORE_LOGITS) -> gradient
+    tile_max_ptr, target_ptr, lse_ptr, g_ptr,  # [C, n_tiles] f32, [C], [C], [C]
+    N, V, inv_temp, stride_l, stride_m,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -250,11 +257,12 @@ def _logits_to_grad_kernel(
     row_ok, col_ok = row0 + rn < N, col0 + rv < V
     mask = row_ok[:, None] & col_ok[None, :]
     target, lse, g = _row_inputs(target_ptr, lse_ptr, g_ptr, row0, rn, row_ok)
-    l_base = logits_ptr + row0.to(tl.int64) * stride_l + col0
-    z = tl.load(l_base + (rn[:, None] * stride_l + rv[None, :]), mask=mask, other=0.0)
-    dz = _dlogits(z, rv[None, :] == (target - col0)[:, None], lse, g, inv_temp)
-    g_base = grad_ptr + row0.to(tl.int64) * stride_g + col0
-    tl.store(g_base + (rn[:, None] * stride_g + rv[None, :]), dz.to(grad_ptr.dtype.element_ty), mask=mask)
+    tile_max = tl.load(tile_max_ptr + row0.to(tl.int64) * stride_m + (pid % n_col_tiles) + rn * stride_m,
+                       mask=row_ok, other=0.0)
+    ptrs = logits_ptr + row0.to(tl.int64) * stride_l + col0 + (rn[:, None] * stride_l + rv[None, :])
+    d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    dz = _dlogits(d + tile_max[:, None], rv[None, :] == (target - col0)[:, None], lse, g, inv_temp)
+    tl.store(ptrs, dz.to(logits_ptr.dtype.element_ty), mask=mask)  # in place: each element read, then written
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,16 +295,18 @@ def _common(hidden, weight, bias):
     return cfg, consts, (bias if bias is not None else weight)  # dummy pointer when no bias
 
 
-def _launch_fwd(hidden, weight, bias, target, temperature, logits: Optional[torch.Tensor] = None):
-    """Per-split partials [S, 4, N] f32 (m, s, t, target logit); fills `logits` [N, V] f32 if given."""
+def _launch_fwd(hidden, weight, bias, target, temperature, logits=None, tile_max=None):
+    """Per-split partials [S, 4, N] f32 (m, s, t, target logit). With `logits` [N, V] (input dtype)
+    and `tile_max` [N, n_tiles] f32, also stores z - running max and the running max per tile."""
     (n, h), vocab = hidden.shape, weight.shape[0]
     cfg, consts, bias_arg = _common(hidden, weight, bias)
     grid, splits, tiles_per_split = fwd_grid(n, vocab, cfg, _num_sms(hidden.device))
     stats = torch.empty(splits, 4, n, dtype=torch.float32, device=hidden.device)
     _linear_logprobs_fwd_kernel[grid](
-        hidden, weight, bias_arg, target, stats, logits if logits is not None else stats,
-        n, vocab, h, 1.0 / temperature, splits, tiles_per_split,
-        hidden.stride(0), weight.stride(0), logits.stride(0) if logits is not None else 0,
+        hidden, weight, bias_arg, target, stats,
+        logits if logits is not None else stats, tile_max if tile_max is not None else stats,
+        n, vocab, h, 1.0 / temperature, splits, tiles_per_split, hidden.stride(0), weight.stride(0),
+        logits.stride(0) if logits is not None else 0, tile_max.stride(0) if tile_max is not None else 0,
         STORE_LOGITS=logits is not None, **consts,
     )
     return stats
@@ -324,12 +334,13 @@ def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits):
     )
 
 
-def _launch_logits_to_grad(logits, target, lse, g, temperature, grad_logits):
-    """grad_logits [C, V] <- g (onehot - softmax) / T from stored fp32 logits [C, V] (may alias)."""
+def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature):
+    """In place: logits [C, V] (z - tile max, from the forward) <- g (onehot - softmax) / T."""
     n, vocab = logits.shape
-    cfg = launch_config(grad_logits.dtype)
+    cfg = launch_config(logits.dtype)
+    assert tile_max.shape == (n, triton.cdiv(vocab, cfg.block_v))
     _logits_to_grad_kernel[tile_grid(n, vocab, cfg)](
-        logits, target, lse, g, grad_logits, n, vocab, 1.0 / temperature, logits.stride(0), grad_logits.stride(0),
+        logits, tile_max, target, lse, g, n, vocab, 1.0 / temperature, logits.stride(0), tile_max.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
 
@@ -413,25 +424,25 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
     """(logp [N] f32, entropy [N] f32, grad_hidden, grad_weight, grad_bias) in one pass.
 
     `dloss_dlogp(start, end, logp_chunk [C]) -> g [C]` gives the loss gradient of the chunk's tokens
-    once their log-probs are known. Per chunk: the forward kernel also keeps its fp32 logit tiles in
-    a [C, V] slab, the slab becomes the gradient in place (fp32) or into a second slab (bf16/fp16),
-    then two cuBLAS matmuls: 3 matmuls in all, against 4 for forward + backward."""
+    once their log-probs are known. Per chunk: the forward kernel also keeps its logit tiles (relative
+    to the running max) in a [C, V] slab, the slab becomes the gradient in place, then two cuBLAS
+    matmuls: 3 matmuls in all, against 4 for forward + backward."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    separate = hidden.dtype != torch.float32
-    step, chunks = _chunks(n, vocab, 4 + (hidden.element_size() if separate else 0), chunk_size)
+    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size)
     grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
     logp = hidden.new_empty(n, dtype=torch.float32)
     entropy = torch.empty_like(logp)
     if n == 0:
         return (logp, entropy, *grads.result())
-    logits_slab = torch.empty(step, vocab, dtype=torch.float32, device=hidden.device)
-    grad_slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device) if separate else logits_slab
+    slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype).block_v), dtype=torch.float32,
+                           device=hidden.device)
     for s, e in chunks:
-        logits, grad_logits = logits_slab[: e - s], grad_slab[: e - s]
-        stats = _launch_fwd(hidden[s:e], weight, bias, target[s:e], temperature, logits=logits)
+        logits = slab[: e - s]
+        stats = _launch_fwd(hidden[s:e], weight, bias, target[s:e], temperature, logits, tile_max[: e - s])
         logp[s:e], entropy[s:e], lse = _merge_splits(stats)
         g = dloss_dlogp(s, e, logp[s:e])
         assert tuple(g.shape) == (e - s,), f"dloss_dlogp returned shape {tuple(g.shape)}, expected ({e - s},)"
-        _launch_logits_to_grad(logits, target[s:e], lse, g.float().contiguous(), temperature, grad_logits)
-        grads.add(s, e, grad_logits)
+        _launch_logits_to_grad(logits, tile_max[: e - s], target[s:e], lse, g.float().contiguous(), temperature)
+        grads.add(s, e, logits)
     return (logp, entropy, *grads.result())
