@@ -1,0 +1,259 @@
+"""`VLLMEngine`: vLLM in the training process, with weights hot-swapped in place after each step.
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported), so
+the trainer reaches the live model. `update_weights` streams the policy's tensors (HF checkpoint
+names) through vLLM's own weight loaders, which fuse q/k/v and gate/up and handle tied embeddings:
+
+- CUDA: `model.load_weights(bucket)` per bucket of about `bucket_bytes`, tensors moved to the GPU
+  one bucket at a time.
+- CPU: the model runner's layerwise `reload_weights(weights_iterator=...)`. The model's own
+  `load_weights` fails there (CPU weight processing replaces the parameters after loading); the
+  layerwise reload restores each layer's checkpoint-format parameters, loads, re-processes and
+  copies back into the live storage, a layer at a time as its tensors arrive (so the stream is
+  consumed in per-layer buckets). Never call it without weights: it would re-read the original
+  checkpoint from disk and silently discard the trained weights.
+
+Then the prefix cache is reset (cached KV blocks were computed by the old weights).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Iterable, Iterator
+
+import torch
+
+from .base import Completion, RolloutEngine, SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+# Prefixes a wrapped policy adds to parameter names: DDP / FSDP1 wrappers, torch.compile.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _configure_vllm_env() -> None:
+    """Environment vLLM reads at import / start-up; explicit user settings win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we own the model
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's default is RAM-sized
+        # vLLM's CPU thread binding pins the OpenMP threads of a *worker process* to cores. In-process
+        # the worker is the trainer: pinning would starve the trainer's own torch ops of cores, so we
+        # keep every core for both (they take turns: generate, then train). "nobind" says so
+        # explicitly; in vLLM 0.32 binding only happens in the multiprocess executor anyway.
+        # benchmarks/bench_engine.py measures torch threads and matmul speed before/after start.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def _named_tensors(weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, tensor) pairs from an nn.Module or an iterable of pairs.
+
+    A module yields its parameters (tied ones once), names stripped of wrapper prefixes; sharded
+    (DTensor) parameters are gathered with `full_tensor()`.
+    """
+    pairs = weights.named_parameters() if isinstance(weights, torch.nn.Module) else weights
+    for name, tensor in pairs:
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
+
+
+class VLLMEngine(RolloutEngine):
+    """An in-process vLLM `LLM` that samples with processed log-probs and takes weights in place.
+
+    model_path: a local folder (safetensors + config + tokenizer). dtype: engine dtype ("float32"
+    for exact log-prob comparisons). max_model_len: prompt + completion limit. seed: engine seed.
+    gpu_memory_utilization, enable_sleep_mode: as in vLLM (CUDA). bucket_bytes: update_weights
+    bucket size on CUDA. Other keyword arguments go to `vllm.LLM`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        enable_sleep_mode: bool = False,
+        bucket_bytes: int = 256 << 20,
+        **vllm_kwargs,
+    ):
+        model_path = os.fspath(model_path)
+        if not os.path.isdir(model_path):
+            raise ValueError(f"model_path must be a local model folder (safetensors + tokenizer), got {model_path!r}")
+        _configure_vllm_env()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        vllm_kwargs.setdefault("enforce_eager", self.on_cpu)  # CPU: torch.compile warm-up costs ~40 s, gains little
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k / top-p
+            **vllm_kwargs,
+        )
+        # The CPU worker replaces torch.set_num_threads process-wide by a no-op (for its thread
+        # binding), and the GPU worker drops torch to 1 thread "for serving". In-process that
+        # would be the trainer's thread count too: give both back.
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+
+        self.model_path = model_path
+        self.max_model_len = int(max_model_len)
+        self.bucket_bytes = int(bucket_bytes)
+        self.sleep_available = bool(enable_sleep_mode) and current_platform.is_sleep_mode_available()
+        self.asleep = False
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied_embeddings = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    # ---- the live model -------------------------------------------------------------------
+    @property
+    def _worker(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's model module (its parameters are in vLLM's fused / processed layout)."""
+        return self._worker.model_runner.model
+
+    # ---- generation -----------------------------------------------------------------------
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
+        copies = request.n if request.greedy else 1
+        params = SamplingParams(
+            n=1 if request.greedy else request.n,
+            max_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop_token_ids=list(request.stop_token_ids),
+            seed=request.seed,  # children of one request get seed + index (vLLM's parallel sampling)
+            logprobs=0,  # the sampled token's log-prob only
+            # decoded below in one call, as HFEngine does: vLLM's incremental detokenizer holds back
+            # a trailing partial UTF-8 character, so the texts of the two engines would differ
+            detokenize=False,
+        )
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        tokenizer = self.llm.get_tokenizer()
+        completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
+        return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
+
+    @staticmethod
+    def _completion(output, tokenizer) -> Completion:
+        ids = list(output.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(output.logprobs, ids, strict=True)]
+        if output.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a request with reason {output.finish_reason!r}")
+        return Completion(ids, logprobs, output.finish_reason, tokenizer.decode(ids, skip_special_tokens=True))
+
+    # ---- weights --------------------------------------------------------------------------
+    def update_weights(self, weights) -> None:
+        """Copy new weights into the live engine, in place, then reset the prefix cache.
+
+        weights: the policy `nn.Module` (HF layout) or an iterable of (HF checkpoint name, tensor),
+        covering every weight (a layer given in part would be re-processed with stale parts).
+        """
+        if self.asleep:
+            raise RuntimeError("update_weights on a sleeping engine: call wake() first")
+        stream = self._prepare(_named_tensors(weights))
+        if self.on_cpu:
+            self._worker.model_runner.reload_weights(weights_iterator=stream)
+            self._repack_tied_lm_head()
+        else:
+            for bucket in self._buckets(stream):
+                self.model.load_weights(weights=bucket)
+        self.llm.reset_prefix_cache()
+
+    def _repack_tied_lm_head(self) -> None:
+        """CPU + tied embeddings: rebuild the lm_head's packed GEMM weight from the new embeddings.
+
+        On the CPU the lm_head computes with a packed copy (oneDNN / sgl kernel) made from its
+        weight when the model was loaded. Tied, that weight is the embedding's storage, which the
+        reload updated in place; but the reload skips the lm_head itself (no checkpoint entry), so
+        without this its packed copy keeps the old embeddings (measured: log-probs off by ~0.6 on
+        the tiny model after perturbing the embeddings).
+        """
+        lm_head = getattr(self.model, "lm_head", None)
+        if self.tied_embeddings and lm_head is not None and hasattr(lm_head, "quant_method"):
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def _prepare(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Drop what vLLM does not hold (the tied lm_head) and cast to the engine's dtype, lazily."""
+        dtype = next(self.model.parameters()).dtype
+        for name, tensor in pairs:
+            if self.tied_embeddings and name.endswith("lm_head.weight"):
+                continue  # vLLM's lm_head *is* embed_tokens here
+            yield name, tensor.to(dtype=dtype) if tensor.is_floating_point() else tensor
+
+    def _buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Lists of (name, tensor on the engine's device) of about `bucket_bytes` each."""
+        device = next(self.model.parameters()).device
+        bucket, size = [], 0
+        for name, tensor in pairs:
+            bucket.append((name, tensor.to(device, non_blocking=True)))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    # ---- memory ---------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV cache and offload the weights to host memory (vLLM sleep level 1).
+
+        Level 1 keeps the weights (the trained ones, updated in place), so `wake` needs no re-sync.
+        Without sleep mode (the CPU backend, or enable_sleep_mode=False) this logs once and returns.
+        """
+        if not self.sleep_available:
+            _log_once("VLLMEngine.sleep/wake do nothing: sleep mode is unavailable on this platform or not enabled")
+            return
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Restore the weights and KV cache freed by `sleep`."""
+        if not self.sleep_available:
+            _log_once("VLLMEngine.sleep/wake do nothing: sleep mode is unavailable on this platform or not enabled")
+            return
+        if self.asleep:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (so another engine can start in this process)."""
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        if getattr(self, "llm", None) is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        gc.collect()
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)

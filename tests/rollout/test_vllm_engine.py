@@ -1,0 +1,149 @@
+"""VLLMEngine on a real (CPU) vLLM engine and the tiny model: hot-swap, sleep/wake, parity with
+HFEngine, groups / stops / seeds, bad input. One engine for the whole module (start-up ~5-20 s).
+
+Each test first loads the weights it needs (update_weights takes milliseconds), so tests do not
+depend on their order.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from grpo_fast import fused_linear_logprobs
+from grpo_fast.rollout import HFEngine, make_engine
+from tests.helpers import assert_close
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [40, 41, 42, 43, 44]]
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    threads = torch.get_num_threads()
+    engine = make_engine("vllm", model_path=tiny_model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+    engine.threads_before_start = threads
+    yield engine
+    engine.close()
+
+
+def test_trainer_keeps_its_torch_threads(engine):
+    """In-process, vLLM's CPU worker stubs out torch.set_num_threads; the engine gives it back."""
+    assert torch.get_num_threads() == engine.threads_before_start
+    torch.set_num_threads(1)
+    try:
+        assert torch.get_num_threads() == 1, "torch.set_num_threads is still vLLM's no-op"
+    finally:
+        torch.set_num_threads(engine.threads_before_start)
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_policy):
+    """A copy of the policy with every weight moved: the 'trained' policy."""
+    model = copy.deepcopy(tiny_policy[0])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def policy_logprobs(model, prompt, completion, temperature):
+    """log p(completion | prompt) per token under `model`, by the fused op (no logits)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state[0, len(prompt) - 1 : -1]  # (T_new, H)
+        weight = model.lm_head.weight
+        return fused_linear_logprobs(hidden, weight, torch.tensor(completion), temperature=temperature or 1.0)
+
+
+def mean_abs_logprob_diff(model, groups, prompts, temperature):
+    """Mean |engine log-prob - model log-prob| over every generated token of every completion."""
+    diffs = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            ref = policy_logprobs(model, prompt, c.token_ids, temperature)
+            diffs.append((torch.tensor(c.logprobs) - ref).abs())
+    return torch.cat(diffs).mean().item()
+
+
+def sample(engine, **kwargs):
+    args = dict(n=3, max_new_tokens=8, temperature=0.8, seed=0) | kwargs
+    return engine.generate(PROMPTS, **args)
+
+
+def test_update_weights_hot_swaps_the_policy(engine, tiny_policy, perturbed):
+    policy = tiny_policy[0]
+    engine.update_weights(policy)
+    groups = sample(engine)
+    assert len(groups) == len(PROMPTS) and all(len(g) == 3 for g in groups)
+    # in prompt order: each group's log-probs are those of its own prompt
+    assert mean_abs_logprob_diff(policy, groups, PROMPTS, 0.8) <= 1e-3
+    assert mean_abs_logprob_diff(perturbed, groups, PROMPTS, 0.8) > 0.05, "the perturbation must be visible"
+
+    engine.update_weights(perturbed)
+    groups = sample(engine, seed=1)
+    assert mean_abs_logprob_diff(perturbed, groups, PROMPTS, 0.8) <= 1e-3
+    assert mean_abs_logprob_diff(policy, groups, PROMPTS, 0.8) > 0.05
+
+    # name/tensor pairs work too, including a tied lm_head entry (dropped: vLLM ties it)
+    engine.update_weights(list(policy.state_dict().items()))
+    assert mean_abs_logprob_diff(policy, sample(engine, seed=2), PROMPTS, 0.8) <= 1e-3
+
+
+def test_trained_weights_survive_sleep_wake(engine, perturbed):
+    engine.update_weights(perturbed)
+    engine.sleep()
+    engine.wake()
+    groups = sample(engine, seed=3)
+    assert mean_abs_logprob_diff(perturbed, groups, PROMPTS, 0.8) <= 1e-3
+
+
+def test_greedy_matches_hf_engine(engine, tiny_policy):
+    model, tokenizer = tiny_policy
+    engine.update_weights(model)
+    kwargs = dict(n=2, max_new_tokens=12, temperature=0)
+    v_groups = engine.generate(PROMPTS, **kwargs)
+    h_groups = HFEngine(model, tokenizer).generate(PROMPTS, **kwargs)
+    for i, (vg, hg) in enumerate(zip(v_groups, h_groups, strict=True)):
+        assert len(vg) == 2 and vg[0].token_ids == vg[1].token_ids
+        assert vg[0].token_ids == hg[0].token_ids, f"prompt {i}: vLLM {vg[0].token_ids} != HF {hg[0].token_ids}"
+        assert vg[0].finish_reason == hg[0].finish_reason and vg[0].text == hg[0].text
+        assert_close(vg[0].logprobs, hg[0].logprobs, atol=1e-4, name=f"greedy logprobs, prompt {i}")
+
+
+def test_max_new_tokens_stop_tokens_and_finish_reasons(engine, tiny_policy):
+    engine.update_weights(tiny_policy[0])
+    ((free,),) = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0)
+    assert len(free.token_ids) == len(free.logprobs) == 6 and free.finish_reason == "length"
+    stop = free.token_ids[2]
+    ((cut,),) = engine.generate([PROMPTS[1]], n=1, max_new_tokens=6, temperature=0, stop_token_ids=[stop])
+    first = free.token_ids.index(stop)
+    assert cut.token_ids == free.token_ids[: first + 1] and cut.finish_reason == "stop"
+    assert cut.logprobs == pytest.approx(free.logprobs[: first + 1], abs=1e-5)
+    # a prompt two tokens short of max_model_len gets two tokens
+    ((edge,),) = engine.generate([[3] * (MAX_MODEL_LEN - 2)], n=1, max_new_tokens=10, temperature=0)
+    assert len(edge.token_ids) == 2 and edge.finish_reason == "length"
+
+
+def test_seed_makes_sampling_reproducible(engine, tiny_policy):
+    engine.update_weights(tiny_policy[0])
+    ids = lambda groups: [[c.token_ids for c in g] for g in groups]
+    a, b, c = sample(engine, seed=7), sample(engine, seed=7), sample(engine, seed=8)
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert len({tuple(x.token_ids) for x in a[0]}) > 1, "the n samples of a prompt must differ"
+
+
+def test_bad_input(engine):
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] has 64 tokens.*max_model_len=64"):
+        engine.generate([[1, 2], [1] * MAX_MODEL_LEN], n=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] holds token id 320"):
+        engine.generate([[320]], n=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_ids\[2\] is empty"):
+        engine.generate([[1], [2], []], n=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"n \(completions per prompt\) must be an int >= 1, got 0"):
+        engine.generate([[1]], n=0, max_new_tokens=2)
+    assert engine.generate([], n=4, max_new_tokens=2) == []
