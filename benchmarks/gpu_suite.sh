@@ -104,4 +104,5 @@ fi
 } >"$OUT/summary.md"
 rm -f "$OUT/.stages"
 cat "$OUT/summary.md"
+sleep 1  # let tee flush suite.log before the folder is collected
 exit "$FAILED"

@@ -64,8 +64,10 @@ class LaunchConfig:
 
 # Hopper (H100/H200), bf16/fp16: 128x128 fp32 accumulator over 8 warps (two warpgroups of wgmma,
 # 64 registers a thread for the accumulator), 3 stages of 128x64 + 128x64 bf16 operands = 96 KiB of
-# shared memory: the shape Triton's own Hopper matmul and flash-attention tutorials use. Not yet
-# tuned on the H200 (benchmarks/check_gpu.py --sweep times the alternatives).
+# shared memory: the shape Triton's own Hopper matmul and flash-attention tutorials use. Compiled for
+# sm_90 here (Triton 3.9, no GPU; tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, no
+# spills; ptxas gives the forward 255 registers a thread (one program per SM), the backward 128.
+# Not yet timed on the H200 (benchmarks/check_gpu.py --sweep times the alternatives).
 # fp32 inputs use exact fp32 products (input_precision="ieee", no tf32, like torch's default), which
 # run on FMA units: smaller tiles keep registers and shared memory in bounds. Not the fast path.
 # The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
