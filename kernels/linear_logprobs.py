@@ -359,7 +359,7 @@ def forward(hidden, weight, bias, target, temperature):
     n = hidden.shape[0]
     if n == 0:
         return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
-    return _merge_splits(_launch_fwd(hidden, weight, bias, target, temperature))
+    return _merge_splits(_launch_fwd(hidden, weight, bias, target.contiguous(), temperature))
 
 
 class _ParamGrads:
@@ -414,7 +414,7 @@ def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(T
     if not any(needs) or n == 0:
         return grads.result()
     slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
-    g = grad_logp.float().contiguous()
+    g, lse, target = grad_logp.float().contiguous(), lse.float().contiguous(), target.contiguous()
     for s, e in chunks:
         grad_logits = slab[: e - s]
         _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], temperature, grad_logits)
@@ -436,6 +436,7 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
     entropy = torch.empty_like(logp)
     if n == 0:
         return (logp, entropy, *grads.result())
+    target = target.contiguous()
     slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
     tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype).block_v), dtype=torch.float32,
                            device=hidden.device)
