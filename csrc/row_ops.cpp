@@ -3,7 +3,8 @@
 // Tensors cross the boundary as raw pointers + sizes: no torch headers, a build of seconds.
 // Each pass is an OpenMP loop over rows; the per-row kernels are compiled three times
 // (target_clones: AVX-512, AVX2, baseline x86-64) and the loader picks the best one the CPU has,
-// so the extension still runs on a CPU without AVX-512.
+// so the extension still runs on a CPU without AVX-512. Rows go to threads dynamically (4 at a
+// time): on a shared machine a descheduled thread must not hold the others at the barrier.
 //
 // exp: glibc's expf does not vectorise without -ffast-math, which would also change the
 // semantics of the rest of the file, so `exp_approx` below is a branch-free Cephes-style expf
@@ -127,7 +128,7 @@ void row_stats_impl(const T* logits, const int64_t* target, int64_t rows, int64_
 #pragma omp parallel
     {
         std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; ++r) {
             const float* x = row_f32(logits, r, vocab, buf.data());
             float s, t, m;
@@ -146,7 +147,7 @@ void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab
 #pragma omp parallel
     {
         std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; ++r) {
             float* x = const_cast<float*>(row_f32(logits, r, vocab, buf.data()));
             const float scale = g[r] * inv_t;

@@ -14,9 +14,12 @@ from typing import Callable, Optional
 
 import torch
 
-# Slab budget: 2**22 fp32 logits = 16 MiB. Bounded memory is the point; beyond this size the
-# matmuls already run at full speed on the CPU (see benchmarks/bench_loss.py).
-SLAB_ELEMENTS = 1 << 22
+# Slab budget: 32 MiB of logits (256 fp32 rows at V = 32768). Bounded memory is the point, but a
+# chunk is also the K of the grad_weight update and the M of the other two matmuls: measured
+# single-threaded on the 2-core dev CPU (N=2048, H=512, V=32768, fp32) the fused pass took 1.24x
+# the matmul floor at 16 MiB, 1.15x at 32 MiB and 1.15x at 64 MiB. 32 MiB keeps grpo_fast's
+# extra peak (slab + the gradients themselves) near 0.14x plain PyTorch's there.
+SLAB_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ def torch_grad_(logits, target, lse, g, temperature):
 TORCH_ROW_OPS = RowOps(stats=torch_stats, grad_=torch_grad_)
 
 
-def chunk_rows(n: int, vocab: int, chunk_size: Optional[int] = None) -> int:
-    return max(1, min(n, chunk_size or max(1, SLAB_ELEMENTS // vocab)))
+def chunk_rows(n: int, vocab: int, chunk_size: Optional[int] = None, itemsize: int = 4) -> int:
+    """Rows per chunk: `chunk_size`, or as many as fit SLAB_BYTES of logits of `itemsize` bytes."""
+    return max(1, min(n, chunk_size or max(1, SLAB_BYTES // (vocab * itemsize))))
 
 
 def _logits(slab, hidden_c, weight, bias, row_ops: RowOps):
@@ -75,7 +79,7 @@ def forward(row_ops: RowOps, hidden, weight, bias, target, temperature, chunk_si
     logp = hidden.new_empty(n, dtype=torch.float32)
     entropy = torch.empty_like(logp)
     lse = torch.empty_like(logp)
-    step = chunk_rows(n, vocab, chunk_size)
+    step = chunk_rows(n, vocab, chunk_size, weight.element_size())
     slab = weight.new_empty(step, vocab)
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -110,7 +114,7 @@ def _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_
     if dloss_dlogp is not None:
         logp = hidden.new_empty(n, dtype=torch.float32)
         entropy = torch.empty_like(logp)
-    step = chunk_rows(n, vocab, chunk_size)
+    step = chunk_rows(n, vocab, chunk_size, weight.element_size())
     slab = weight.new_empty(step, vocab)
     for s in range(0, n, step):
         e = min(n, s + step)

@@ -108,7 +108,7 @@ def test_upstream_gradient_is_applied(backend):
     for scale in (3.0, -0.5):
         _, _, grads = run_fused(case, inputs, backend, grad_scale=scale)
         _, _, ref = run_reference(case, inputs, grad_scale=scale)
-        for what, got, exp in zip(("hidden", "weight"), grads, ref, strict=True):
+        for what, got, exp in zip(("hidden", "weight"), grads[:2], ref[:2], strict=True):
             assert_close(got, exp, atol=1e-5, rtol=1e-4, name=f"{backend} grad {what} at scale {scale}")
 
 
@@ -126,3 +126,16 @@ def test_no_grad_inputs(backend):
     ref_loss, _, _ = run_reference(case, inputs)
     assert not loss.requires_grad
     assert_close(loss, ref_loss, atol=1e-6, name="loss")
+
+
+@pytest.mark.parametrize("backend", backend_params(triton=False))
+@pytest.mark.parametrize("name", ["is_weights", "bf16", "bf16_seq", "empty_row_seq"])
+def test_many_chunks(backend, name, monkeypatch):
+    """A slab of 3 rows: the chunk loop (slab reuse, ragged last chunk, grad_weight summed over
+    chunks, in bf16 too) gives the spec's answer."""
+    from grpo_fast.ops import chunked
+
+    case = OPTION_CASES[name]
+    monkeypatch.setattr(chunked, "SLAB_BYTES", 3 * case.V * torch.finfo(case.dtype).bits // 8)
+    assert chunked.chunk_rows(case.B * case.T, case.V, itemsize=torch.finfo(case.dtype).bits // 8) == 3
+    _check_against_spec(case, backend)
