@@ -56,7 +56,7 @@ from .hf_causal_lm import causal_lm_of, check_fusable, completion_hidden_states,
 SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # grpo, bnpo, dr_grpo, dapo: the aggregations the fused loss implements
 # Model inputs of vision-language models: the decoder-only path here does not feed them
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                   "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles")
+                   "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles", "num_images")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ class FastGRPOMixin:
         return self._compute_loss(model, inputs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, num_images=None, **extra):
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
         """TRL's per-token log-probs `[B, logits_to_keep]` (and entropies), 0 outside the attention mask,
         here without logits. Used for the old-policy and reference passes (under no_grad)."""
         if compute_aux_loss:

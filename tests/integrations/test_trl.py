@@ -259,3 +259,23 @@ def test_trl_version_checked(monkeypatch):
     monkeypatch.setattr(metadata, "version", missing)
     with pytest.raises(ImportError, match="needs TRL"):
         integration._check_trl_version()
+
+
+def test_eval_mode_loss_matches_trl(pair):
+    """prediction_step's path: no grad, eval mode (no accumulation scaling), metrics under 'eval'."""
+    stock, fast, inputs = pair
+    _configure((stock, fast), loss_type="dapo", beta=0.1, importance_sampling_level="token", delta=None)
+    losses, logged = [], []
+    for trainer in (stock, fast):
+        trainer.model.eval()
+        trainer._metrics["eval"].clear()
+        try:
+            with torch.no_grad():
+                losses.append(trainer.compute_loss(trainer.model, inputs))
+        finally:
+            trainer.model.train()
+        logged.append({k: v[-1] for k, v in trainer._metrics["eval"].items()})
+    assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-5, name="eval loss")
+    assert logged[1].keys() == logged[0].keys()
+    for key in logged[0]:
+        assert_close(logged[1][key], logged[0][key], atol=1e-5, rtol=1e-5, name=f"eval metric {key}")
