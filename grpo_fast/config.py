@@ -70,7 +70,7 @@ class GRPOConfig:
     per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.")
     gradient_accumulation_steps: int = _f(1, "Accumulation steps per optimizer step (TRL); only the product with per_device_train_batch_size matters here.")
     steps_per_generation: int = _f(1, "Optimizer steps fed by one generation batch (TRL).")
-    max_tokens_per_microbatch: int = _f(2048, "Token budget of one packed micro-batch (prompt + completion tokens). On the CPU the block-diagonal attention mask costs O(budget^2): keep it small there.")
+    max_tokens_per_microbatch: Optional[int] = _f(None, "Token budget of one packed micro-batch (prompt + completion tokens). None: 1024 on the CPU, where the dense block-diagonal attention mask costs O(budget^2) (at 1024 about a third of the layer's matmuls for SmolLM2), 16384 on CUDA; at least one whole sequence either way.")
     shuffle_dataset: bool = _f(True, "Shuffle the training prompts each epoch (seeded, so a resumed run sees the same order).")
 
     # ---- objective ---------------------------------------------------------------------------
@@ -85,10 +85,11 @@ class GRPOConfig:
     multi_objective_aggregation: str = _f("sum_then_normalize", "With several rewards: weight-sum then normalise (TRL), or normalise each then sum.", REWARD_AGGREGATIONS)
     num_iterations: int = _f(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.")
     mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss (DAPO).")
-    vllm_importance_sampling_correction: bool = _f(True, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward; skipped when the engine shares the policy's weights).")
+    vllm_importance_sampling_correction: Optional[bool] = _f(None, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward per generation batch; never with the HF engine, which samples with the policy itself). None: on when training in bf16/fp16, off in float32, where vLLM and the trainer agree (measured on SmolLM2, CPU: mean |diff| 6e-6).")
     vllm_importance_sampling_mode: str = _f("sequence_mask", "IS correction mode (TRL): truncate clamps the ratio at the cap; mask zeroes it beyond the cap; per token or per sequence.", IS_MODES)
     vllm_importance_sampling_cap: float = _f(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).")
     vllm_importance_sampling_clip_min: Optional[float] = _f(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
+    sampling_check_steps: int = _f(10, "Every this many steps, compute the trainer's log-probs of the sampled tokens even when nothing else needs them, to log sampling/logp_diff_mean (engine vs trainer). 0: only when they are computed anyway.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full.")
     dynamic_sampling_max_rounds: int = _f(4, "Most extra generation rounds dynamic sampling runs per batch before training on what it has.")
     loss_backend: str = _f("auto", "Fused loss backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch.", ("auto", "triton", "cpu", "torch"))
@@ -135,6 +136,12 @@ class GRPOConfig:
     def prompts_per_generation(self) -> int:
         """Prompts sampled per generation batch."""
         return self.completions_per_step * self.steps_per_generation // self.num_generations
+
+    def token_budget(self, cuda: bool) -> int:
+        """max_tokens_per_microbatch, or its device default, never below one whole sequence."""
+        if self.max_tokens_per_microbatch is not None:
+            return self.max_tokens_per_microbatch
+        return max(16384 if cuda else 1024, (self.max_prompt_length or 0) + self.max_completion_length)
 
     @property
     def use_bf16(self) -> Optional[bool]:
@@ -206,10 +213,11 @@ def _validate(c: GRPOConfig) -> None:
     for name in positive_ints:
         if getattr(c, name) < 1:
             _fail(name, getattr(c, name), "an integer >= 1")
-    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k"):
+    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k", "sampling_check_steps"):
         if getattr(c, name) < 0:
             _fail(name, getattr(c, name), "an integer >= 0")
-    for name in ("max_prompt_length", "eval_max_completion_length", "vllm_max_model_length", "save_total_limit"):
+    for name in ("max_prompt_length", "eval_max_completion_length", "vllm_max_model_length", "save_total_limit",
+                 "max_tokens_per_microbatch"):
         if getattr(c, name) is not None and getattr(c, name) < 1:
             _fail(name, getattr(c, name), "None or an integer >= 1")
     if c.num_generations < 2:
@@ -244,7 +252,7 @@ def _validate(c: GRPOConfig) -> None:
         _fail("vllm_importance_sampling_clip_min", c.vllm_importance_sampling_clip_min,
               f"None or a number in [0, vllm_importance_sampling_cap={c.vllm_importance_sampling_cap})")
     longest = (c.max_prompt_length or 0) + c.max_completion_length
-    if c.max_tokens_per_microbatch < max(longest, 1):
+    if c.max_tokens_per_microbatch is not None and c.max_tokens_per_microbatch < max(longest, 1):
         _fail("max_tokens_per_microbatch", c.max_tokens_per_microbatch,
               f"an integer >= max_prompt_length + max_completion_length ({longest}): one sequence must fit")
     if c.reward_weights is not None:

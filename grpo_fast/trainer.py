@@ -67,14 +67,16 @@ class GRPOTrainer:
         self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
         self.ref_model = setup.frozen_copy(self.model) if config.beta > 0 else None
         self.engine = engine if engine is not None else setup.build_engine(config, self.model, self.tokenizer, self.model_path)
-        self.packer = Packer(self.model, config.max_tokens_per_microbatch)
+        self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda))
         self.loss_options = LossOptions.from_config(config)
         self.optimizer = setup.build_optimizer(self.model, config)
         self.scheduler = setup.build_scheduler(self.optimizer, config)
         self.state = TrainState()
         # the HF engine samples with the policy itself: its log-probs are the trainer's, no IS needed
         self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
-        self.use_is = config.vllm_importance_sampling_correction and not self.engine_shares_weights
+        use_is = config.vllm_importance_sampling_correction
+        use_is = setup.train_dtype(config) != torch.float32 if use_is is None else use_is
+        self.use_is = use_is and not self.engine_shares_weights
         self.needs_old_logp = config.num_iterations > 1 or config.steps_per_generation > 1 or self.use_is
         self.metrics_logger = None
 
@@ -202,9 +204,12 @@ class GRPOTrainer:
         c, stats = self.config, {}
         compute = lambda m: completion_logprobs(m, self.packer, batch.prompt_ids, batch.completion_ids,
                                                temperature=c.temperature, backend=c.loss_backend)
-        if self.needs_old_logp:
-            batch.old_logp = compute(self.model)
-            stats.update(_sampling_stats(batch.old_logp, batch.sampling_logp))
+        check = c.sampling_check_steps and self.state.step % c.sampling_check_steps == 0
+        if self.needs_old_logp or check:
+            old_logp = compute(self.model)
+            stats.update(_sampling_stats(old_logp, batch.sampling_logp))
+            # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
+            batch.old_logp = old_logp if self.needs_old_logp else None
         if self.use_is:
             batch.is_weights = [importance_weights(o, s, mode=c.vllm_importance_sampling_mode, cap=c.vllm_importance_sampling_cap,
                                                    clip_min=c.vllm_importance_sampling_clip_min)

@@ -15,7 +15,7 @@ TRL_NAMES = [
     "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl", "entropy",
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "learning_rate", "grad_norm",
     "tokens_per_second", "step_time", "time/generate", "time/reward", "time/logprob", "time/train",
-    "time/weight_sync", "rewards/non_finite", "skipped_steps",
+    "time/weight_sync", "rewards/non_finite", "skipped_steps", "sampling/logp_diff_mean",
 ]
 
 

@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason=
 def test_vllm_engine_steps_with_weight_sync(tmp_path, tiny):
     model, tokenizer = tiny
     c = config(tmp_path, engine="vllm", max_steps=3, eval_before_train=False, save_final=False,
-               vllm_importance_sampling_mode="token_truncate")
+               vllm_importance_sampling_correction=True,
+               vllm_importance_sampling_mode="token_truncate", sampling_check_steps=1)
     trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
     assert not trainer.engine_shares_weights and trainer.use_is
     trainer.train()
