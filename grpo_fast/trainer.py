@@ -103,8 +103,12 @@ class GRPOTrainer:
         last = {}
         if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
             last = self._log_eval(bar)
+        deadline = None if c.max_train_minutes is None else time.perf_counter() + 60 * c.max_train_minutes
         try:
             while self.state.step < c.max_steps:
+                if deadline is not None and time.perf_counter() > deadline:
+                    bar.print(f"max_train_minutes={c.max_train_minutes} reached after {self.state.step} steps: stopping")
+                    break
                 last = self._train_generation_batch(bar) or last
         finally:
             bar.close()

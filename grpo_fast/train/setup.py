@@ -88,7 +88,7 @@ def load_policy(config, model=None, tokenizer=None):
     if model is None:
         from .. import models
 
-        path = config.model or models.default_model_path()
+        path = models.resolve_model_path(config.model or "default")
         model, loaded_tokenizer = models.load_policy(path, dtype=train_dtype(config))
         tokenizer = tokenizer or loaded_tokenizer
     elif tokenizer is None:

@@ -58,3 +58,19 @@ def test_builtin_task_has_disjoint_held_out_split():
     train, held_out = datasets_from_config(GRPOConfig(task_train_size=300, eval_max_samples=50))
     assert len(train) == 300 and len(held_out) == 50
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
+
+
+def test_train_then_eval_from_the_command_line(tmp_path, tiny_path, capsys):
+    import json
+
+    out = tmp_path / "run"
+    argv = ["--model", tiny_path, "--engine", "hf", "--max_steps", "1", "--output_dir", str(out), "--num_generations", "4",
+            "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--eval_max_samples", "4",
+            "--task_train_size", "8", "--disable_tqdm"]
+    assert main(["train", *argv]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and [s for s, _ in summary["eval_history"]] == [0, 1]
+    assert "held-out accuracy" in capsys.readouterr().out
+    assert main(["eval", *argv[:2], "--model", str(out / "final"), "--engine", "hf", "--eval_max_samples", "4",
+                 "--max_completion_length", "8"]) == 0
+    assert "eval/accuracy" in json.loads(capsys.readouterr().out)
