@@ -168,6 +168,8 @@ class FastGRPOMixin:
         with self.accelerator.autocast():
             hidden = completion_hidden_states(lm, input_ids, attention_mask, completion_ids.size(1))
         hidden = hidden.to(weight.dtype)
+        if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
+            hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
         loss_options = dict(
             old_logp=old, ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
             epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
