@@ -42,11 +42,11 @@ PRESETS = {
     # B x T x H x V. The first CPU size is issue 3's target; the others are SmolLM2 and a
     # Qwen2.5-0.5B head.
     "cpu": dict(sizes=["4x512x512x32768", "2x512x576x49152", "1x1024x896x151936"], dtype="float32",
-                impls=["floor", "plain", "liger", "torch", "cpu"], warmup=1, repeats=3, rounds=2),
+                impls=["floor", "plain", "liger", "torch", "cpu"], warmup=1, repeats=3, rounds=2, budget=None),
     # Qwen2.5-0.5B and 7B heads (H 896 / 3584, V 151936), N up to 32k tokens.
     "cuda": dict(sizes=["8x512x896x151936", "16x1024x896x151936", "32x1024x896x151936",
                         "16x1024x3584x151936", "32x1024x3584x151936"], dtype="bfloat16",
-                 impls=["floor", "triton", "plain", "torch", "liger"], warmup=2, repeats=5, rounds=1),
+                 impls=["floor", "triton", "plain", "torch", "liger"], warmup=2, repeats=5, rounds=1, budget=150),
 }
 GRPO_FAST = ("torch", "cpu", "triton")
 
@@ -183,14 +183,14 @@ def worker(impl, sizes, dtype_name, device, warmup, repeats):
 # ------------------------------------------------------------------------------------------------
 
 
-def run_worker(args, impl, sizes):
+def run_worker(args, impl, sizes, timeout):
     cmd = [sys.executable, __file__, "--worker", impl, "--device", args.device, "--dtype", args.dtype,
            "--sizes", ",".join(sizes), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return [dict(impl=impl, size=s, failed=f"timed out after {args.timeout}s") for s in sizes]
+        return [dict(impl=impl, size=s, failed=f"timed out after {timeout:.0f}s") for s in sizes]
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     done = {r["size"] for r in rows}
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -296,11 +296,13 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--rounds", type=int, help="interleaved rounds over all implementations")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run; workers that would start "
+                        "later are skipped and marked (default: none on cpu, 150 on cuda, to fit gpu_suite.sh)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.device]
-    for key in ("dtype", "warmup", "repeats", "rounds"):
+    for key in ("dtype", "warmup", "repeats", "rounds", "budget"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     sizes = args.sizes.split(",") if args.sizes else preset["sizes"]
@@ -313,12 +315,17 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"loss_{args.device}"
     rows = []
+    deadline = time.monotonic() + (args.budget or float("inf"))
     for r in range(args.rounds):
         for impl in impls:
             # CPU: one process per (impl, size), since peak RSS only grows; GPU: one per impl
             groups = [[s] for s in sizes] if args.device == "cpu" else [sizes]
             for group in groups:
-                new = run_worker(args, impl, group)
+                left = deadline - time.monotonic()
+                if left < 10:
+                    new = [dict(impl=impl, size=s, failed=f"skipped: --budget {args.budget:.0f}s spent") for s in group]
+                else:
+                    new = run_worker(args, impl, group, min(args.timeout, left))
                 rows += new
                 for row in new:
                     t = min(row["times_s"]) if "times_s" in row else None

@@ -17,8 +17,8 @@ import torch
 # Slab budget: 32 MiB of logits (256 fp32 rows at V = 32768). Bounded memory is the point, but a
 # chunk is also the K of the grad_weight update and the M of the other two matmuls: measured
 # single-threaded on the 2-core dev CPU (N=2048, H=512, V=32768, fp32) the fused pass took 1.24x
-# the matmul floor at 16 MiB, 1.15x at 32 MiB and 1.15x at 64 MiB. 32 MiB keeps grpo_fast's
-# extra peak (slab + the gradients themselves) near 0.14x plain PyTorch's there.
+# the matmul floor at 16 MiB, 1.15x at 32 MiB and 1.15x at 64 MiB. At 32 MiB grpo_fast's extra
+# peak there is ~123 MB (slab + the gradients themselves + matmul scratch): 0.11x plain PyTorch's.
 SLAB_BYTES = 32 << 20
 
 

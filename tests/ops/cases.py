@@ -61,6 +61,7 @@ class Case:
     temperature: float = 0.7
     options: dict = field(default_factory=dict)
     seed: int = 0
+    device: str = "cpu"
 
     def __str__(self):
         parts = [f"B{self.B}T{self.T}H{self.H}V{self.V}", str(self.dtype).replace("torch.", ""), self.mask]
@@ -99,7 +100,7 @@ def make_inputs(case: Case) -> dict:
         inputs["ref_logp"] = true_logp + 0.5 * torch.randn(B, T, generator=g)
     if case.is_weights:
         inputs["is_weights"] = torch.rand(B, T, generator=g) * 1.5 + 0.25
-    return inputs
+    return {k: None if v is None else v.to(case.device) for k, v in inputs.items()}
 
 
 def logits64(hidden, weight, bias):
