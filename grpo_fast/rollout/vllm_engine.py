@@ -18,6 +18,7 @@ Then the prefix cache is reset (cached KV blocks were computed by the old weight
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -92,21 +93,23 @@ class VLLMEngine(RolloutEngine):
         self.on_cpu = current_platform.is_cpu()
         vllm_kwargs.setdefault("enforce_eager", self.on_cpu)  # CPU: torch.compile warm-up costs ~40 s, gains little
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode,
-            logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k / top-p
-            **vllm_kwargs,
-        )
-        # The CPU worker replaces torch.set_num_threads process-wide by a no-op (for its thread
-        # binding), and the GPU worker drops torch to 1 thread "for serving". In-process that
-        # would be the trainer's thread count too: give both back.
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(threads)
+        try:
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=enable_sleep_mode,
+                logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k / top-p
+                **vllm_kwargs,
+            )
+        finally:
+            # The CPU worker replaces torch.set_num_threads process-wide by a no-op (for its thread
+            # binding), and the GPU worker drops torch to 1 thread "for serving". In-process that
+            # would be the trainer's thread count too: give both back.
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
 
         self.model_path = model_path
         self.max_model_len = int(max_model_len)
@@ -116,6 +119,7 @@ class VLLMEngine(RolloutEngine):
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -172,7 +176,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("update_weights on a sleeping engine: call wake() first")
         stream = self._prepare(_named_tensors(weights))
         if self.on_cpu:
-            self._worker.model_runner.reload_weights(weights_iterator=stream)
+            with _quiet_expected_reload_warnings(self.tied_embeddings):
+                self._worker.model_runner.reload_weights(weights_iterator=stream)
             self._repack_tied_lm_head()
         else:
             for bucket in self._buckets(stream):
@@ -194,11 +199,10 @@ class VLLMEngine(RolloutEngine):
 
     def _prepare(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Drop what vLLM does not hold (the tied lm_head) and cast to the engine's dtype, lazily."""
-        dtype = next(self.model.parameters()).dtype
         for name, tensor in pairs:
             if self.tied_embeddings and name.endswith("lm_head.weight"):
                 continue  # vLLM's lm_head *is* embed_tokens here
-            yield name, tensor.to(dtype=dtype) if tensor.is_floating_point() else tensor
+            yield name, tensor.to(dtype=self.dtype) if tensor.is_floating_point() else tensor
 
     def _buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Lists of (name, tensor on the engine's device) of about `bucket_bytes` each."""
@@ -248,6 +252,25 @@ class VLLMEngine(RolloutEngine):
         destroy_model_parallel()
         destroy_distributed_environment()
         gc.collect()
+
+
+@contextlib.contextmanager
+def _quiet_expected_reload_warnings(tied_embeddings: bool):
+    """Drop the layerwise reload's "<Layer>: Failed to load weights" for layers that have nothing
+    to load by design: rotary embeddings (no weights) and, when tied, the lm_head (it is the
+    embedding). Any other layer that fails to load still warns."""
+    expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_embeddings else set())
+
+    def keep(record: logging.LogRecord) -> bool:
+        layer, _, rest = record.getMessage().partition(": ")
+        return not (rest == "Failed to load weights" and layer in expected)
+
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        reload_logger.removeFilter(keep)
 
 
 _logged: set[str] = set()
