@@ -7,10 +7,12 @@ policy itself). `make_engine` picks one. Importing this package does not import 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from .base import Completion, RolloutEngine, SamplingRequest
 
 ENGINES = ("auto", "vllm", "hf")
+HF_OPTIONS = ("max_model_len", "batch_size")  # HFEngine's keyword options
 
 
 def vllm_available() -> bool:
@@ -23,7 +25,8 @@ def make_engine(kind: str = "auto", *, model=None, tokenizer=None, model_path=No
 
     kind: "vllm" (needs `model_path`, a folder vLLM can load), "hf" (needs `model` and
     `tokenizer`, the live policy), or "auto": vLLM when importable and a `model_path` is given,
-    HF otherwise. Remaining keyword arguments go to the engine's constructor.
+    HF otherwise. Remaining keyword arguments go to the engine's constructor (the HF engine takes
+    only `max_model_len` and `batch_size` and ignores vLLM's options).
     """
     if kind not in ENGINES:
         raise ValueError(f"kind must be one of {list(ENGINES)}, got {kind!r}")
@@ -39,7 +42,13 @@ def make_engine(kind: str = "auto", *, model=None, tokenizer=None, model_path=No
         raise ValueError("kind='hf' needs model= and tokenizer= (the policy module and its tokenizer)")
     from .hf_engine import HFEngine
 
-    return HFEngine(model, tokenizer, **engine_kwargs)
+    # "auto" may fall back here with vLLM's options (dtype, seed, gpu_memory_utilization, ...):
+    # the HF engine uses the policy as it is, so only its own options apply.
+    hf_options = {k: v for k, v in engine_kwargs.items() if k in HF_OPTIONS}
+    ignored = sorted(set(engine_kwargs) - set(hf_options))
+    if ignored:
+        logging.getLogger(__name__).info("HFEngine ignores vLLM-only options %s", ignored)
+    return HFEngine(model, tokenizer, **hf_options)
 
 
 def __getattr__(name):  # lazy: the engines import torch / transformers / vllm

@@ -46,3 +46,8 @@ def test_make_engine_checks_its_arguments():
         make_engine("hf")
     with pytest.raises(ValueError, match="kind='vllm' needs model_path"):
         make_engine("vllm")
+
+
+def test_make_engine_auto_without_path_is_hf_and_drops_vllm_options(tiny_policy):
+    engine = make_engine("auto", model=tiny_policy[0], tokenizer=tiny_policy[1], dtype="float32", max_model_len=32)
+    assert type(engine).__name__ == "HFEngine" and engine.max_model_len == 32
