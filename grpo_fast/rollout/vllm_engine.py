@@ -201,7 +201,7 @@ class VLLMEngine(RolloutEngine):
         """Drop what vLLM does not hold (the tied lm_head) and cast to the engine's dtype, lazily."""
         for name, tensor in pairs:
             if self.tied_embeddings and name.endswith("lm_head.weight"):
-                continue  # vLLM's lm_head *is* embed_tokens here
+                continue  # vLLM ties its lm_head to embed_tokens and skips this name anyway
             yield name, tensor.to(dtype=self.dtype) if tensor.is_floating_point() else tensor
 
     def _buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
