@@ -170,6 +170,8 @@ def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
 
 
 def main(argv=None) -> int:
+    # vLLM's per-request INFO lines would bury the progress bar; its warnings still show
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "bench":

@@ -123,44 +123,47 @@ class GRPOTrainer:
         return last
 
     def _train_generation_batch(self, bar) -> dict:
-        c, times = self.config, {}
-        batch, sampling_stats = self._generate_and_score(times)
-        batch.advantages = setup.advantages(batch.rewards, c)
+        """One generation batch through every stage; returns the last logged metrics."""
+        c, times, first_step = self.config, {}, self.state.step
+        batch, stats = self._generate_and_score(times)  # generate, score
+        batch.advantages = setup.advantages(batch.rewards, c)  # advantages
         with _timed(times, "time/logprob"):
-            logp_stats = self._side_inputs(batch)
-        steps = _split_groups(len(batch) // c.num_generations, c.steps_per_generation)
-        logged, saved = {}, False
-        round_steps = min(c.num_iterations * len(steps), c.max_steps - self.state.step)
-        shared = {k: v / round_steps for k, v in times.items()}  # round costs, spread over its steps
-        shared["time/weight_sync"] = 0.0
-        done = 0
-        for _ in range(c.num_iterations):
-            for groups in steps:
-                if self.state.step >= c.max_steps:
-                    break
-                part = batch.select([g * c.num_generations + j for g in groups for j in range(c.num_generations)])
-                start = time.perf_counter()
-                step_metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, c.max_grad_norm)
-                train_time = _sync_time(start)
-                with warnings.catch_warnings():  # a skipped step still advances the schedule
-                    warnings.simplefilter("ignore", UserWarning)
-                    self.scheduler.step()
-                self.state.step += 1
-                done += 1
-                self.state.skipped_steps += int(step_metrics["skipped"])
-                if step_metrics["skipped"]:
-                    bar.print(f"step {self.state.step}: non-finite loss or gradient, step skipped (weights untouched)")
-                if done == round_steps:  # the round's last step pays for the weight sync
-                    with _timed(shared, "time/weight_sync"):
-                        self._sync_weights()
-                metrics = self._step_metrics(part, batch, step_metrics, sampling_stats, logp_stats, shared, train_time)
-                logged = self._log(metrics, bar)
-                saved |= c.save_steps > 0 and self.state.step % c.save_steps == 0
-                if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
-                    logged = self._log_eval(bar) or logged
-        if saved or (c.save_steps and self.state.step >= c.max_steps and self.state.step % c.save_steps == 0):
-            self._save()  # at the round's end, where a resumed run can pick up exactly
+            stats.update(self._side_inputs(batch))  # old / reference log-probs, IS weights
+        parts = self._step_slices(batch)
+        logged = {}
+        for k, part in enumerate(parts):  # train steps
+            start = time.perf_counter()
+            step_metrics = self._optimizer_step(part, bar)
+            step_times = {name: t / len(parts) for name, t in times.items()}  # round costs, spread over its steps
+            step_times["time/train"] = _sync_time(start)
+            with _timed(step_times, "time/weight_sync"):
+                if k == len(parts) - 1:
+                    self._sync_weights()  # sync
+            logged = self._log(self._step_metrics(part, batch, step_metrics, stats, step_times), bar)
+            if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
+                logged = self._log_eval(bar) or logged
+        if c.save_steps and self.state.step // c.save_steps > first_step // c.save_steps:
+            self._save()  # at the round's end (a save_steps multiple was crossed): resumes exactly
         return logged
+
+    def _step_slices(self, batch: Rollouts) -> list[Rollouts]:
+        """The optimizer steps a generation batch feeds: μ passes over steps_per_generation slices
+        of whole groups, cut short at max_steps."""
+        G = self.config.num_generations
+        slices = _split_groups(len(batch) // G, self.config.steps_per_generation)
+        parts = [batch.select([g * G + j for g in groups for j in range(G)]) for groups in slices]
+        return (parts * self.config.num_iterations)[: self.config.max_steps - self.state.step]
+
+    def _optimizer_step(self, part: Rollouts, bar) -> dict:
+        metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, self.config.max_grad_norm)
+        with warnings.catch_warnings():  # a skipped step still advances the schedule
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
+        self.state.step += 1
+        if metrics["skipped"]:
+            self.state.skipped_steps += 1
+            bar.print(f"step {self.state.step}: non-finite loss or gradient, step skipped (weights untouched)")
+        return metrics
 
     # ---- stages ------------------------------------------------------------------------------
 
@@ -279,15 +282,11 @@ class GRPOTrainer:
 
     # ---- metrics, checkpoints ----------------------------------------------------------------
 
-    def _step_metrics(self, part: Rollouts, batch: Rollouts, step_metrics: dict, sampling_stats: dict, logp_stats: dict,
-                      shared: dict, train_time: float) -> dict:
-        c = self.config
-        m = setup.reward_metrics(part, self.reward_funcs, c)
-        m.update(sampling_stats)
-        m.update(logp_stats)
-        m.update({k: v for k, v in step_metrics.items() if k not in ("skipped",)})
-        m.update(shared)
-        m["time/train"] = train_time
+    def _step_metrics(self, part: Rollouts, batch: Rollouts, step_metrics: dict, stats: dict, times: dict) -> dict:
+        m = setup.reward_metrics(part, self.reward_funcs, self.config)
+        m.update(stats)
+        m.update({k: v for k, v in step_metrics.items() if k != "skipped"})
+        m.update(times)
         m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
         tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))
         m["tokens_per_second"] = tokens / max(m["step_time"], 1e-9)
