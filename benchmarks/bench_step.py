@@ -61,7 +61,7 @@ def run_grpo_fast(args) -> dict:
     from grpo_fast.trainer import GRPOTrainer
 
     out = Path(args.workdir) / "grpo_fast"
-    c = GRPOConfig(num_generations=args.n, per_device_train_batch_size=args.prompts * args.n,
+    c = GRPOConfig(model=args.model, num_generations=args.n, per_device_train_batch_size=args.prompts * args.n,
                    max_completion_length=args.max_new_tokens, max_steps=args.steps, learning_rate=1e-6,
                    output_dir=str(out), disable_tqdm=True, save_final=False, eval_before_train=False,
                    sampling_check_steps=0, engine=args.engine)
@@ -101,38 +101,30 @@ def run_trl(args) -> dict:
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self.start)
 
-    path = default_model_path()
+    path = args.model or default_model_path()
     rows = _rows(args.prompts) * (args.steps + 1)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
-    attempts = [("vllm colocate", dict(use_vllm=True, vllm_mode="colocate")), ("transformers generate", {})]
-    errors = {}
-    for name, extra in attempts if args.engine != "hf" else attempts[1:]:
-        timer = StepTimer()
-        try:
-            config = GRPOConfig(
-                output_dir=str(Path(args.workdir) / "trl"), per_device_train_batch_size=args.prompts * args.n,
-                num_generations=args.n, max_completion_length=args.max_new_tokens, max_steps=args.steps,
-                learning_rate=1e-6, beta=0.0, loss_type="dapo", gradient_checkpointing=False, bf16=False,
-                logging_steps=1, save_strategy="no", report_to="none", temperature=1.0, seed=0,
-                use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, **extra,
-            )
-            trainer = GRPOTrainer(model=path, reward_funcs=[math_reward, format_reward], args=config,
-                                  train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                                  callbacks=[timer])
-            trainer.train()
-        except Exception as err:  # record why, try the next configuration
-            errors[name] = f"{type(err).__name__}: {str(err)[:300]}"
-            continue
-        logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
-        timed = timer.times[1:] or timer.times
-        return {
-            "trainer": "trl", "engine": name, "trl_version": __import__("trl").__version__,
-            "step_time_s": sum(timed) / len(timed),
-            "mean_completion_length": sum(h["completions/mean_length"] for h in logs[1:] or logs) / len(logs[1:] or logs),
-            "peak_memory_mb": _peak_memory_mb(), "steps_timed": len(timed), "failed_configs": errors,
-        }
-    raise RuntimeError(f"no TRL configuration ran: {errors}")
+    name, extra = ("vllm colocate", dict(use_vllm=True, vllm_mode="colocate")) if args.trl_vllm else ("transformers generate", {})
+    timer = StepTimer()
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"), per_device_train_batch_size=args.prompts * args.n,
+        num_generations=args.n, max_completion_length=args.max_new_tokens, max_steps=args.steps,
+        learning_rate=1e-6, beta=0.0, loss_type="dapo", gradient_checkpointing=False, bf16=False,
+        logging_steps=1, save_strategy="no", report_to="none", temperature=1.0, seed=0,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, **extra,
+    )
+    trainer = GRPOTrainer(model=path, reward_funcs=[math_reward, format_reward], args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    timed, logged = timer.times[1:] or timer.times, logs[1:] or logs
+    return {
+        "trainer": "trl", "engine": name, "trl_version": __import__("trl").__version__,
+        "step_time_s": sum(timed) / len(timed),
+        "mean_completion_length": sum(h["completions/mean_length"] for h in logged) / len(logged),
+        "peak_memory_mb": _peak_memory_mb(), "steps_timed": len(timed),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,10 +132,10 @@ def run_trl(args) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _run_worker(which: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", which, "--steps", str(args.steps), "--prompts", str(args.prompts),
+def _run_worker(which: str, args, *extra: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", which, *extra, "--steps", str(args.steps), "--prompts", str(args.prompts),
            "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens), "--workdir", args.workdir,
-           "--engine", args.engine]
+           "--engine", args.engine] + (["--model", args.model] if args.model else [])
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -190,9 +182,11 @@ def main():
     parser.add_argument("--n", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--engine", default="auto", choices=["auto", "hf"], help="hf: both trainers use transformers generate")
+    parser.add_argument("--model", default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--workdir", default="/tmp/grpo_fast_bench_step")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per trainer")
     parser.add_argument("--worker", choices=["grpo_fast", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--trl-vllm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         result = run_grpo_fast(args) if args.worker == "grpo_fast" else run_trl(args)
@@ -208,7 +202,13 @@ def main():
         "memory_kind": "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
     }
     report["grpo_fast"] = _run_worker("grpo_fast", args)
-    report["trl"] = _run_worker("trl", args)
+    # TRL: with vLLM colocated first (its fastest), else transformers generate; each in a fresh process
+    report["trl"] = _run_worker("trl", args, "--trl-vllm") if args.engine != "hf" else {"error": "skipped (--engine hf)"}
+    if "error" in report["trl"]:
+        lines = report["trl"]["error"].strip().splitlines()
+        failed = {"vllm colocate": next((x for x in reversed(lines) if "Error" in x), lines[-1])[-300:]}
+        report["trl"] = _run_worker("trl", args)
+        report["trl"]["failed_configs"] = failed
     if "step_time_s" in report["grpo_fast"] and "step_time_s" in report["trl"]:
         report["ratio"] = report["grpo_fast"]["step_time_s"] / report["trl"]["step_time_s"]
     suffix = "gpu" if torch.cuda.is_available() else "cpu"

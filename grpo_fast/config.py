@@ -70,7 +70,7 @@ class GRPOConfig:
     per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.")
     gradient_accumulation_steps: int = _f(1, "Accumulation steps per optimizer step (TRL); only the product with per_device_train_batch_size matters here.")
     steps_per_generation: int = _f(1, "Optimizer steps fed by one generation batch (TRL).")
-    max_tokens_per_microbatch: Optional[int] = _f(None, "Token budget of one packed micro-batch (prompt + completion tokens). None: 1024 on the CPU, where the dense block-diagonal attention mask costs O(budget^2) (at 1024 about a third of the layer's matmuls for SmolLM2), 16384 on CUDA; at least one whole sequence either way.")
+    max_tokens_per_microbatch: Optional[int] = _f(None, "Token budget of one packed micro-batch (prompt + completion tokens). None: 1024 on the CPU, where the dense block-diagonal attention mask costs O(budget^2) (at 1024 about a third of the layer's matmuls for SmolLM2), 8192 on CUDA (flash-attention varlen needs no mask; SDPA's dense mask is 64 MB there); at least one whole sequence either way.")
     shuffle_dataset: bool = _f(True, "Shuffle the training prompts each epoch (seeded, so a resumed run sees the same order).")
 
     # ---- objective ---------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class GRPOConfig:
         """max_tokens_per_microbatch, or its device default, never below one whole sequence."""
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
-        return max(16384 if cuda else 1024, (self.max_prompt_length or 0) + self.max_completion_length)
+        return max(8192 if cuda else 1024, (self.max_prompt_length or 0) + self.max_completion_length)
 
     @property
     def use_bf16(self) -> Optional[bool]:
