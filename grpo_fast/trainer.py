@@ -29,7 +29,7 @@ from .config import GRPOConfig
 from .train import setup
 from .train.forward import Packer, completion_logprobs
 from .train.rollouts import Rollouts, from_engine, importance_weights, reward_name, score, zero_std_groups
-from .train.step import LossOptions, train_step
+from .train.step import LossOptions, train_step, trainable_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,12 @@ class GRPOTrainer:
         with _timed(times, "time/logprob"):
             stats.update(self._side_inputs(batch))  # old / reference log-probs, IS weights
         parts = self._step_slices(batch)
+        # dapo: TRL's normaliser, the generation batch's tokens shared evenly by its step slices
+        num_items = trainable_tokens(batch, self.loss_options) / min(c.steps_per_generation, len(batch) // c.num_generations)
         logged = {}
         for k, part in enumerate(parts):  # train steps
             start = time.perf_counter()
-            step_metrics = self._optimizer_step(part, bar)
+            step_metrics = self._optimizer_step(part, num_items, bar)
             step_times = {name: t / len(parts) for name, t in times.items()}  # round costs, spread over its steps
             step_times["time/train"] = _sync_time(start)
             with _timed(step_times, "time/weight_sync"):
@@ -154,8 +156,9 @@ class GRPOTrainer:
         parts = [batch.select([g * G + j for g in groups for j in range(G)]) for groups in slices]
         return (parts * self.config.num_iterations)[: self.config.max_steps - self.state.step]
 
-    def _optimizer_step(self, part: Rollouts, bar) -> dict:
-        metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, self.config.max_grad_norm)
+    def _optimizer_step(self, part: Rollouts, num_items: float, bar) -> dict:
+        metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, self.config.max_grad_norm,
+                             num_items_in_batch=max(num_items, 1.0))
         with warnings.catch_warnings():  # a skipped step still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()

@@ -4,10 +4,12 @@ per-batch arithmetic the loop reads as one call (advantages, reward metrics)."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import math
 import os
 import tempfile
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -94,6 +96,12 @@ def load_policy(config, model=None, tokenizer=None):
     elif tokenizer is None:
         raise ValueError("GRPOTrainer: a model was passed without its tokenizer; pass tokenizer= too")
     model.to(device)
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        # packed micro-batches then run flash-attention's varlen kernel (no dense block mask)
+        try:
+            model.set_attn_implementation("flash_attention_2")
+        except (ValueError, ImportError, AttributeError) as err:
+            warnings.warn(f"flash-attn is installed but the model cannot use it ({err}); packing falls back to SDPA + block mask", stacklevel=2)
     for module in model.modules():  # TRL's disable_dropout: sampling and training see one policy
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

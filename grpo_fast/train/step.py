@@ -2,7 +2,9 @@
 
 Gradient accumulation keeps every aggregation global over the step, whatever the token budget cuts:
 
-    dapo      num_items_in_batch = completion tokens of the whole step (the op divides by it)
+    dapo      num_items_in_batch = completion tokens of the whole generation batch / steps_per_generation
+              (TRL's normaliser: the token mean over the generation batch, one step's share of it;
+              the trainer passes it, the default is the step's own token count)
     grpo      each micro-batch's mean over its b sequences is scaled by b / B_step
     dr_grpo   Σ ℓM / (b · L_max) scaled by b / B_step  ->  Σ ℓM / (B_step · L_max)
     bnpo      each micro-batch's token mean / number of micro-batches (TRL's accumulation)
@@ -53,12 +55,20 @@ def trainable_mask(batch: Rollouts, options: LossOptions) -> list[bool]:
             for ids, reason in zip(batch.completion_ids, batch.finish_reason, strict=True)]
 
 
-def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float) -> dict:
+def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
+    """Completion tokens that enter the loss."""
+    return sum(len(c) for c, keep in zip(batch.completion_ids, trainable_mask(batch, options), strict=True) if keep)
+
+
+def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
+               num_items_in_batch: Optional[float] = None) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
-    (loss, kl, entropy, clip_ratio/*, grad_norm, skipped, num_tokens)."""
+    (loss, kl, entropy, clip_ratio/*, grad_norm, skipped, num_tokens). num_items_in_batch: the
+    dapo normaliser (default: this step's trainable tokens)."""
     base, weight, bias = policy_parts(model)
     include = trainable_mask(batch, options)
-    num_items = sum(len(c) for c, keep in zip(batch.completion_ids, include, strict=True) if keep)
+    step_tokens = trainable_tokens(batch, options)
+    num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
     micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include))
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
@@ -95,7 +105,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     else:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    out = {name: total / max(num_items, 1) for name, total in totals.items()}
+    out = {name: total / max(step_tokens, 1) for name, total in totals.items()}
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
                num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
     return out

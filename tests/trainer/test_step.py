@@ -38,7 +38,7 @@ def _batch(n=6, seed=0):
     return batch
 
 
-def _reference_grads(model, batch, options):
+def _reference_grads(model, batch, options, num_items_in_batch=None):
     """Padded right-aligned batch, logits materialised, loss from the objective, autograd."""
     rows = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
     width, tc = max(map(len, rows)), max(max(len(c) for c in batch.completion_ids), 1)
@@ -61,6 +61,7 @@ def _reference_grads(model, batch, options):
         ref_logp=pad(batch.ref_logp), is_weights=pad(batch.is_weights), beta=options.beta,
         epsilon_low=options.epsilon_low, epsilon_high=options.epsilon_high, loss_type=options.loss_type,
         max_completion_length=options.max_completion_length, importance_sampling_level=options.importance_sampling_level,
+        num_items_in_batch=num_items_in_batch,
     )
     model.zero_grad()
     loss.backward()
@@ -84,3 +85,17 @@ def test_micro_batched_step_matches_whole_batch_reference(tiny, loss_type, level
     assert metrics["num_micro_batches"] >= 2 and metrics["skipped"] == 0
     for name, grad in expected.items():
         assert_close(optimizer.grads[name], grad, atol=2e-5, rtol=1e-3, name=f"{loss_type}/{level} grad {name}")
+
+
+def test_dapo_normaliser_from_the_generation_batch(tiny):
+    """The trainer passes the generation batch's token count / steps_per_generation (TRL's normaliser)."""
+    model, _ = tiny
+    options = LossOptions(loss_type="dapo", beta=0.0, epsilon_low=0.2, epsilon_high=None, delta=None, temperature=1.0,
+                          importance_sampling_level="token", max_completion_length=12, mask_truncated_completions=False,
+                          backend="torch")
+    batch = _batch(seed=1)
+    expected = _reference_grads(model, batch, options, num_items_in_batch=37.5)
+    optimizer = CaptureGrads(model)
+    train_step(model, optimizer, Packer(model, max_tokens=24), batch, options, max_grad_norm=0.0, num_items_in_batch=37.5)
+    for name, grad in expected.items():
+        assert_close(optimizer.grads[name], grad, atol=2e-5, rtol=1e-3, name=f"grad {name}")
