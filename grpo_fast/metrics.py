@@ -106,7 +106,7 @@ class ProgressBar:
     """A rich progress bar over optimizer steps showing the key figures of the last step."""
 
     def __init__(self, total: int, start: int = 0, enabled: bool = True):
-        self.progress = None
+        self.progress, self.total = None, total
         if not enabled:
             return
         from rich.progress import (
@@ -126,11 +126,13 @@ class ProgressBar:
         self.progress.start()
 
     def update(self, step: int, metrics: dict):
-        if self.progress is None:
-            return
         figures = "  ".join(f"{k.split('/')[-1]} {metrics[k]:.3g}" for k in PROGRESS_KEYS
                             if metrics.get(k) is not None and math.isfinite(metrics[k]))
+        if self.progress is None:
+            return
         self.progress.update(self.task, completed=step, figures=figures)
+        if not self.progress.console.is_terminal:  # a log file: one line per step instead of a live bar
+            self.progress.console.print(f"step {step}/{self.total}  {figures}")
 
     def print(self, message: str):
         if self.progress is not None:
