@@ -2,16 +2,19 @@
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported), so
 the trainer reaches the live model. `update_weights` streams the policy's tensors (HF checkpoint
-names) through vLLM's own weight loaders, which fuse q/k/v and gate/up and handle tied embeddings:
+names) through the model's own `load_weights`, whose weight loaders fuse q/k/v and gate/up and
+handle tied embeddings, copying into the existing tensors:
 
 - CUDA: `model.load_weights(bucket)` per bucket of about `bucket_bytes`, tensors moved to the GPU
   one bucket at a time.
-- CPU: the model runner's layerwise `reload_weights(weights_iterator=...)`. The model's own
-  `load_weights` fails there (CPU weight processing replaces the parameters after loading); the
-  layerwise reload restores each layer's checkpoint-format parameters, loads, re-processes and
-  copies back into the live storage, a layer at a time as its tensors arrive (so the stream is
-  consumed in per-layer buckets). Never call it without weights: it would re-read the original
-  checkpoint from disk and silently discard the trained weights.
+- CPU: the linear layers compute with a packed (oneDNN) copy of their weight made after loading,
+  and vLLM frees the checkpoint-format weight. The engine keeps one checkpoint-format tensor per
+  such weight (made once, from vLLM's reload metadata), loads into those in place, then re-runs
+  each layer's own `process_weights_after_loading` to re-pack it: one copy in, one pack, no fresh
+  memory. Models whose CPU weight processing is anything else (quantized, MoE prepacking...) take
+  the model runner's generic layerwise `reload_weights`, which rebuilds every layer in fresh memory
+  (~10x slower). Never call that without weights: it would re-read the original checkpoint from
+  disk and silently discard the trained weights.
 
 Then the prefix cache is reset (cached KV blocks were computed by the old weights).
 """
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
+import re
 from typing import Iterable, Iterator
 
 import torch
@@ -32,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 # Prefixes a wrapped policy adds to parameter names: DDP / FSDP1 wrappers, torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_BLOCK = re.compile(r"^.*?\.\d+(?=\.)|^.*")  # name up to its first numbered component, else all of it
 
 
 def _configure_vllm_env() -> None:
@@ -60,6 +66,57 @@ def _named_tensors(weights) -> Iterator[tuple[str, torch.Tensor]]:
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
+
+
+def _repackable_weights(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], torch.Tensor] | None:
+    """CPU: {(layer, parameter name): checkpoint-format tensor} for each weight vLLM packed and freed.
+
+    None when some layer's weight processing is more than packing an unquantized GEMM weight
+    (quantized or MoE methods): only the layerwise reload can redo those. The tensors (shape,
+    dtype, parameter class, weight loader) come from the metadata vLLM records for reloading;
+    allocated here, their pages are touched once, by the first update.
+    """
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    targets = {}
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, QuantizeMethodBase):
+            continue  # no weight processing (norms): loaded in place as is
+        if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod) or not hasattr(layer, "cpu_linear"):
+            return None
+        restore = get_layerwise_info(layer).restore_metadata[0]
+        if not restore:
+            return None  # no record of the checkpoint format
+        for name, meta in restore.items():
+            live = layer._parameters.get(name)
+            if live is None or live.shape != meta.shape or live.dtype != meta.dtype:
+                targets[(layer, name)] = restore_layer_refs(materialize_meta_tensor(meta), layer)
+    return targets
+
+
+def _packed_layers_by_param(model, targets) -> dict[int, list[torch.nn.Module]]:
+    """id(checkpoint-format parameter) -> the CPU-packed layers computing with it (tied: two)."""
+    layers: dict[int, list[torch.nn.Module]] = {}
+    for layer in model.modules():
+        if hasattr(layer, "cpu_linear"):
+            for name, param in layer._parameters.items():
+                param = targets.get((layer, name), param)
+                if param is not None:
+                    layers.setdefault(id(param), []).append(layer)
+    return layers
+
+
+def _blocks(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) pairs of one numbered block ("model.layers.3.mlp.up_proj.weight"
+    -> "model.layers.3"); a name without a number is a block of its own."""
+    for _, block in itertools.groupby(pairs, key=lambda pair: _BLOCK.match(pair[0]).group(0)):
+        yield list(block)
 
 
 class VLLMEngine(RolloutEngine):
@@ -120,6 +177,8 @@ class VLLMEngine(RolloutEngine):
         self.tied_embeddings = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
+        self._repack_targets = _repackable_weights(self.model) if self.on_cpu else None
+        self._packed_by_param = _packed_layers_by_param(self.model, self._repack_targets or {})
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -175,23 +234,48 @@ class VLLMEngine(RolloutEngine):
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake() first")
         stream = self._prepare(_named_tensors(weights))
-        if self.on_cpu:
+        if not self.on_cpu:
+            for bucket in self._buckets(stream):
+                self.model.load_weights(weights=bucket)
+        elif self._repack_targets is not None:
+            self._load_and_repack(stream)
+        else:
             with _quiet_expected_reload_warnings(self.tied_embeddings):
                 self._worker.model_runner.reload_weights(weights_iterator=stream)
             self._repack_tied_lm_head()
-        else:
-            for bucket in self._buckets(stream):
-                self.model.load_weights(weights=bucket)
         self.llm.reset_prefix_cache()
 
-    def _repack_tied_lm_head(self) -> None:
-        """CPU + tied embeddings: rebuild the lm_head's packed GEMM weight from the new embeddings.
+    def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """CPU: load into checkpoint-format tensors in place, re-packing each layer as it is loaded.
 
-        On the CPU the lm_head computes with a packed copy (oneDNN / sgl kernel) made from its
-        weight when the model was loaded. Tied, that weight is the embedding's storage, which the
-        reload updated in place; but the reload skips the lm_head itself (no checkpoint entry), so
-        without this its packed copy keeps the old embeddings (measured: log-probs off by ~0.6 on
-        the tiny model after perturbing the embeddings).
+        The stream goes to `load_weights` one block at a time (`_blocks`), and the layers a block
+        loaded are re-packed right away, while their ~10 MB of new weights are still in cache.
+        Why re-pack rather than compute with the plain weights (`F.linear`, no packing, so the
+        update would be the copy alone): the packed oneDNN GEMM is faster at decode-sized batches
+        (benchmarks/results/engine_cpu.md), and a training step generates thousands of tokens per
+        update, so packing once per update is the cheaper total.
+        """
+        model = self.model
+        for (layer, name), tensor in self._repack_targets.items():
+            setattr(layer, name, tensor)  # process_weights_after_loading frees it again: re-register
+        expected = {name: id(param) for name, param in model.named_parameters()}
+        loaded: set[int] = set()
+        for block in _blocks(stream):
+            params = {id(model.get_parameter(name)) for name in model.load_weights(block)}
+            loaded |= params
+            for layer in {layer: None for p in params for layer in self._packed_by_param.get(p, ())}:
+                del layer.cpu_linear  # frees the old packed weight first: the new one reuses its memory
+                layer.quant_method.process_weights_after_loading(layer)
+        missing = [name for name, param_id in expected.items() if param_id not in loaded]
+        if missing:  # raised once the engine is consistent again (the layers given are re-packed)
+            raise ValueError(f"update_weights: weights must cover every parameter; these got none: {missing}")
+
+    def _repack_tied_lm_head(self) -> None:
+        """Layerwise reload + tied embeddings: rebuild the lm_head's packed GEMM weight.
+
+        The reload updates the embedding (the lm_head's weight) in place but skips the lm_head
+        itself (no checkpoint entry), so without this its packed copy keeps the old embeddings
+        (measured: log-probs off by ~0.6 on the tiny model after perturbing the embeddings).
         """
         lm_head = getattr(self.model, "lm_head", None)
         if self.tied_embeddings and lm_head is not None and hasattr(lm_head, "quant_method"):
