@@ -137,45 +137,66 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(impl, sizes, dtype_name, device, warmup, repeats):
-    """Measure `impl` on each size; prints one JSON line per size."""
+def _warm_up(impl, size, dtype, device):
+    """One tiny run first: library start-up (thread pools, MKL buffers, autograd threads, Liger's
+    imports) is paid once per process and is not what the measurements are about."""
+    B, T, H, V = size
+    make_step(impl, make_inputs((1, 4, H, min(V, 256)), dtype, device), device)()
+
+
+def _timed(step, inputs, sync) -> float:
+    inputs[0].grad = inputs[1].grad = None
+    sync()
+    t0 = time.perf_counter()
+    step()
+    sync()
+    return time.perf_counter() - t0
+
+
+def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
+    """Prints one JSON line per (impl, size).
+
+    mode "memory": one implementation; its extra peak memory, and the times of its runs.
+    mode "interleave": time only, every implementation in this one process on the same inputs,
+    one run of each per round, the order rotating: on a shared CPU all of them see the same load.
+    """
     import torch
 
     dtype = getattr(torch, dtype_name)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for text in sizes:
         size = parse_size(text)
-        row = dict(impl=impl, size=text, dtype=dtype_name, device=device, threads=torch.get_num_threads())
-        try:
-            # one tiny run first: library start-up (thread pools, MKL buffers, autograd threads) is
-            # paid once per process and is not what the memory column is about
-            B, T, H, V = size
-            tiny = make_inputs((1, 4, H, min(V, 256)), dtype, device)
-            make_step(impl, tiny, device)()
-            del tiny
+        rows, steps = {}, {}
+        inputs = None
+        for impl in impls:
+            rows[impl] = dict(impl=impl, size=text, dtype=dtype_name, device=device, mode=mode, threads=torch.get_num_threads())
+            try:
+                _warm_up(impl, size, dtype, device)
+            except ImportError as err:
+                rows[impl]["unavailable"] = f"{type(err).__name__}: {err}"
+        live = [i for i in impls if "unavailable" not in rows[i]]
+        if live:
             inputs = make_inputs(size, dtype, device)
-            step = make_step(impl, inputs, device)
-            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            steps = {impl: make_step(impl, inputs, device) for impl in live}
             if device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            else:
-                base = rss_bytes()
-            times = []
-            for i in range(warmup + repeats):
-                inputs[0].grad = inputs[1].grad = None
-                sync()
-                t0 = time.perf_counter()
-                step()
-                sync()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            row.update(times_s=times, extra_peak_mb=(peak - base) / 2**20)
-            del inputs, step
-        except ImportError as err:
-            row.update(unavailable=f"{type(err).__name__}: {err}")
-        print("RESULT " + json.dumps(row), flush=True)
+            base = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
+            times = {impl: [] for impl in live}
+            for r in range(warmup + repeats):
+                for k in range(len(live)):
+                    impl = live[(r + k) % len(live)]
+                    t = _timed(steps[impl], inputs, sync)
+                    if r >= warmup:
+                        times[impl].append(t)
+            for impl in live:
+                rows[impl]["times_s"] = times[impl]
+            if mode == "memory":
+                peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                rows[live[0]]["extra_peak_mb"] = (peak - base) / 2**20
+        for impl in impls:
+            print("RESULT " + json.dumps(rows[impl]), flush=True)
+        del inputs, steps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,34 +204,37 @@ def worker(impl, sizes, dtype_name, device, warmup, repeats):
 # ------------------------------------------------------------------------------------------------
 
 
-def run_worker(args, impl, sizes, timeout):
-    cmd = [sys.executable, __file__, "--worker", impl, "--device", args.device, "--dtype", args.dtype,
-           "--sizes", ",".join(sizes), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+def run_worker(args, impls, sizes, mode, timeout, warmup, repeats):
+    cmd = [sys.executable, __file__, "--worker", ",".join(impls), "--mode", mode, "--device", args.device,
+           "--dtype", args.dtype, "--sizes", ",".join(sizes), "--warmup", str(warmup), "--repeats", str(repeats)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return [dict(impl=impl, size=s, failed=f"timed out after {timeout:.0f}s") for s in sizes]
+        return [dict(impl=i, size=s, failed=f"timed out after {timeout:.0f}s") for i in impls for s in sizes]
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    done = {r["size"] for r in rows}
+    done = {(r["impl"], r["size"]) for r in rows}
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    rows += [dict(impl=impl, size=s, failed=f"rc={proc.returncode}: {tail[0][:200]}") for s in sizes if s not in done]
+    rows += [dict(impl=i, size=s, failed=f"rc={proc.returncode}: {tail[0][:200]}") for i in impls for s in sizes if (i, s) not in done]
     return rows
 
 
 def summarise(rows):
-    """{size: {impl: summary}} with best/median time over every run of every round."""
+    """{size: {impl: summary}}: best/median time over every timed run (the interleaved ones when
+    there are any), median extra peak memory over the memory runs."""
     out = {}
+    interleaved = any(r.get("mode") == "interleave" and "times_s" in r for r in rows)
     for r in rows:
         cell = out.setdefault(r["size"], {}).setdefault(r["impl"], dict(times=[], mem=[], note=None))
-        if "times_s" in r:
+        if "times_s" in r and (r.get("mode") == "interleave" or not interleaved):
             cell["times"] += r["times_s"]
+        if "extra_peak_mb" in r:
             cell["mem"].append(r["extra_peak_mb"])
-        else:
+        if "times_s" not in r:
             cell["note"] = r.get("unavailable") or r.get("failed")
     for impls in out.values():
         for cell in impls.values():
-            if cell["times"]:
+            if cell["times"] and cell["mem"]:
                 cell.update(best_s=min(cell["times"]), median_s=statistics.median(cell["times"]),
                             extra_peak_mb=statistics.median(cell["mem"]))
     return out
@@ -224,11 +248,11 @@ def flops(size) -> float:
 def markdown(summary, args, command) -> str:
     lines = [f"# GRPO loss forward + backward, {args.device} ({args.dtype})", "", f"Command: `{command}`", "",
              f"Machine: {machine()}", "",
-             f"Time: best (and median) of {args.repeats} runs x {args.rounds} round(s) after {args.warmup} warm-up, "
-             "each implementation in its own process; the CPU is shared with other jobs, so the best run is "
-             "the least disturbed one. Ratios use the best times. Memory: extra peak over the inputs "
-             "(includes the gradients every implementation returns). TFLOP/s counts the 3 matmuls (6 N H V); "
-             "`% floor` = floor time / time, the fraction of the measured matmul rate achieved.", ""]
+             _method(args), "",
+             "Ratios use the best times. Memory: extra peak over the inputs, in a process of its own per "
+             "implementation (it includes the gradients every implementation returns). TFLOP/s counts the "
+             "3 matmuls (6 N H V); `% floor` = floor time / time, the fraction of the measured matmul rate "
+             "achieved.", ""]
     for size, impls in summary.items():
         floor, plain, liger = (impls.get(k, {}).get("best_s") for k in ("floor", "plain", "liger"))
         plain_mem = impls.get("plain", {}).get("extra_peak_mb")
@@ -246,6 +270,16 @@ def markdown(summary, args, command) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _method(args) -> str:
+    if args.device == "cpu":
+        return (f"Time: best (and median) of {args.repeats * args.rounds} runs per implementation: {args.rounds} "
+                f"process(es) per size, each running every implementation on the same inputs in rotating "
+                f"order, {args.repeats} rounds after {args.warmup} warm-up. The CPU is shared with other jobs "
+                "(other agents were running tests and benchmarks): interleaving exposes all implementations "
+                "to the same load, and the best run is the least disturbed one.")
+    return f"Time: best (and median) of {args.repeats} runs after {args.warmup} warm-up, one process per implementation."
 
 
 def _ratio(x, ref) -> str:
@@ -293,13 +327,14 @@ def main(argv=None):
     parser.add_argument("--impls", help=f"comma-separated, from floor,plain,liger,{','.join(GRPO_FAST)} (default: the preset)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--warmup", type=int)
-    parser.add_argument("--repeats", type=int)
-    parser.add_argument("--rounds", type=int, help="interleaved rounds over all implementations")
+    parser.add_argument("--repeats", type=int, help="timed runs of each implementation per round")
+    parser.add_argument("--rounds", type=int, help="CPU: timing processes per size (each interleaving all implementations)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
     parser.add_argument("--budget", type=float, help="seconds for the whole run; workers that would start "
                         "later are skipped and marked (default: none on cpu, 150 on cuda, to fit gpu_suite.sh)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="memory", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.device]
     for key in ("dtype", "warmup", "repeats", "rounds", "budget"):
@@ -307,34 +342,43 @@ def main(argv=None):
             setattr(args, key, preset[key])
     sizes = args.sizes.split(",") if args.sizes else preset["sizes"]
     if args.worker:
-        return worker(args.worker, sizes, args.dtype, args.device, args.warmup, args.repeats)
+        return worker(args.worker.split(","), sizes, args.dtype, args.device, args.warmup, args.repeats, args.mode)
 
     impls = args.impls.split(",") if args.impls else preset["impls"]
     command = "python benchmarks/bench_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"loss_{args.device}"
+    stem = out / (f"loss_{args.device}" + ("" if args.dtype == preset["dtype"] else f"_{args.dtype}"))
     rows = []
     deadline = time.monotonic() + (args.budget or float("inf"))
-    for r in range(args.rounds):
+
+    def run(impls_, sizes_, mode, warmup, repeats, label):
+        left = deadline - time.monotonic()
+        if left < 10:
+            new = [dict(impl=i, size=s, failed=f"skipped: --budget {args.budget:.0f}s spent") for i in impls_ for s in sizes_]
+        else:
+            new = run_worker(args, impls_, sizes_, mode, min(args.timeout, left), warmup, repeats)
+        rows.extend(new)
+        for row in new:
+            what = row.get("unavailable") or row.get("failed") or f"best {min(row['times_s']):.3f} s" + (
+                f"  extra peak {row['extra_peak_mb']:.0f} MB" if "extra_peak_mb" in row else "")
+            print(f"{label:12s} {row['impl']:7s} {row['size']:22s} {what}", flush=True)
+        summary = summarise(rows)  # rewrite after every worker: a timeout keeps what was measured
+        stem.with_suffix(".json").write_text(json.dumps(dict(command=command, machine=machine(), args=vars(args), summary=summary, runs=rows), indent=1))
+        stem.with_suffix(".md").write_text(markdown(summary, args, command))
+
+    if args.device == "cpu":
+        # memory: one process per (impl, size), since peak RSS only grows; time: all implementations
+        # interleaved in one process per size, `repeats` rounds
+        for size in sizes:
+            for impl in impls:
+                run([impl], [size], "memory", 0, 1, "memory")
+        for r in range(args.rounds):
+            for size in sizes:
+                run(impls, [size], "interleave", args.warmup, args.repeats, f"time round {r + 1}")
+    else:  # GPU: nothing else runs there; one process per implementation measures both
         for impl in impls:
-            # CPU: one process per (impl, size), since peak RSS only grows; GPU: one per impl
-            groups = [[s] for s in sizes] if args.device == "cpu" else [sizes]
-            for group in groups:
-                left = deadline - time.monotonic()
-                if left < 10:
-                    new = [dict(impl=impl, size=s, failed=f"skipped: --budget {args.budget:.0f}s spent") for s in group]
-                else:
-                    new = run_worker(args, impl, group, min(args.timeout, left))
-                rows += new
-                for row in new:
-                    t = min(row["times_s"]) if "times_s" in row else None
-                    print(f"round {r + 1} {impl:7s} {row['size']:22s} "
-                          + (f"best {t:.3f} s  extra peak {row['extra_peak_mb']:.0f} MB" if t else row.get("unavailable") or row.get("failed")),
-                          flush=True)
-                summary = summarise(rows)  # rewrite after every worker: a timeout keeps what was measured
-                stem.with_suffix(".json").write_text(json.dumps(dict(command=command, machine=machine(), args=vars(args), summary=summary, runs=rows), indent=1))
-                stem.with_suffix(".md").write_text(markdown(summary, args, command))
+            run([impl], sizes, "memory", args.warmup, args.repeats, "time+memory")
     plot(summarise(rows), stem.with_suffix(".png"))
     print(stem.with_suffix(".md").read_text())
 
