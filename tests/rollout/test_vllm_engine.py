@@ -94,6 +94,42 @@ def test_update_weights_hot_swaps_the_policy(engine, tiny_policy, perturbed):
     assert mean_abs_logprob_diff(policy, sample(engine, seed=2), PROMPTS, 0.8) <= 1e-3
 
 
+def test_cpu_update_repacks_in_place(engine, tiny_policy, perturbed, monkeypatch):
+    """CPU: the lean path loads into the same checkpoint-format tensors every time and never takes
+    the layerwise reload (which rebuilds every layer in fresh memory)."""
+    if not engine.on_cpu:
+        pytest.skip("CPU weight packing only")
+    assert engine._repack_targets, "the tiny Llama's linear layers must take the lean path"
+    engine.update_weights(tiny_policy[0])
+    storage = {key: t.data_ptr() for key, t in engine._repack_targets.items()}
+    monkeypatch.setattr(engine._worker.model_runner, "reload_weights", lambda **_: pytest.fail("layerwise reload used"))
+    engine.update_weights(perturbed)
+    assert {key: t.data_ptr() for key, t in engine._repack_targets.items()} == storage
+    assert mean_abs_logprob_diff(perturbed, sample(engine, seed=4), PROMPTS, 0.8) <= 1e-3
+
+
+def test_layerwise_reload_fallback(engine, tiny_policy, perturbed, monkeypatch):
+    """A model the lean path cannot handle takes vLLM's layerwise reload; both paths alternate."""
+    if not engine.on_cpu:
+        pytest.skip("CPU weight packing only")
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_repack_targets", None)
+        engine.update_weights(perturbed)
+        assert mean_abs_logprob_diff(perturbed, sample(engine, seed=5), PROMPTS, 0.8) <= 1e-3
+    engine.update_weights(tiny_policy[0])  # back on the lean path
+    assert mean_abs_logprob_diff(tiny_policy[0], sample(engine, seed=6), PROMPTS, 0.8) <= 1e-3
+
+
+def test_update_weights_names_missing_weights(engine, tiny_policy, perturbed):
+    if not engine.on_cpu:
+        pytest.skip("the check is on the CPU path")
+    partial = [(k, v) for k, v in perturbed.state_dict().items() if k != "model.layers.1.self_attn.o_proj.weight"]
+    with pytest.raises(ValueError, match=r"cover every parameter.*\['model\.layers\.1\.self_attn\.o_proj\.weight'\]"):
+        engine.update_weights(partial)
+    engine.update_weights(tiny_policy[0])
+    assert mean_abs_logprob_diff(tiny_policy[0], sample(engine, seed=7), PROMPTS, 0.8) <= 1e-3
+
+
 def test_trained_weights_survive_sleep_wake(engine, perturbed):
     engine.update_weights(perturbed)
     engine.sleep()
