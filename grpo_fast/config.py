@@ -105,7 +105,7 @@ class GRPOConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
-    max_steps: int = _f(20, "Optimizer steps to train (the default run: 20 steps of 8 prompts x 8 completions, sized for about 15 minutes of training on a 2-core CPU).")
+    max_steps: int = _f(20, "Optimizer steps to train (the default run: 20 steps of 8 prompts x 8 completions; see max_train_minutes to bound the wall time instead).")
     max_train_minutes: Optional[float] = _f(None, "Stop training after this many minutes of the loop (then evaluate and save as at the end). None: no time limit.")
     seed: int = _f(42, "Seed for data order, sampling and initialisation.")
 
