@@ -8,10 +8,15 @@ Measures, in one process (the trainer's situation: vLLM in-process beside the po
             starts, and after it generated: the trainer must keep its cores (VLLM_CPU_OMP_THREADS_BIND)
   swap      VLLMEngine.update_weights(policy) (in place, no disk) against what a fresh engine costs:
             save the policy as a checkpoint + build a new engine from it (after closing the first;
-            the first start also pays imports and is reported separately). Also checks the swap:
-            engine log-probs against the policy's (fused_linear_logprobs) after perturbing it.
+            the first start also pays imports and is reported separately). On the CPU also vLLM's
+            generic layerwise reload (the engine's fallback, and its path before the in-place
+            re-pack). Also checks the swap: engine log-probs against the policy's
+            (fused_linear_logprobs) after perturbing it.
   generate  tokens/s of VLLMEngine and HFEngine on the same chat prompts, n samples each,
-            temperature 1, after a warm-up call; generated tokens / wall time.
+            temperature 1, after a warm-up call; generated tokens / wall time. On the CPU also the
+            engine with its linear layers on plain F.linear (no oneDNN packing, so an update would
+            be the copy alone) against the packed GEMM it uses, and the per-step total of each
+            (one update + --step-tokens generated tokens).
 Times are medians of --repeats. The CPU is shared with other jobs: load averages are recorded.
 """
 
@@ -101,6 +106,31 @@ def generation_speed(engine, prompts, args) -> dict:
     return dict(seconds=round(seconds, 3), generated_tokens=tokens, tokens_per_s=round(tokens / seconds, 1))
 
 
+def use_plain_gemm_(engine) -> None:
+    """Make the engine's CPU-packed layers compute with F.linear on their checkpoint-format weights
+    (no oneDNN packing); the next update_weights re-packs them."""
+    import torch
+
+    for (layer, name), tensor in engine._repack_targets.items():
+        setattr(layer, name, tensor)
+    for layer in engine.model.modules():
+        if hasattr(layer, "cpu_linear"):
+            layer.cpu_linear = torch.nn.functional.linear
+
+
+def update_seconds(engine, policy, repeats: int, layerwise: bool = False) -> tuple[float, int]:
+    """(median seconds, minor page faults per call) of update_weights; layerwise: vLLM's generic reload."""
+    saved = engine._repack_targets
+    engine._repack_targets = None if layerwise else saved
+    try:
+        engine.update_weights(policy)  # warm-up: the first in-place update touches the kept tensors' pages
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        seconds, _ = timed(lambda: engine.update_weights(policy), repeats)
+        return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // repeats
+    finally:
+        engine._repack_targets = saved
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local folder")
@@ -111,6 +141,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="update_weights timings")
     parser.add_argument("--gen-repeats", type=int, default=1, help="generation timings per engine")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--step-tokens", type=int, default=8192, help="tokens one training step generates (per-step totals)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for engine_cpu.{json,md}")
     args = parser.parse_args()
 
@@ -133,19 +164,36 @@ def main():
     first_start_s = time.perf_counter() - start
     threads.append(threads_snapshot("after engine start"))
 
-    # ---- hot swap --------------------------------------------------------------------------
+    # ---- hot swap ----------------------------------------------------------------------------
     perturb_(policy, 0.05, seed=1)
     error_before = swap_error(engine, policy, prompts)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    update_s, _ = timed(lambda: engine.update_weights(policy), args.repeats)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // args.repeats
+    update_s, faults = update_seconds(engine, policy, args.repeats)
     error_after = swap_error(engine, policy, prompts)
     print(f"[swap] update_weights {update_s:.3f} s; mean |dlogprob| before {error_before:.3g}, after {error_after:.3g}")
+    cpu = engine._repack_targets is not None
+    layerwise = None
+    if cpu:
+        layerwise_s, layerwise_faults = update_seconds(engine, policy, args.repeats, layerwise=True)
+        layerwise = dict(update_weights_s=round(layerwise_s, 4), page_faults_per_update=layerwise_faults)
+        print(f"[swap] layerwise reload {layerwise_s:.3f} s", flush=True)
 
     # ---- generation ------------------------------------------------------------------------
+    engine.update_weights(policy)
     vllm_speed = generation_speed(engine, prompts, args)
     print(f"[generate] vllm {vllm_speed}", flush=True)
     threads.append(threads_snapshot("after vLLM generate"))
+    gemm = None
+    if cpu:  # the alternative to re-packing: plain F.linear, so an update is the copy alone
+        use_plain_gemm_(engine)
+        from grpo_fast.rollout.vllm_engine import _named_tensors
+
+        load_s, _ = timed(lambda: engine.model.load_weights(engine._prepare(_named_tensors(policy))), args.repeats)
+        plain_speed = generation_speed(engine, prompts, args)
+        print(f"[generate] vllm, plain F.linear {plain_speed}; load alone {load_s:.3f} s", flush=True)
+        engine.update_weights(policy)  # re-packs
+        gemm = {name: dict(update_s=round(u, 4), tokens_per_s=g["tokens_per_s"],
+                           step_s=round(u + args.step_tokens / g["tokens_per_s"], 1))
+                for name, u, g in (("packed oneDNN (default)", update_s, vllm_speed), ("plain F.linear", load_s, plain_speed))}
     hf_speed = generation_speed(HFEngine(policy, tokenizer, max_model_len=args.max_model_len), prompts, args)
     print(f"[generate] hf {hf_speed}", flush=True)
 
@@ -171,14 +219,17 @@ def main():
                      load_average_after=[round(x, 2) for x in os.getloadavg()],
                      note="CPU shared with other agents' jobs; times are medians and noisy"),
         config=dict(vars(args), model_path=path, omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"), torch_threads=torch.get_num_threads(),
                     torch=torch.__version__, vllm=__import__("vllm").__version__),
         threads=threads,
         swap=dict(update_weights_s=round(update_s, 4), fresh_engine_s=round(reload_s, 2),
                   fresh_save_checkpoint_s=round(save_s, 2), fresh_build_engine_s=round(build_s, 2),
                   first_engine_start_in_process_s=round(first_start_s, 2),
                   ratio_update_over_fresh=round(update_s / reload_s, 4), page_faults_per_update=faults,
+                  layerwise_reload=layerwise,
                   mean_abs_logprob_diff_before_update=error_before, mean_abs_logprob_diff_after_update=error_after),
-        generate=dict(vllm=vllm_speed, hf=hf_speed, speedup_vllm_over_hf=round(vllm_speed["tokens_per_s"] / hf_speed["tokens_per_s"], 2)),
+        generate=dict(vllm=vllm_speed, hf=hf_speed, speedup_vllm_over_hf=round(vllm_speed["tokens_per_s"] / hf_speed["tokens_per_s"], 2),
+                      cpu_gemm=gemm),
     )
     write_results(result, Path(args.out))
 
@@ -198,13 +249,16 @@ def write_results(result: dict, out: Path) -> None:
         "| what | seconds |",
         "| --- | --- |",
         f"| `update_weights(policy)` (in place, median of {c['repeats']}) | {s['update_weights_s']} |",
+        *([f"| vLLM's layerwise reload (the CPU fallback; the path before the in-place re-pack) | "
+           f"{s['layerwise_reload']['update_weights_s']} |"] if s.get("layerwise_reload") else []),
         f"| fresh engine: save checkpoint + build engine + first token | {s['fresh_engine_s']} "
         f"({s['fresh_save_checkpoint_s']} + {s['fresh_build_engine_s']} + rest) |",
         f"| first engine start in the process (imports included) | {s['first_engine_start_in_process_s']} |",
         f"| **ratio update / fresh** | **{s['ratio_update_over_fresh']}** |",
         "",
-        f"Minor page faults per update: {s['page_faults_per_update']} (4 KiB each: the layerwise reload "
-        "materialises every layer in fresh memory, then re-packs the oneDNN weights).",
+        f"Minor page faults per update: {s['page_faults_per_update']}"
+        + (f"; layerwise reload {s['layerwise_reload']['page_faults_per_update']}" if s.get("layerwise_reload") else "")
+        + f" (4 KiB each). torch threads {c['torch_threads']}, OMP_WAIT_POLICY {c['omp_wait_policy']}.",
         "",
         f"Swap check: mean |engine log-prob − policy log-prob| {s['mean_abs_logprob_diff_before_update']:.3g} "
         f"before the update (policy perturbed), {s['mean_abs_logprob_diff_after_update']:.3g} after.",
@@ -217,6 +271,12 @@ def write_results(result: dict, out: Path) -> None:
         "",
         f"vLLM / HF: **{g['speedup_vllm_over_hf']}×**",
         "",
+        *(["## CPU GEMM: packed oneDNN (re-packed per update) vs plain F.linear (update = copy alone)",
+           "",
+           f"| linear layers | update s | vLLM tokens/s | per step s (update + {c['step_tokens']} tokens) |",
+           "| --- | --- | --- | --- |",
+           *(f"| {k} | {v['update_s']} | {v['tokens_per_s']} | {v['step_s']} |" for k, v in g["cpu_gemm"].items()),
+           ""] if g.get("cpu_gemm") else []),
         f"## Trainer threads (VLLM_CPU_OMP_THREADS_BIND={c['omp_threads_bind']})",
         "",
         "| when | torch threads | 1024³ fp32 matmul ms | affinity |",

@@ -108,6 +108,22 @@ def test_cpu_update_repacks_in_place(engine, tiny_policy, perturbed, monkeypatch
     assert mean_abs_logprob_diff(perturbed, sample(engine, seed=4), PROMPTS, 0.8) <= 1e-3
 
 
+def test_cpu_embedding_gemm_is_packed_on_first_use(engine, perturbed):
+    """The input embedding's GEMM (unused when logits come from the lm_head) packs when first
+    called, from the updated table."""
+    if not engine.on_cpu:
+        pytest.skip("CPU weight packing only")
+    engine.update_weights(perturbed)
+    embed = engine.model.model.embed_tokens
+    hidden = torch.randn(3, embed.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = hidden.double() @ perturbed.model.embed_tokens.weight.detach().double().T
+    packed = lambda: getattr(embed.cpu_linear, "__name__", "") == "<lambda>"  # vLLM's packed GEMMs are lambdas
+    assert not packed(), "packed at update time"
+    for _ in range(2):  # packs, then uses the packed weight
+        assert_close(embed.quant_method.apply(embed, hidden), expected, atol=1e-4, name="embedding GEMM")
+    assert packed()
+
+
 def test_layerwise_reload_fallback(engine, tiny_policy, perturbed, monkeypatch):
     """A model the lean path cannot handle takes vLLM's layerwise reload; both paths alternate."""
     if not engine.on_cpu:
