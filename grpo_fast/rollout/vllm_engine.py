@@ -7,14 +7,14 @@ handle tied embeddings, copying into the existing tensors:
 
 - CUDA: `model.load_weights(bucket)` per bucket of about `bucket_bytes`, tensors moved to the GPU
   one bucket at a time.
-- CPU: the linear layers compute with a packed (oneDNN) copy of their weight made after loading,
+- CPU: the linear layers compute with a packed (oneDNN) copy of their weight, made after loading,
   and vLLM frees the checkpoint-format weight. The engine keeps one checkpoint-format tensor per
-  such weight (made once, from vLLM's reload metadata), loads into those in place, then re-runs
-  each layer's own `process_weights_after_loading` to re-pack it: one copy in, one pack, no fresh
-  memory. Models whose CPU weight processing is anything else (quantized, MoE prepacking...) take
-  the model runner's generic layerwise `reload_weights`, which rebuilds every layer in fresh memory
-  (~10x slower). Never call that without weights: it would re-read the original checkpoint from
-  disk and silently discard the trained weights.
+  such weight (made once from vLLM's reload metadata; SmolLM2 fp32: 425 MB), loads into those in
+  place, then re-runs each layer's own `process_weights_after_loading` to re-pack it: one copy
+  and one pack per weight. Models whose CPU weight processing is anything else (quantized, MoE
+  prepacking...) take the model runner's generic layerwise `reload_weights`, which rebuilds every
+  layer in fresh memory (1.5-2x slower on SmolLM2). Never call that without weights: it would
+  re-read the original checkpoint from disk and silently discard the trained weights.
 
 Then the prefix cache is reset (cached KV blocks were computed by the old weights).
 """
@@ -24,10 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import itertools
 import logging
 import os
-import re
 from typing import Iterable, Iterator
 
 import torch
@@ -38,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 # Prefixes a wrapped policy adds to parameter names: DDP / FSDP1 wrappers, torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-_BLOCK = re.compile(r"^.*?\.\d+(?=\.)|^.*")  # name up to its first numbered component, else all of it
 
 
 def _configure_vllm_env() -> None:
@@ -134,13 +131,6 @@ def _pack_then_gemm(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tenso
     """A deferred `cpu_linear`: pack (which replaces `layer.cpu_linear`), then compute."""
     layer.quant_method.process_weights_after_loading(layer)
     return layer.cpu_linear(x, weight, bias)
-
-
-def _blocks(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) pairs of one numbered block ("model.layers.3.mlp.up_proj.weight"
-    -> "model.layers.3"); a name without a number is a block of its own."""
-    for _, block in itertools.groupby(pairs, key=lambda pair: _BLOCK.match(pair[0]).group(0)):
-        yield list(block)
 
 
 class VLLMEngine(RolloutEngine):
@@ -270,25 +260,20 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """CPU: load into checkpoint-format tensors in place, re-packing each layer as it is loaded.
+        """CPU: load into the kept checkpoint-format tensors in place, then re-pack the layers loaded.
 
-        The stream goes to `load_weights` one block at a time (`_blocks`), and the layers a block
-        loaded are re-packed right away, while their ~10 MB of new weights are still in cache.
         Why re-pack rather than compute with the plain weights (`F.linear`, no packing, so the
-        update would be the copy alone): the packed oneDNN GEMM is faster at decode-sized batches
-        (benchmarks/results/engine_cpu.md), and a training step generates thousands of tokens per
-        update, so packing once per update is the cheaper total.
+        update would be the copy alone, ~3x faster): the packed oneDNN GEMM generates ~1.5x more
+        tokens/s on SmolLM2, and a training step generates thousands of tokens per update
+        (benchmarks/results/engine_cpu.md: ~0.3 s more per update, ~55 s less per 8k tokens).
         """
         model = self.model
         for (layer, name), tensor in self._repack_targets.items():
             setattr(layer, name, tensor)  # process_weights_after_loading frees it again: re-register
         expected = {name: id(param) for name, param in model.named_parameters()}
-        loaded: set[int] = set()
-        for block in _blocks(stream):
-            params = {id(model.get_parameter(name)) for name in model.load_weights(block)}
-            loaded |= params
-            for layer in {layer: None for p in params for layer in self._packed_by_param.get(p, ())}:
-                _repack(layer)
+        loaded = {id(model.get_parameter(name)) for name in model.load_weights(stream)}
+        for layer in {layer: None for p in loaded for layer in self._packed_by_param.get(p, ())}:
+            _repack(layer)
         missing = [name for name, param_id in expected.items() if param_id not in loaded]
         if missing:  # raised once the engine is consistent again (the layers given are re-packed)
             raise ValueError(f"update_weights: weights must cover every parameter; these got none: {missing}")
