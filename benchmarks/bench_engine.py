@@ -17,7 +17,8 @@ Measures, in one process (the trainer's situation: vLLM in-process beside the po
             engine with its linear layers on plain F.linear (no oneDNN packing, so an update would
             be the copy alone) against the packed GEMM it uses, and the per-step total of each
             (one update + --step-tokens generated tokens).
-Times are medians of --repeats. The CPU is shared with other jobs: load averages are recorded.
+Times are medians of --repeats (updates), --gen-repeats, --fresh-repeats. The CPU is shared with other
+jobs: load averages are recorded.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# Before torch loads OpenMP. On a shared CPU, OpenMP threads that spin at barriers lose their
+# timeslices to other jobs' threads: with 2 threads at load ~6, update_weights took 1.9 s instead of
+# 0.46 s and vLLM generated 8.5 tokens/s instead of 27. An explicit setting wins (it is recorded).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # a plain checkout works too
 
@@ -131,6 +136,24 @@ def update_seconds(engine, policy, repeats: int, layerwise: bool = False) -> tup
         engine._repack_targets = saved
 
 
+def fresh_engine_seconds(policy, tokenizer, prompts, engine_kwargs) -> tuple[float, float, float]:
+    """(save checkpoint, build engine, build + first token) seconds of replacing the engine by a new one."""
+    from grpo_fast.rollout import VLLMEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fresh = VLLMEngine(tmp, **engine_kwargs)
+        build_s = time.perf_counter() - start
+        fresh.generate(prompts[:1], n=1, max_new_tokens=1)  # ready to serve
+        ready_s = time.perf_counter() - start
+        fresh.close()
+    return save_s, build_s, ready_s
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local folder")
@@ -141,6 +164,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="update_weights timings")
     parser.add_argument("--gen-repeats", type=int, default=1, help="generation timings per engine")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--fresh-repeats", type=int, default=3, help="fresh-engine timings")
     parser.add_argument("--step-tokens", type=int, default=8192, help="tokens one training step generates (per-step totals)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for engine_cpu.{json,md}")
     args = parser.parse_args()
@@ -199,17 +223,8 @@ def main():
 
     # ---- fresh engine from a saved checkpoint ----------------------------------------------
     engine.close()
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        policy.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        save_s = time.perf_counter() - start
-        start = time.perf_counter()
-        fresh = VLLMEngine(tmp, **engine_kwargs)
-        build_s = time.perf_counter() - start
-        fresh.generate(prompts[:1], n=1, max_new_tokens=1)  # ready to serve
-        ready_s = time.perf_counter() - start
-        fresh.close()
+    fresh_runs = [fresh_engine_seconds(policy, tokenizer, prompts, engine_kwargs) for _ in range(args.fresh_repeats)]
+    save_s, build_s, ready_s = (statistics.median(run[i] for run in fresh_runs) for i in range(3))
     reload_s = save_s + ready_s
     print(f"[swap] fresh engine: save {save_s:.2f} s + build {build_s:.2f} s (+first token: {ready_s:.2f} s)")
 
@@ -251,14 +266,15 @@ def write_results(result: dict, out: Path) -> None:
         f"| `update_weights(policy)` (in place, median of {c['repeats']}) | {s['update_weights_s']} |",
         *([f"| vLLM's layerwise reload (the CPU fallback; the path before the in-place re-pack) | "
            f"{s['layerwise_reload']['update_weights_s']} |"] if s.get("layerwise_reload") else []),
-        f"| fresh engine: save checkpoint + build engine + first token | {s['fresh_engine_s']} "
+        f"| fresh engine: save checkpoint + build engine + first token (median of {c['fresh_repeats']}) | {s['fresh_engine_s']} "
         f"({s['fresh_save_checkpoint_s']} + {s['fresh_build_engine_s']} + rest) |",
         f"| first engine start in the process (imports included) | {s['first_engine_start_in_process_s']} |",
         f"| **ratio update / fresh** | **{s['ratio_update_over_fresh']}** |",
         "",
         f"Minor page faults per update: {s['page_faults_per_update']}"
         + (f"; layerwise reload {s['layerwise_reload']['page_faults_per_update']}" if s.get("layerwise_reload") else "")
-        + f" (4 KiB each). torch threads {c['torch_threads']}, OMP_WAIT_POLICY {c['omp_wait_policy']}.",
+        + f" (4 KiB each). torch threads {c['torch_threads']}, OMP_WAIT_POLICY {c['omp_wait_policy']} (the bench's "
+        "default: OpenMP threads spinning at barriers on this shared CPU made the update ~4x and generation ~3x slower).",
         "",
         f"Swap check: mean |engine log-prob − policy log-prob| {s['mean_abs_logprob_diff_before_update']:.3g} "
         f"before the update (policy perturbed), {s['mean_abs_logprob_diff_after_update']:.3g} after.",

@@ -262,16 +262,19 @@ class VLLMEngine(RolloutEngine):
     def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """CPU: load into the kept checkpoint-format tensors in place, then re-pack the layers loaded.
 
-        Why re-pack rather than compute with the plain weights (`F.linear`, no packing, so the
-        update would be the copy alone, ~3x faster): the packed oneDNN GEMM generates ~1.5x more
-        tokens/s on SmolLM2, and a training step generates thousands of tokens per update
-        (benchmarks/results/engine_cpu.md: ~0.3 s more per update, ~55 s less per 8k tokens).
+        Why re-pack rather than compute with the plain weights (`F.linear`, no packing: the update
+        would be the copy alone, ~0.15 s instead of ~0.42 s on SmolLM2): vLLM generates 1.1-1.5x
+        more tokens/s with the packed oneDNN GEMM (three bench runs), and a training step
+        generates thousands of tokens per update, so per 8k-token step re-packing costs ~0.3 s and
+        saves 18-52 s (benchmarks/results/engine_cpu.md).
         """
         model = self.model
         for (layer, name), tensor in self._repack_targets.items():
             setattr(layer, name, tensor)  # process_weights_after_loading frees it again: re-register
         expected = {name: id(param) for name, param in model.named_parameters()}
-        loaded = {id(model.get_parameter(name)) for name in model.load_weights(stream)}
+        names = model.load_weights(stream)
+        names = expected if names is None else names  # a model that does not report what it loaded
+        loaded = {id(model.get_parameter(name)) for name in names}
         for layer in {layer: None for p in loaded for layer in self._packed_by_param.get(p, ())}:
             _repack(layer)
         missing = [name for name, param_id in expected.items() if param_id not in loaded]
