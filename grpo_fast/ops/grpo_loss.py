@@ -159,6 +159,8 @@ def fused_linear_grpo_loss(
             metrics.update(metrics_)
             return loss
 
+        if not torch.is_grad_enabled():  # needs_input_grad ignores no_grad: detach so no gradient is computed
+            hidden_a, weight, bias = (None if t is None else t.detach() for t in (hidden_a, weight, bias))
         loss = FusedTokenGRPOLossFunction.apply(hidden_a, weight, bias, target_a, options, plan, finish)
         return loss, metrics
 
