@@ -26,9 +26,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .config import GRPOConfig
+from .rewards.registry import reward_name
 from .train import setup
 from .train.forward import Packer, completion_logprobs
-from .train.rollouts import Rollouts, from_engine, importance_weights, reward_name, score, zero_std_groups
+from .train.rollouts import Rollouts, from_engine, importance_weights, score, zero_std_groups
 from .train.step import LossOptions, train_step, trainable_tokens
 
 logger = logging.getLogger(__name__)

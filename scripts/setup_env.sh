@@ -15,7 +15,7 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then exit 0; fi
 echo "[setup] creating $VENV (first run takes a few minutes)"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
-pip install -q --upgrade pip wheel setuptools
+pip install -q --upgrade pip wheel
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install -q torch "vllm" "transformers>=5.16.1"
 else

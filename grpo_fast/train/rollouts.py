@@ -14,6 +14,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..rewards.registry import reward_name
+
 
 @dataclass
 class Rollouts:
@@ -77,10 +79,6 @@ def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollou
 # ----------------------------------------------------------------------------------------------
 # Scoring
 # ----------------------------------------------------------------------------------------------
-
-
-def reward_name(func: Callable) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
 
 
 def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str, conversational: bool) -> None:

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..objective import group_advantages
-from .rollouts import Rollouts, reward_name, weighted_rewards, zero_std_groups
+from ..rewards.registry import reward_name
+from .rollouts import Rollouts, weighted_rewards, zero_std_groups
 
 # ---- inputs ----------------------------------------------------------------------------------
 
