@@ -175,6 +175,7 @@ def main():
         sys.exit("check_gpu.py needs a CUDA GPU")
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
+
     from grpo_fast.kernels import linear_logprobs as K
 
     args.out.mkdir(parents=True, exist_ok=True)

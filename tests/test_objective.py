@@ -113,11 +113,11 @@ def independent_loss(logits, target, adv, mask, old, ref, isw, *, beta, eps_low,
             w = torch.exp(seq if level == "sequence" else lp[b][t] - old[b, t])
             if delta is not None:
                 w = torch.clamp(w, max=delta)
-            l = -torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
-            l = l * isw[b, t]
+            tok_loss = -torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
+            tok_loss = tok_loss * isw[b, t]
             d = ref[b, t] - lp[b][t]
-            l = l + beta * (torch.exp(d) - d - 1)
-            terms[b][t] = l * mask[b, t]
+            tok_loss = tok_loss + beta * (torch.exp(d) - d - 1)
+            terms[b][t] = tok_loss * mask[b, t]
     total = sum(sum(row) for row in terms)
     if loss_type == "grpo":
         return sum(sum(terms[b]) / max(float(mask[b].sum()), 1.0) for b in range(B)) / B

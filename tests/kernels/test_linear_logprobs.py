@@ -13,9 +13,9 @@ from typing import Optional
 
 import pytest
 import torch
-from grpo_fast.kernels import linear_logprobs as K
 
 from grpo_fast import objective
+from grpo_fast.kernels import linear_logprobs as K
 from grpo_fast.ops import backends
 from tests.helpers import assert_close
 
