@@ -2,10 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test train bench lint
+.PHONY: setup test train bench lint gpu-suite
 setup:
 	@./scripts/setup_env.sh
 test: setup
+	$(VENV)/bin/ruff check grpo_fast kernels tests benchmarks
 	$(PY) -m pytest -q tests
 train: setup
 	$(VENV)/bin/grpo-fast train
@@ -13,3 +14,5 @@ bench: setup
 	$(PY) benchmarks/bench_loss.py
 lint: setup
 	$(VENV)/bin/ruff check grpo_fast kernels tests benchmarks
+gpu-suite:
+	bash benchmarks/gpu_suite.sh benchmarks/results/gpu

@@ -112,6 +112,12 @@ def cmd_train(config: GRPOConfig) -> dict:
         summary.update(accuracy_before=before, accuracy_after=after, gain_points=round(100 * (after - before), 1))
         print(f"held-out accuracy: {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
               f"in {summary['wall_time_s'] / 60:.1f} min; metrics, plot and model in {config.output_dir}")
+    strict = trainer.boxed_accuracy_history
+    if len(strict) >= 2:
+        before, after = strict[0][1], strict[-1][1]
+        summary.update(boxed_accuracy_before=before, boxed_accuracy_after=after)
+        print(f"held-out accuracy, answers in \\boxed{{}} only: {100 * before:.1f}% -> {100 * after:.1f}% "
+              f"({100 * (after - before):+.1f} points)")
     with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

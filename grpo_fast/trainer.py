@@ -27,6 +27,7 @@ import torch
 
 from .config import GRPOConfig
 from .rewards.registry import reward_name
+from .rewards.verifiable import boxed_math_reward
 from .train import setup
 from .train.forward import Packer, completion_logprobs
 from .train.rollouts import Rollouts, from_engine, importance_weights, score, zero_std_groups
@@ -60,6 +61,7 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None):
         self.config = config
+        self.boxed_accuracy_history: list = []  # (step, strict accuracy) of this process's evaluations
         self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
         self.train_rows = setup.as_rows(train_dataset, config.prompt_column, "train_dataset")
         self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
@@ -273,6 +275,9 @@ class GRPOTrainer:
                "eval/completions/mean_length": batch.completion_lengths().mean().item()}
         for j, f in enumerate(self.reward_funcs):
             out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(batch.rewards[:, j])
+        if "answer" in rows[0]:  # strict grading too: only an answer in the instructed \boxed{} counts
+            strict = boxed_math_reward(completions=batch.completion_texts, answer=[r["answer"] for r in rows])
+            out["eval/accuracy_boxed"] = sum(x or 0.0 for x in strict) / len(strict)
         return out
 
     def _log_eval(self, bar) -> dict:
@@ -280,7 +285,10 @@ class GRPOTrainer:
         metrics = self.evaluate()
         metrics["time/eval"] = time.perf_counter() - start
         self.state.eval_history.append((self.state.step, metrics["eval/accuracy"]))
-        bar.print(f"step {self.state.step}: held-out accuracy {metrics['eval/accuracy']:.3f} "
+        if "eval/accuracy_boxed" in metrics:
+            self.boxed_accuracy_history.append((self.state.step, metrics["eval/accuracy_boxed"]))
+        boxed = f" (boxed answers only: {metrics['eval/accuracy_boxed']:.3f})" if "eval/accuracy_boxed" in metrics else ""
+        bar.print(f"step {self.state.step}: held-out accuracy {metrics['eval/accuracy']:.3f}{boxed} "
                   f"({min(len(self.eval_rows), self.config.eval_max_samples)} prompts, greedy, {metrics['time/eval']:.0f}s)")
         return self.metrics_logger.log(self.state.step, metrics)
 

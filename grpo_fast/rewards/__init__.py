@@ -5,7 +5,14 @@ Light to import: math-verify loads on the first math reward call.
 
 from .extract import completion_text, final_answer
 from .registry import BUILTIN_REWARDS, get_reward_funcs, reward_name
-from .verifiable import LengthAwareMathReward, format_reward, is_correct, math_reward, overlong_penalty
+from .verifiable import (
+    LengthAwareMathReward,
+    boxed_math_reward,
+    format_reward,
+    is_correct,
+    math_reward,
+    overlong_penalty,
+)
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -13,6 +20,7 @@ __all__ = [
     "completion_text",
     "final_answer",
     "format_reward",
+    "boxed_math_reward",
     "get_reward_funcs",
     "is_correct",
     "math_reward",

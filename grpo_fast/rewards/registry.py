@@ -6,12 +6,13 @@ import importlib
 import inspect
 from collections.abc import Callable
 
-from .verifiable import LengthAwareMathReward, format_reward, math_reward
+from .verifiable import LengthAwareMathReward, boxed_math_reward, format_reward, math_reward
 
 # name -> a reward function, or a factory (class) that builds one from keyword options.
 BUILTIN_REWARDS: dict[str, Callable] = {
     "math": math_reward,
     "format": format_reward,
+    "math_boxed": boxed_math_reward,
     "math_length": LengthAwareMathReward,
 }
 

@@ -108,6 +108,20 @@ def math_reward(prompts=None, completions=None, completion_ids=None, answer=None
 math_reward.__name__ = "math"
 
 
+def boxed_math_reward(prompts=None, completions=None, completion_ids=None, answer=None, **kwargs) -> list[float | None]:
+    """Strict grading: 1.0 only when the answer is given in the instructed ``\\boxed{}`` and is right.
+
+    `math_reward` also accepts a bare final number; this one is what a MATH-style grader that reads
+    only the boxed answer would score. None as in `math_reward`.
+    """
+    lenient = math_reward(prompts, completions, completion_ids, answer)
+    boxed = format_reward(prompts, completions, completion_ids)
+    return [None if r is None else r * b for r, b in zip(lenient, boxed, strict=True)]
+
+
+boxed_math_reward.__name__ = "math_boxed"
+
+
 def format_reward(prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
     """1.0 when the completion holds exactly one ``\\boxed{...}`` and its content is not blank."""
     out = []

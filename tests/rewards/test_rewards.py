@@ -201,3 +201,12 @@ def test_get_reward_funcs_unknown_name_lists_known():
         get_reward_funcs(["math", "maths"])
     with pytest.raises(ValueError, match="max_completion_length"):
         get_reward_funcs("math_length")  # needs its option
+
+
+def test_boxed_math_reward_counts_only_boxed_correct_answers():
+    from grpo_fast.rewards import boxed_math_reward
+
+    completions = ["so \\boxed{9}", "the answer is 9", "\\boxed{8}", "\\boxed{9} or \\boxed{9}"]
+    assert boxed_math_reward(completions=completions, answer=["9"] * 4) == [1.0, 0.0, 0.0, 0.0]
+    assert boxed_math_reward(completions=["\\boxed{9}"], answer=[None]) == [None]
+    assert reward_name(get_reward_funcs("math_boxed")[0]) == "math_boxed"
