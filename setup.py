@@ -5,12 +5,14 @@ seconds, needs no torch in the build environment, and is not tied to the install
 The Triton sources in `kernels/` install as `grpo_fast.kernels`.
 """
 
+import glob
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ext = Pybind11Extension(
     "grpo_fast._C",
-    sorted(__import__("glob").glob("csrc/*.cpp")),
+    sorted(glob.glob("csrc/*.cpp")),
     cxx_std=17,
     # Portable baseline (x86-64); the hot loops are multiversioned at run time (see csrc/).
     extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=fast"],
@@ -18,15 +20,7 @@ ext = Pybind11Extension(
 )
 
 setup(
-    packages=[
-        "grpo_fast",
-        "grpo_fast.ops",
-        "grpo_fast.rollout",
-        "grpo_fast.rewards",
-        "grpo_fast.data",
-        "grpo_fast.integrations",
-        "grpo_fast.kernels",
-    ],
+    packages=find_packages(include=["grpo_fast", "grpo_fast.*"]) + ["grpo_fast.kernels"],
     package_dir={"grpo_fast.kernels": "kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext},
