@@ -12,19 +12,19 @@ from typing import Optional, Sequence
 import torch
 
 from ..data.packing import PackedMicroBatch, pack_sequences, plan_micro_batches, uses_varlen
+from ..integrations.hf_causal_lm import causal_lm_of, decoder_of, output_head
 from ..ops import fused_linear_logprobs
 
 
 def policy_parts(model):
-    """(base model ending at the final hidden state, lm_head weight [V, H], lm_head bias [V] or None)."""
-    base = getattr(model, model.base_model_prefix, None)
-    head = model.get_output_embeddings()
-    if base is None or head is None:
-        raise ValueError(
-            f"{type(model).__name__}: expected a causal LM with a base model at .{model.base_model_prefix} "
-            "and an lm_head (get_output_embeddings()); grpo_fast applies the lm_head inside the fused loss"
-        )
-    return base, head.weight, getattr(head, "bias", None)
+    """(decoder ending at the final hidden state, lm_head weight [V, H], lm_head bias [V] or None).
+
+    Found the same way as in the TRL integration (through PEFT wrappers; refuses a head that is not a
+    plain Linear, whose adapter the fused op would silently drop).
+    """
+    lm = causal_lm_of(model)
+    weight, bias = output_head(lm)
+    return decoder_of(lm), weight, bias
 
 
 def completion_hidden(base, mb: PackedMicroBatch) -> torch.Tensor:
