@@ -135,9 +135,9 @@ def fused_linear_grpo_loss(
         flat = flat.detach().reshape(-1).float()
         return flat if everything else flat.index_select(0, idx)
 
-    def scatter(values_a):
-        """[Na] -> [B, T]; masked places get the old log-prob (ratio 1) so they stay finite."""
-        full = (old_logp.detach().float().clone() if old_logp is not None else hidden.new_zeros(B, T, dtype=torch.float32))
+    def scatter(values_a, fill=None):
+        """[Na] -> [B, T], masked places taken from `fill` (zeros when None)."""
+        full = fill.detach().float().clone() if fill is not None else hidden.new_zeros(B, T, dtype=torch.float32)
         full.view(-1)[idx] = values_a
         return full
 
@@ -152,8 +152,9 @@ def fused_linear_grpo_loss(
         metrics = {}
 
         def finish(logp_a, entropy_a):  # loss value and metrics: the objective, on [B, T], no grad
+            # masked places take the old log-prob: ratio 1, so they stay finite
             loss, metrics_ = objective.grpo_loss_from_logprobs(
-                scatter(logp_a), advantages, mask, entropy=scatter(entropy_a),
+                scatter(logp_a, old_logp), advantages, mask, entropy=scatter(entropy_a),
                 epsilon_low=epsilon_low, epsilon_high=epsilon_high, **loss_options, **agg,
             )
             metrics.update(metrics_)
@@ -165,7 +166,7 @@ def fused_linear_grpo_loss(
         return loss, metrics
 
     logp_a, entropy_a = LinearLogprobsFunction.apply(hidden_a, weight, bias, target_a, options)
-    logp = scatter(logp_a)
+    logp = scatter(logp_a, old_logp)  # masked places: ratio 1, so they stay finite
     return objective.grpo_loss_from_logprobs(
         logp, advantages, mask, entropy=scatter(entropy_a),
         epsilon_low=epsilon_low, epsilon_high=epsilon_high, **loss_options, **agg,
