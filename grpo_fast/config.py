@@ -48,7 +48,7 @@ class GRPOConfig:
     task: str = _f("arithmetic", "Built-in task used when `dataset` is None (synthetic, seeded, with a held-out split).", ("arithmetic",))
     task_train_size: int = _f(5000, "Number of training questions generated for the built-in task.")
     prompt_column: str = _f("prompt", "Dataset column holding the prompt (text, or chat messages); the tokenizer's chat template is applied.")
-    reward_funcs: list = _f(["math", "format"], "Reward functions by name (see grpo_fast.rewards.get_reward_funcs), used by the CLI. The first one is the correctness reward that `eval/accuracy` reports.")
+    reward_funcs: list = _f(["math"], "Reward functions by name (see grpo_fast.rewards.get_reward_funcs), used by the CLI. The first one is the correctness reward that `eval/accuracy` reports. The default run rewards correctness alone: with `format` added at equal weight a boxed wrong answer scores as much as a right bare one, and the model learned the format but no arithmetic (README).")
     reward_weights: Optional[list] = _f(None, "One weight per reward function (TRL). None: all 1.")
     dtype: str = _f("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
     bf16: Optional[bool] = _f(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
@@ -110,7 +110,7 @@ class GRPOConfig:
     seed: int = _f(42, "Seed for data order, sampling and initialisation.")
 
     # ---- evaluation, logging, checkpoints ---------------------------------------------------
-    eval_steps: int = _f(0, "Evaluate every this many steps (0: only before and after training).")
+    eval_steps: int = _f(5, "Evaluate every this many steps, and after the last (0: only before and after training). One evaluation of the default run takes ~12 s.")
     eval_before_train: bool = _f(True, "Evaluate once before the first step (the baseline).")
     eval_max_samples: int = _f(200, "Held-out prompts used by evaluate() (greedy decoding, one completion each).")
     eval_max_completion_length: Optional[int] = _f(None, "Most tokens per eval completion. None: max_completion_length.")
