@@ -166,7 +166,7 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--fresh-repeats", type=int, default=3, help="fresh-engine timings")
     parser.add_argument("--step-tokens", type=int, default=8192, help="tokens one training step generates (per-step totals)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for engine_cpu.{json,md}")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for engine_cpu.{json,md} (engine_cpu_<dtype>.* for another --dtype)")
     args = parser.parse_args()
 
     import torch
@@ -232,7 +232,7 @@ def main():
         machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                      load_average_before=[round(x, 2) for x in load_before],
                      load_average_after=[round(x, 2) for x in os.getloadavg()],
-                     note="CPU shared with other agents' jobs; times are medians and noisy"),
+                     note="times are medians; the load averages say how busy the CPU was"),
         config=dict(vars(args), model_path=path, omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"), torch_threads=torch.get_num_threads(),
                     torch=torch.__version__, vllm=__import__("vllm").__version__),
@@ -246,15 +246,17 @@ def main():
         generate=dict(vllm=vllm_speed, hf=hf_speed, speedup_vllm_over_hf=round(vllm_speed["tokens_per_s"] / hf_speed["tokens_per_s"], 2),
                       cpu_gemm=gemm),
     )
-    write_results(result, Path(args.out))
+    write_results(result, Path(args.out), "engine_cpu" if args.dtype == "float32" else f"engine_cpu_{args.dtype}")
 
 
-def write_results(result: dict, out: Path) -> None:
+def write_results(result: dict, out: Path, stem: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     s, g, c, m = result["swap"], result["generate"], result["config"], result["machine"]
     lines = [
         "# Rollout engines on the CPU (bench_engine.py)",
+        "",
+        f"Command: `{' '.join(['python', 'benchmarks/bench_engine.py', *sys.argv[1:]])}`",
         "",
         f"Model `{c['model_path']}` ({c['dtype']}), vllm {c['vllm']}, torch {c['torch']}, {m['cores']} cores; "
         f"load average {m['load_average_before']} before, {m['load_average_after']} after. {m['note']}.",
@@ -300,7 +302,7 @@ def write_results(result: dict, out: Path) -> None:
         *(f"| {t['when']} | {t['torch_threads']} | {t['matmul_1024_ms']} | {t['affinity']} |" for t in result["threads"]),
         "",
     ]
-    (out / "engine_cpu.md").write_text("\n".join(lines))
+    (out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
