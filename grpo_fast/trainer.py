@@ -70,7 +70,8 @@ class GRPOTrainer:
         self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
         self.ref_model = setup.frozen_copy(self.model) if config.beta > 0 else None
         self.engine = engine if engine is not None else setup.build_engine(config, self.model, self.tokenizer, self.model_path)
-        self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda))
+        self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda),
+                             amp_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None)
         self.loss_options = LossOptions.from_config(config)
         self.optimizer = setup.build_optimizer(self.model, config)
         self.scheduler = setup.build_scheduler(self.optimizer, config)

@@ -27,19 +27,31 @@ def policy_parts(model):
     return decoder_of(lm), weight, bias
 
 
-def completion_hidden(base, mb: PackedMicroBatch) -> torch.Tensor:
-    """(b, Tc, H): for each sequence, the hidden states predicting its completion tokens."""
-    hidden = base(**mb.model_inputs()).last_hidden_state  # (1, L, H)
-    return hidden[0][mb.hidden_index]
+def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(b, Tc, H): for each sequence, the hidden states predicting its completion tokens.
+
+    amp_dtype: run the decoder under `torch.autocast` in this dtype (mixed precision: matmuls in
+    bf16, weights and the residual stream as they are); the hidden states come back in the
+    weights' dtype, so the fused op after it computes as without autocast.
+    """
+    param = next(base.parameters())
+    with torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        hidden = base(**mb.model_inputs()).last_hidden_state  # (1, L, H)
+    return hidden[0][mb.hidden_index].to(param.dtype)
 
 
 class Packer:
-    """Cuts a list of samples into packed micro-batches of at most `max_tokens` tokens."""
+    """Cuts a list of samples into packed micro-batches of at most `max_tokens` tokens.
 
-    def __init__(self, model, max_tokens: int):
+    Also carries how their decoder forward runs (`amp_dtype`, see `completion_hidden`), so the
+    training, old-policy and reference passes run it alike.
+    """
+
+    def __init__(self, model, max_tokens: int, amp_dtype: Optional[torch.dtype] = None):
         self.max_tokens = max_tokens
         self.varlen = uses_varlen(model)
         self.device = next(model.parameters()).device
+        self.amp_dtype = amp_dtype
 
     def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None):
         """Yield PackedMicroBatch over samples with a completion (and `include[i]` when given)."""
@@ -62,7 +74,7 @@ def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, te
     base, weight, bias = policy_parts(model)
     out = [torch.zeros(0) for _ in prompt_ids]
     for mb in packer.micro_batches(prompt_ids, completion_ids):
-        hidden = completion_hidden(base, mb)
+        hidden = completion_hidden(base, mb, packer.amp_dtype)
         active = mb.completion_mask
         logp = fused_linear_logprobs(hidden[active], weight, mb.target_ids[active], bias=bias,
                                      temperature=temperature, backend=backend)

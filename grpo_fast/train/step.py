@@ -74,7 +74,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     totals, skipped, loss_sum = {}, False, 0.0
     for mb in micro_batches:
         loss, metrics = fused_linear_grpo_loss(
-            completion_hidden(base, mb), weight, mb.target_ids,
+            completion_hidden(base, mb, packer.amp_dtype), weight, mb.target_ids,
             batch.advantages[mb.rows].to(weight.device), mb.completion_mask,
             old_logp=None if batch.old_logp is None else mb.pad(batch.old_logp),
             ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),

@@ -120,3 +120,18 @@ def test_prompt_over_max_length_errors_when_configured(tmp_path, tiny):
         GRPOTrainer(config(tmp_path, prompt_truncation="error"), [target_fraction], long_rows, model=model, tokenizer=tokenizer)
     trainer = GRPOTrainer(config(tmp_path), [target_fraction], long_rows, model=model, tokenizer=tokenizer)
     assert max(map(len, trainer.train_prompt_ids)) == 32  # cut from the left to max_prompt_length
+
+
+def test_mixed_precision_bf16_runs_decoder_in_bf16_keeps_weights_fp32(tmp_path, tiny):
+    model, tokenizer = tiny
+    seen = set()
+    layer = next(m for name, m in model.named_modules() if name.endswith("q_proj"))
+    layer.register_forward_hook(lambda mod, args, out: seen.add((out.dtype, torch.is_grad_enabled())))
+    c = config(tmp_path, max_steps=1, mixed_precision="bf16", eval_before_train=False, save_final=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
+    assert (torch.bfloat16, True) in seen, f"the training forward did not run under bf16 autocast: {seen}"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert max((p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()) > 0
+    record = [r for r in _records(c.output_dir) if "reward" in r][-1]
+    assert record["skipped_steps"] == 0 and math.isfinite(record["loss"])
