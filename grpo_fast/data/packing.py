@@ -5,18 +5,23 @@ state one position earlier, so the packed row holds `prompt + completion[:-1]` (
 completion token is a target only) and positions restart at 0 for every sequence.
 
 Restarting `position_ids` alone does not keep packed sequences apart under SDPA or eager attention
-(ENVIRONMENT.md: up to 4.5 difference on a tiny Llama), so on those paths the row gets an explicit
-block-diagonal causal mask `[1, 1, L, L]` (bool, True = may attend). That mask is O(L^2), which is
-why the token budget stays small on the CPU. With flash-attention 2 the mask is left out and
-transformers runs the varlen kernel from the restarting position ids (no O(L^2) anything).
+(ENVIRONMENT.md: up to 4.5 difference on a tiny Llama). How they are kept apart (`attention`):
+- "varlen": flash-attention 2; transformers runs the varlen kernel from the restarting position ids.
+- "packed": the row carries `cu_seq_lens` (where each sequence starts) and the model attends with
+  grpo_fast's per-sequence SDPA (`grpo_fast/train/attention.py`): no mask, n * longest^2 work.
+- "mask": any other model; the row gets a dense block-diagonal causal mask `[1, 1, L, L]` (bool,
+  True = may attend), O(L^2) in memory and work.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+ATTENTION_MODES = ("mask", "varlen", "packed")
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -54,7 +59,9 @@ def packed_length(prompt_len: int, completion_len: int) -> int:
 class PackedMicroBatch:
     """One packed forward. `b` sequences, `L` packed tokens, `Tc` the longest completion.
 
-    input_ids, position_ids: (1, L) long; attention_mask: (1, 1, L, L) bool or None (varlen);
+    input_ids, position_ids: (1, L) long; cu_seq_lens: (b + 1,) int32, where each sequence starts
+    in the row (L last); attention: how the forward keeps sequences apart (module docstring);
+    attention_mask: (1, 1, L, L) bool with attention="mask", else None;
     hidden_index: (b, Tc) long, the packed position whose hidden state predicts completion token t
     (0 where t is past the completion); target_ids: (b, Tc) long; completion_mask: (b, Tc) bool.
     rows: which samples of the caller's list the b sequences are.
@@ -62,6 +69,8 @@ class PackedMicroBatch:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    attention: str
     attention_mask: Optional[torch.Tensor]
     hidden_index: torch.Tensor
     target_ids: torch.Tensor
@@ -74,8 +83,10 @@ class PackedMicroBatch:
 
     def model_inputs(self) -> dict:
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
-        if self.attention_mask is not None:
+        if self.attention == "mask":
             inputs["attention_mask"] = self.attention_mask
+        elif self.attention == "packed":
+            inputs["cu_seq_lens_q"] = self.cu_seq_lens  # reaches the attention function as a keyword
         return inputs
 
     def pad(self, per_sample: Sequence[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
@@ -105,9 +116,11 @@ def pack_sequences(
     rows: Sequence[int],
     *,
     device=None,
-    varlen: bool = False,
+    attention: str = "mask",
 ) -> PackedMicroBatch:
     """Pack samples `rows` (each with a non-empty completion) into one row; see `PackedMicroBatch`."""
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     ids, positions, lengths, index_rows, targets = [], [], [], [], []
     offset = 0
     for i in rows:
@@ -133,15 +146,11 @@ def pack_sequences(
     return PackedMicroBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        attention_mask=None if varlen else block_causal_mask(lengths, device),
+        cu_seq_lens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
+        attention=attention,
+        attention_mask=block_causal_mask(lengths, device) if attention == "mask" else None,
         hidden_index=hidden_index.to(device),
         target_ids=target_ids.to(device),
         completion_mask=mask.to(device),
         rows=list(rows),
     )
-
-
-def uses_varlen(model) -> bool:
-    """True when the model runs flash-attention (varlen from position ids, no dense mask needed)."""
-    impl = getattr(model.config, "_attn_implementation", None) or ""
-    return "flash" in impl

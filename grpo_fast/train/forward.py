@@ -7,13 +7,15 @@ log-probs (and the loss and its gradient) over vocab chunks without a `[tokens, 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
 
-from ..data.packing import PackedMicroBatch, pack_sequences, plan_micro_batches, uses_varlen
+from ..data.packing import PackedMicroBatch, pack_sequences, plan_micro_batches
 from ..integrations.hf_causal_lm import causal_lm_of, decoder_of, output_head
 from ..ops import fused_linear_logprobs
+from .attention import packed_attention, supports_packed_attention
 
 
 def policy_parts(model):
@@ -35,9 +37,19 @@ def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtyp
     weights' dtype, so the fused op after it computes as without autocast.
     """
     param = next(base.parameters())
-    with torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+    attention = packed_attention(base) if mb.attention == "packed" else contextlib.nullcontext()
+    with attention, torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
         hidden = base(**mb.model_inputs()).last_hidden_state  # (1, L, H)
     return hidden[0][mb.hidden_index].to(param.dtype)
+
+
+def attention_mode(model) -> str:
+    """How a packed row keeps its sequences apart (grpo_fast.data.packing): flash-attention's varlen
+    kernel, else grpo_fast's per-sequence SDPA where the model's attention can be swapped, else a
+    dense block-diagonal mask."""
+    if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
+        return "varlen"
+    return "packed" if supports_packed_attention(model) else "mask"
 
 
 class Packer:
@@ -49,7 +61,7 @@ class Packer:
 
     def __init__(self, model, max_tokens: int, amp_dtype: Optional[torch.dtype] = None):
         self.max_tokens = max_tokens
-        self.varlen = uses_varlen(model)
+        self.attention = attention_mode(model)
         self.device = next(model.parameters()).device
         self.amp_dtype = amp_dtype
 
@@ -61,7 +73,7 @@ class Packer:
             for i in range(len(prompt_ids))
         ]
         for rows in plan_micro_batches(lengths, self.max_tokens):
-            yield pack_sequences(prompt_ids, completion_ids, rows, device=self.device, varlen=self.varlen)
+            yield pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=self.attention)
 
 
 @torch.no_grad()

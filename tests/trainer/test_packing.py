@@ -6,7 +6,7 @@ import torch
 from grpo_fast.data.packing import block_causal_mask, pack_sequences, plan_micro_batches
 from grpo_fast.train.forward import Packer, completion_logprobs
 from tests.helpers import assert_close
-from tests.tiny_model import load_tiny_model
+from tests.tiny_model import build_tiny_model, load_tiny_model
 
 
 def test_plan_respects_budget_and_covers_every_sample():
@@ -55,13 +55,26 @@ def _padded_reference_logprobs(model, prompts, completions, temperature):
     return out
 
 
-def test_packed_logprobs_equal_padded(tiny_path):
-    model, _ = load_tiny_model(tiny_path)
+@pytest.fixture(scope="module")
+def gqa_path(tmp_path_factory):
+    """Grouped-query attention (4 query heads share 2 kv heads), as in SmolLM2."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gqa"), hidden_size=256, num_attention_heads=4,
+                            num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("attention", ["packed", "mask"])
+@pytest.mark.parametrize("model_kind", ["mha", "gqa"])
+def test_packed_logprobs_equal_padded(tiny_path, gqa_path, model_kind, attention):
+    """Both ways of keeping packed sequences apart on the CPU: per-sequence SDPA (the default for
+    models using transformers' attention interface) and the dense block-diagonal mask."""
+    model, _ = load_tiny_model(tiny_path if model_kind == "mha" else gqa_path)
     g = torch.Generator().manual_seed(0)
     lengths = [(5, 7), (12, 3), (3, 11), (8, 1), (6, 6)]
     prompts = [torch.randint(3, 300, (p,), generator=g).tolist() for p, _ in lengths]
     completions = [torch.randint(3, 300, (c,), generator=g).tolist() for _, c in lengths]
     packer = Packer(model, max_tokens=24)  # several micro-batches, each holding several sequences
+    assert packer.attention == "packed"  # what the trainer picks for these models
+    packer.attention = attention
     assert len(list(packer.micro_batches(prompts, completions))) >= 2
     got = completion_logprobs(model, packer, prompts, completions, temperature=0.7, backend="torch")
     want = _padded_reference_logprobs(model, prompts, completions, 0.7)
