@@ -154,6 +154,8 @@ def _markdown(report: dict) -> str:
     lines = [
         "# One GRPO step: grpo_fast vs TRL GRPOTrainer",
         "",
+        f"Command: `{' '.join(['python', 'benchmarks/bench_step.py', *sys.argv[1:]])}`",
+        "",
         f"{report['setup']}. Machine: {report['machine']}; load average at start {report['load_average']}.",
         "",
         "| | grpo_fast | TRL |",
