@@ -25,8 +25,18 @@ NAME = "grpo_fast_packed_sdpa"
 
 
 def supports_packed_attention(model) -> bool:
-    """True when `model` calls its attention through transformers' interface (so it can be swapped)."""
-    return bool(getattr(model, "_supports_attention_backend", False))
+    """True when this module can attend for `model`'s packed rows, as the model itself would.
+
+    Needs: attention called through transformers' interface (so it can be swapped); no gradient
+    checkpointing (its backward recompute runs after the swap is undone, i.e. without it); no
+    attention sinks or logit soft-capping (not implemented here; `packed_sdpa_forward` also refuses
+    them at run time, so nothing is computed differently in silence).
+    """
+    config = getattr(model, "config", None)
+    return (bool(getattr(model, "_supports_attention_backend", False))
+            and not getattr(model, "is_gradient_checkpointing", False)
+            and getattr(config, "attn_logit_softcapping", None) is None
+            and not any(hasattr(m, "sinks") for m in model.modules()))
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -38,6 +48,13 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     starts = kwargs["cu_seq_lens_q"]
     lengths = starts[1:] - starts[:-1]
     longest = int(lengths.max())
+    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+    window = kwargs.get("sliding_window")
+    if window is not None and longest > window:
+        unsupported.append(f"sliding_window={window} shorter than a packed sequence ({longest} tokens)")
+    if unsupported or not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"packed attention: {type(module).__name__} needs {unsupported or 'non-causal attention'}, "
+                                  "which grpo_fast's per-sequence SDPA does not implement")
     offsets = torch.arange(longest, device=query.device)
     valid = offsets[None, :] < lengths[:, None]  # [n, longest]
     index = (starts[:-1, None] + offsets[None, :]).clamp(max=query.shape[2] - 1)

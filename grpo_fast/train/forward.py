@@ -60,8 +60,9 @@ class Packer:
     """
 
     def __init__(self, model, max_tokens: int, amp_dtype: Optional[torch.dtype] = None):
+        self.model = model
         self.max_tokens = max_tokens
-        self.attention = attention_mode(model)
+        self.attention: Optional[str] = None  # None: attention_mode(model) at each call
         self.device = next(model.parameters()).device
         self.amp_dtype = amp_dtype
 
@@ -72,8 +73,9 @@ class Packer:
             else len(prompt_ids[i]) + len(completion_ids[i]) - 1
             for i in range(len(prompt_ids))
         ]
+        attention = self.attention or attention_mode(self.model)  # checkpointing may be switched on later
         for rows in plan_micro_batches(lengths, self.max_tokens):
-            yield pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=self.attention)
+            yield pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=attention)
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_fast.data.packing import block_causal_mask, pack_sequences, plan_micro_batches
-from grpo_fast.train.forward import Packer, completion_logprobs
+from grpo_fast.train.forward import Packer, attention_mode, completion_logprobs
 from tests.helpers import assert_close
 from tests.tiny_model import build_tiny_model, load_tiny_model
 
@@ -73,7 +73,7 @@ def test_packed_logprobs_equal_padded(tiny_path, gqa_path, model_kind, attention
     prompts = [torch.randint(3, 300, (p,), generator=g).tolist() for p, _ in lengths]
     completions = [torch.randint(3, 300, (c,), generator=g).tolist() for _, c in lengths]
     packer = Packer(model, max_tokens=24)  # several micro-batches, each holding several sequences
-    assert packer.attention == "packed"  # what the trainer picks for these models
+    assert attention_mode(model) == "packed"  # what the trainer picks for these models
     packer.attention = attention
     assert len(list(packer.micro_batches(prompts, completions))) >= 2
     got = completion_logprobs(model, packer, prompts, completions, temperature=0.7, backend="torch")
@@ -96,3 +96,24 @@ def test_bf16_autocast_forward_is_close_to_float32(tiny_path):
     assert all(a.dtype == torch.float32 for a in amp)
     assert diff.max() > 0, "autocast changed nothing: the decoder did not run in bf16"
     assert diff.mean() < 0.05, f"bf16 autocast log-probs too far from float32: mean |diff| {diff.mean():.3g}"
+
+
+def test_packed_attention_refuses_what_it_does_not_implement():
+    """Soft-capping, attention sinks and a sliding window shorter than a sequence are refused, not
+    silently dropped; a window no sequence reaches changes nothing."""
+    from grpo_fast.train.attention import packed_sdpa_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 32, generator=g) for _ in range(3))
+    starts = torch.tensor([0, 3, 7], dtype=torch.int32)
+    plain, _ = packed_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=starts)
+    windowed, _ = packed_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=starts, sliding_window=4)
+    assert torch.equal(plain, windowed) and plain.shape == (1, 7, 2, 32)
+    for extra in ({"softcap": 50.0}, {"s_aux": torch.zeros(2)}, {"sliding_window": 3}):
+        with pytest.raises(NotImplementedError, match="packed attention"):
+            packed_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=starts, **extra)
+    module.is_causal = False
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        packed_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=starts)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_fast.objective import grpo_loss_reference
-from grpo_fast.train.forward import Packer
+from grpo_fast.train.forward import Packer, attention_mode
 from grpo_fast.train.rollouts import Rollouts
 from grpo_fast.train.step import LossOptions, train_step
 from tests.helpers import assert_close
@@ -99,3 +99,22 @@ def test_dapo_normaliser_from_the_generation_batch(tiny):
     train_step(model, optimizer, Packer(model, max_tokens=24), batch, options, max_grad_norm=0.0, num_items_in_batch=37.5)
     for name, grad in expected.items():
         assert_close(optimizer.grads[name], grad, atol=2e-5, rtol=1e-3, name=f"grad {name}")
+
+
+def test_gradient_checkpointing_step_matches_whole_batch_reference(tiny):
+    """Checkpointing recomputes each layer during backward, after the packed-attention switch is
+    undone: such a model packs with the dense mask instead, and its gradients stay right."""
+    model, _ = tiny
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert attention_mode(model) == "mask"
+    options = LossOptions(loss_type="dapo", beta=0.0, epsilon_low=0.2, epsilon_high=0.28, delta=None,
+                          temperature=0.8, importance_sampling_level="token", max_completion_length=12,
+                          mask_truncated_completions=False, backend="cpu")
+    batch = _batch()
+    expected = _reference_grads(model, batch, options)
+    optimizer = CaptureGrads(model)
+    metrics = train_step(model, optimizer, Packer(model, max_tokens=24), batch, options, max_grad_norm=0.0)
+    assert metrics["num_micro_batches"] >= 2
+    for name, grad in expected.items():
+        assert_close(optimizer.grads[name], grad, atol=2e-5, rtol=1e-3, name=f"checkpointed grad {name}")
