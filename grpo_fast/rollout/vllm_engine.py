@@ -9,10 +9,9 @@ handle tied embeddings, copying into the existing tensors:
   one bucket at a time.
 - CPU: the linear layers compute with a packed (oneDNN) copy of their weight, made after loading,
   and vLLM frees the checkpoint-format weight. The engine keeps one checkpoint-format tensor per
-  such weight (made once from vLLM's reload metadata and filled from the model folder; SmolLM2
-  fp32: 425 MB), computes with plain `F.linear` on them and loads into them in place: one copy per
-  weight. With `cpu_packed_gemm=True` it re-runs each layer's own `process_weights_after_loading`
-  after loading to re-pack it (one copy and one pack per weight). Models whose CPU weight processing is anything else (quantized, MoE
+  such weight (made once from vLLM's reload metadata; SmolLM2 fp32: 425 MB), loads into those in
+  place, then re-runs each layer's own `process_weights_after_loading` to re-pack it: one copy
+  and one pack per weight. Models whose CPU weight processing is anything else (quantized, MoE
   prepacking...) take the model runner's generic layerwise `reload_weights`, which rebuilds every
   layer in fresh memory (1.5-2x slower on SmolLM2). Never call that without weights: it would
   re-read the original checkpoint from disk and silently discard the trained weights.
