@@ -13,10 +13,10 @@ Measures, in one process (the trainer's situation: vLLM in-process beside the po
             re-pack). Also checks the swap: engine log-probs against the policy's
             (fused_linear_logprobs) after perturbing it.
   generate  tokens/s of VLLMEngine and HFEngine on the same chat prompts, n samples each,
-            temperature 1, after a warm-up call; generated tokens / wall time. On the CPU the
-            engine's default linear layers (plain F.linear, so an update is the copy alone) against
-            vLLM's packed oneDNN GEMM (cpu_packed_gemm=True, re-packed per update), and the
-            per-step total of each (one update + --step-tokens generated tokens).
+            temperature 1, after a warm-up call; generated tokens / wall time. On the CPU also the
+            engine with its linear layers on plain F.linear (no oneDNN packing, so an update would
+            be the copy alone) against the packed GEMM it uses, and the per-step total of each
+            (one update + --step-tokens generated tokens).
 Times are medians of --repeats (updates), --gen-repeats, --fresh-repeats. The CPU is shared with other
 jobs: load averages are recorded.
 """
@@ -111,6 +111,18 @@ def generation_speed(engine, prompts, args) -> dict:
     return dict(seconds=round(seconds, 3), generated_tokens=tokens, tokens_per_s=round(tokens / seconds, 1))
 
 
+def use_plain_gemm_(engine) -> None:
+    """Make the engine's CPU-packed layers compute with F.linear on their checkpoint-format weights
+    (no oneDNN packing); the next update_weights re-packs them."""
+    import torch
+
+    for (layer, name), tensor in engine._repack_targets.items():
+        setattr(layer, name, tensor)
+    for layer in engine.model.modules():
+        if hasattr(layer, "cpu_linear"):
+            layer.cpu_linear = torch.nn.functional.linear
+
+
 def update_seconds(engine, policy, repeats: int, layerwise: bool = False) -> tuple[float, int]:
     """(median seconds, minor page faults per call) of update_weights; layerwise: vLLM's generic reload."""
     saved = engine._repack_targets
@@ -183,27 +195,29 @@ def main():
     error_after = swap_error(engine, policy, prompts)
     print(f"[swap] update_weights {update_s:.3f} s; mean |dlogprob| before {error_before:.3g}, after {error_after:.3g}")
     cpu = engine._repack_targets is not None
-    layerwise, gemm = None, None
-    if cpu:  # the packed-GEMM mode (cpu_packed_gemm=True); vLLM's layerwise reload needs packed layers too
-        engine.plain_gemm = False
-        packed_s, _ = update_seconds(engine, policy, args.repeats)
-        packed_speed = generation_speed(engine, prompts, args)
-        print(f"[generate] vllm, packed oneDNN {packed_speed}; update {packed_s:.3f} s", flush=True)
+    layerwise = None
+    if cpu:
         layerwise_s, layerwise_faults = update_seconds(engine, policy, args.repeats, layerwise=True)
         layerwise = dict(update_weights_s=round(layerwise_s, 4), page_faults_per_update=layerwise_faults)
         print(f"[swap] layerwise reload {layerwise_s:.3f} s", flush=True)
-        engine.plain_gemm = True
 
     # ---- generation ------------------------------------------------------------------------
     engine.update_weights(policy)
     vllm_speed = generation_speed(engine, prompts, args)
     print(f"[generate] vllm {vllm_speed}", flush=True)
     threads.append(threads_snapshot("after vLLM generate"))
-    if cpu:
+    gemm = None
+    if cpu:  # the alternative to re-packing: plain F.linear, so an update is the copy alone
+        use_plain_gemm_(engine)
+        from grpo_fast.rollout.vllm_engine import _named_tensors
+
+        load_s, _ = timed(lambda: engine.model.load_weights(engine._prepare(_named_tensors(policy))), args.repeats)
+        plain_speed = generation_speed(engine, prompts, args)
+        print(f"[generate] vllm, plain F.linear {plain_speed}; load alone {load_s:.3f} s", flush=True)
+        engine.update_weights(policy)  # re-packs
         gemm = {name: dict(update_s=round(u, 4), tokens_per_s=g["tokens_per_s"],
                            step_s=round(u + args.step_tokens / g["tokens_per_s"], 1))
-                for name, u, g in (("plain F.linear (default)", update_s, vllm_speed),
-                                   ("packed oneDNN (cpu_packed_gemm=True)", packed_s, packed_speed))}
+                for name, u, g in (("packed oneDNN (default)", update_s, vllm_speed), ("plain F.linear", load_s, plain_speed))}
     hf_speed = generation_speed(HFEngine(policy, tokenizer, max_model_len=args.max_model_len), prompts, args)
     print(f"[generate] hf {hf_speed}", flush=True)
 
@@ -275,7 +289,7 @@ def write_results(result: dict, out: Path, stem: str) -> None:
         "",
         f"vLLM / HF: **{g['speedup_vllm_over_hf']}×**",
         "",
-        *(["## CPU GEMM: plain F.linear (update = copy alone) vs packed oneDNN (re-packed per update)",
+        *(["## CPU GEMM: packed oneDNN (re-packed per update) vs plain F.linear (update = copy alone)",
            "",
            f"| linear layers | update s | vLLM tokens/s | per step s (update + {c['step_tokens']} tokens) |",
            "| --- | --- | --- | --- |",

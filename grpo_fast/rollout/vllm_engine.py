@@ -66,18 +66,6 @@ def _named_tensors(weights) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor.detach()
 
 
-def _checkpoint_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every safetensors file in a model folder."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def _repackable_weights(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], torch.Tensor] | None:
     """CPU: {(layer, parameter name): checkpoint-format tensor} for each weight vLLM packed and freed.
 
@@ -151,9 +139,7 @@ class VLLMEngine(RolloutEngine):
     model_path: a local folder (safetensors + config + tokenizer). dtype: engine dtype ("float32"
     for exact log-prob comparisons). max_model_len: prompt + completion limit. seed: engine seed.
     gpu_memory_utilization, enable_sleep_mode: as in vLLM (CUDA). bucket_bytes: update_weights
-    bucket size on CUDA. cpu_packed_gemm (CPU): compute the linear layers with vLLM's packed oneDNN
-    weights, re-packed at every update, instead of plain `F.linear` on the checkpoint-format
-    weights (see `_load_and_repack`). Other keyword arguments go to `vllm.LLM`.
+    bucket size on CUDA. Other keyword arguments go to `vllm.LLM`.
     """
 
     def __init__(
@@ -166,7 +152,6 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.3,
         enable_sleep_mode: bool = False,
         bucket_bytes: int = 256 << 20,
-        cpu_packed_gemm: bool = False,
         **vllm_kwargs,
     ):
         model_path = os.fspath(model_path)
@@ -208,9 +193,6 @@ class VLLMEngine(RolloutEngine):
         self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
         self._repack_targets = _repackable_weights(self.model) if self.on_cpu else None
         self._packed_by_param = _packed_layers_by_param(self.model, self._repack_targets or {})
-        self.plain_gemm = self._repack_targets is not None and not cpu_packed_gemm
-        if self.plain_gemm:  # F.linear on the checkpoint-format weights: fill them from the folder once
-            self._load_and_repack(self._prepare(_checkpoint_tensors(model_path)))
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -278,29 +260,23 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """CPU: load into the kept checkpoint-format tensors in place (then re-pack the layers loaded
-        when `cpu_packed_gemm`).
+        """CPU: load into the kept checkpoint-format tensors in place, then re-pack the layers loaded.
 
-        Why plain `F.linear` by default: the update is then the copy alone (SmolLM2 float32: 0.09 s
-        against 0.25 s with the re-pack; 0.02x a fresh engine), and generation is as fast or faster:
-        `benchmarks/bench_engine.py --prompts 8 --n 8 --max-new-tokens 64`: 173 vs 182 tokens/s; on
-        8 synthetic 36-token prompts x 8 samples (a scratch run): 236-244 vs 87-90 in float32, 355
-        vs 130 in bfloat16. The bench in bfloat16 favours packing (304 vs 253 tokens/s; update 0.17
-        vs 0.06 s): a bf16 engine may be faster with cpu_packed_gemm=True.
+        Why re-pack rather than compute with the plain weights (`F.linear`, no packing: the update
+        would be the copy alone, ~0.15 s instead of ~0.42 s on SmolLM2): vLLM generates 1.1-1.5x
+        more tokens/s with the packed oneDNN GEMM (three bench runs), and a training step
+        generates thousands of tokens per update, so per 8k-token step re-packing costs ~0.3 s and
+        saves 18-52 s (benchmarks/results/engine_cpu.md).
         """
         model = self.model
         for (layer, name), tensor in self._repack_targets.items():
             setattr(layer, name, tensor)  # process_weights_after_loading frees it again: re-register
-        if self.plain_gemm:  # (also undoes a packing done since, e.g. by the layerwise reload)
-            for layer in {layer: None for layers in self._packed_by_param.values() for layer in layers}:
-                layer.cpu_linear = torch.nn.functional.linear
         expected = {name: id(param) for name, param in model.named_parameters()}
         names = model.load_weights(stream)
         names = expected if names is None else names  # a model that does not report what it loaded
         loaded = {id(model.get_parameter(name)) for name in names}
-        if not self.plain_gemm:
-            for layer in {layer: None for p in loaded for layer in self._packed_by_param.get(p, ())}:
-                _repack(layer)
+        for layer in {layer: None for p in loaded for layer in self._packed_by_param.get(p, ())}:
+            _repack(layer)
         missing = [name for name, param_id in expected.items() if param_id not in loaded]
         if missing:  # raised once the engine is consistent again (the layers given are re-packed)
             raise ValueError(f"update_weights: weights must cover every parameter; these got none: {missing}")

@@ -113,7 +113,6 @@ def test_cpu_embedding_gemm_is_packed_on_first_use(engine, perturbed):
     called, from the updated table."""
     if not engine.on_cpu:
         pytest.skip("CPU weight packing only")
-    engine.plain_gemm = False  # the packed-GEMM mode (cpu_packed_gemm=True)
     engine.update_weights(perturbed)
     embed = engine.model.model.embed_tokens
     hidden = torch.randn(3, embed.weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -123,9 +122,6 @@ def test_cpu_embedding_gemm_is_packed_on_first_use(engine, perturbed):
     for _ in range(2):  # packs, then uses the packed weight
         assert_close(embed.quant_method.apply(embed, hidden), expected, atol=1e-4, name="embedding GEMM")
     assert packed()
-    engine.plain_gemm = True  # back to the default mode (F.linear again from the next update)
-    engine.update_weights(perturbed)
-    assert embed.cpu_linear is torch.nn.functional.linear
 
 
 def test_layerwise_reload_fallback(engine, tiny_policy, perturbed, monkeypatch):
@@ -133,12 +129,10 @@ def test_layerwise_reload_fallback(engine, tiny_policy, perturbed, monkeypatch):
     if not engine.on_cpu:
         pytest.skip("CPU weight packing only")
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "plain_gemm", False)  # the fallback only meets packed layers
-        engine.update_weights(tiny_policy[0])
         patch.setattr(engine, "_repack_targets", None)
         engine.update_weights(perturbed)
         assert mean_abs_logprob_diff(perturbed, sample(engine, seed=5), PROMPTS, 0.8) <= 1e-3
-    engine.update_weights(tiny_policy[0])  # back on the lean path (plain F.linear)
+    engine.update_weights(tiny_policy[0])  # back on the lean path
     assert mean_abs_logprob_diff(tiny_policy[0], sample(engine, seed=6), PROMPTS, 0.8) <= 1e-3
 
 
