@@ -262,11 +262,10 @@ class VLLMEngine(RolloutEngine):
     def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """CPU: load into the kept checkpoint-format tensors in place, then re-pack the layers loaded.
 
-        Why re-pack rather than compute with the plain weights (`F.linear`, no packing: the update
-        would be the copy alone, ~0.15 s instead of ~0.42 s on SmolLM2): vLLM generates 1.1-1.5x
-        more tokens/s with the packed oneDNN GEMM (three bench runs), and a training step
-        generates thousands of tokens per update, so per 8k-token step re-packing costs ~0.3 s and
-        saves 18-52 s (benchmarks/results/engine_cpu.md).
+        Why re-pack rather than compute with the plain weights (`F.linear`: the update would be the
+        copy alone, 0.09 s instead of 0.24 s on SmolLM2 float32): in the trainer's own step plain
+        `F.linear` generated more slowly (the default run: 10.1 s of generation per step against
+        7.9 s; bench_step.py: 18.1 against 13.2 s), so the re-pack pays for itself many times over.
         """
         model = self.model
         for (layer, name), tensor in self._repack_targets.items():

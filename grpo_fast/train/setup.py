@@ -102,7 +102,7 @@ def load_policy(config, model=None, tokenizer=None):
         try:
             model.set_attn_implementation("flash_attention_2")
         except (ValueError, ImportError, AttributeError) as err:
-            warnings.warn(f"flash-attn is installed but the model cannot use it ({err}); packing falls back to SDPA + block mask", stacklevel=2)
+            warnings.warn(f"flash-attn is installed but the model cannot use it ({err}); packed rows then attend per sequence with SDPA", stacklevel=2)
     for module in model.modules():  # TRL's disable_dropout: sampling and training see one policy
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
