@@ -46,7 +46,7 @@ PRESETS = {
     # Qwen2.5-0.5B and 7B heads (H 896 / 3584, V 151936), N up to 32k tokens.
     "cuda": dict(sizes=["8x512x896x151936", "16x1024x896x151936", "32x1024x896x151936",
                         "16x1024x3584x151936", "32x1024x3584x151936"], dtype="bfloat16",
-                 impls=["floor", "triton", "plain", "torch", "liger"], warmup=2, repeats=5, rounds=1, budget=150),
+                 impls=["floor", "triton", "plain", "liger", "torch"], warmup=2, repeats=5, rounds=1, budget=150),
 }
 GRPO_FAST = ("torch", "cpu", "triton")
 
@@ -210,13 +210,19 @@ def run_worker(args, impls, sizes, mode, timeout, warmup, repeats):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return [dict(impl=i, size=s, failed=f"timed out after {timeout:.0f}s") for i in impls for s in sizes]
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        stdout = proc.stdout
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        why = f"rc={proc.returncode}: {tail[0][:200]}"
+    except subprocess.TimeoutExpired as err:  # keep the sizes it finished before the timeout
+        stdout, why = _text(err.stdout), f"timed out after {timeout:.0f}s"
+    rows = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
     done = {(r["impl"], r["size"]) for r in rows}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    rows += [dict(impl=i, size=s, failed=f"rc={proc.returncode}: {tail[0][:200]}") for i in impls for s in sizes if (i, s) not in done]
+    rows += [dict(impl=i, size=s, failed=why) for i in impls for s in sizes if (i, s) not in done]
     return rows
+
+
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def summarise(rows):
