@@ -112,15 +112,7 @@ def make_step(impl, inputs, device):
     if impl == "plain":
         return lambda: plain_step(hidden, weight, target, advantages, mask)
     if impl == "liger":
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=device == "cuda", loss_type="dapo", temperature=1.0)
-
-        def liger():
-            out = loss_fn(hidden, weight, target, mask, advantages)
-            (out[0] if isinstance(out, tuple) else out).backward()
-
-        return liger
+        return _liger_step(inputs, compiled=device == "cuda")
     if impl in GRPO_FAST:
         from grpo_fast.ops import fused_linear_grpo_loss
 
@@ -130,6 +122,40 @@ def make_step(impl, inputs, device):
 
         return fused
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+NOTES = {}  # impl -> what differs from its intended configuration, reported with the results
+
+
+def _liger_step(inputs, compiled):
+    """Liger's LigerFusedLinearGRPOLoss. On GPU it torch.compiles its per-chunk loss math (its default;
+    the log-probs stay in its own chunked autograd function either way). If that compile fails, as it
+    did on an H200 with torch 2.11 ("sources must not be empty for symbol s37", from the dynamic
+    sequence dimension Liger marks), the loss math runs eagerly and the results say so."""
+    import torch
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    hidden, weight, target, advantages, mask = inputs
+
+    def make(compiled):
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=compiled, loss_type="dapo", temperature=1.0)
+
+        def liger():
+            out = loss_fn(hidden, weight, target, mask, advantages)
+            (out[0] if isinstance(out, tuple) else out).backward()
+
+        return liger
+
+    step = make(compiled and "liger" not in NOTES)
+    if compiled and "liger" not in NOTES:
+        try:
+            step()  # compiles now, outside the timed and memory-measured runs
+        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and report it
+            torch._dynamo.reset()
+            NOTES["liger"] = f"torch.compile failed ({type(err).__name__}: {str(err)[:120]}); loss math run eagerly"
+            step = make(False)
+        hidden.grad = weight.grad = None
+    return step
 
 
 def rss_bytes() -> int:
@@ -191,6 +217,8 @@ def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
                         times[impl].append(t)
             for impl in live:
                 rows[impl]["times_s"] = times[impl]
+                if impl in NOTES:
+                    rows[impl]["note"] = NOTES[impl]
             if mode == "memory":
                 peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 rows[live[0]]["extra_peak_mb"] = (peak - base) / 2**20
@@ -238,6 +266,8 @@ def summarise(rows):
             cell["mem"].append(r["extra_peak_mb"])
         if "times_s" not in r:
             cell["note"] = r.get("unavailable") or r.get("failed")
+        elif r.get("note"):
+            cell["note"] = r["note"]
     for impls in out.values():
         for cell in impls.values():
             if cell["times"] and cell["mem"]:
@@ -274,6 +304,7 @@ def markdown(summary, args, command) -> str:
                      f"{flops(size) / t / 1e12:.3f}", f"{100 * floor / t:.0f}%" if floor else "-", f"{mem:.0f}",
                      _ratio(mem, plain_mem)]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += [""] + [f"{impl}: {c['note']}" for impl, c in impls.items() if "best_s" in c and c["note"]]
         lines.append("")
     return "\n".join(lines)
 

@@ -105,35 +105,45 @@ def measure(K, n, hd, vocab, peak):
     return row  # the inputs die here; the caller empties the cache
 
 
-SWEEP = [  # (block_n, block_v, block_k, num_warps, num_stages); the first is the current default
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 256, 64, 8, 3),
-    (64, 128, 64, 4, 4),
-    (128, 128, 128, 8, 2),
-    (128, 64, 64, 4, 4),
+SWEEP = [  # (block_n, block_v, block_k, num_warps, num_stages, maxnreg); the first is the current default
+    (128, 128, 64, 8, 3, None),
+    (128, 128, 64, 8, 3, 128),  # 128 registers a thread: two programs per SM, one's MMAs under the other's softmax
+    (128, 128, 64, 8, 2, 128),
+    (128, 256, 64, 8, 3, None),
+    (256, 128, 64, 8, 3, None),
+    (128, 128, 64, 4, 3, None),
 ]
 
 
 def sweep(K, n, hd, vocab):
-    """Forward and backward-kernel milliseconds per bf16 launch configuration."""
+    """Per launch configuration (all kernel roles set to it): the forward, the fused path's forward
+    (storing its logit tiles) and in-place gradient kernels, the fused path in all, and the
+    recomputing backward kernel on a 4096-row chunk; milliseconds, bf16."""
     h, w, target, g = make(n, hd, vocab)
     _, _, lse = K.forward(h, w, None, target, 1.0)
     chunk = 4096
-    slab = torch.empty(chunk, vocab, device="cuda", dtype=torch.bfloat16)
+    slab = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
     default = K.GPU_CONFIGS[torch.bfloat16]
     rows = []
     for params in SWEEP:
-        K.GPU_CONFIGS[torch.bfloat16] = K.LaunchConfig(*params)
+        cfg = K.LaunchConfig(*params)
+        K.GPU_CONFIGS[torch.bfloat16] = K.KernelConfigs(forward=cfg, fused=cfg, backward=cfg)
+        tile_max = torch.empty(n, -(-vocab // cfg.block_v), device="cuda", dtype=torch.float32)
         try:
-            fwd = bench_ms(lambda: K.forward(h, w, None, target, 1.0), rep_ms=200)
-            bwd = bench_ms(lambda: K._launch_bwd(h[:chunk], w, None, target[:chunk], lse[:chunk], g[:chunk], 1.0, slab),
-                           rep_ms=200)
-            rows.append({"config": params, "forward_ms": fwd, "forward_tflops": 2 * n * vocab * hd / fwd / 1e9,
-                         "bwd_kernel_ms": bwd, "bwd_kernel_tflops": 2 * chunk * vocab * hd / bwd / 1e9})
+            row = {"H": hd, "config": params}
+            row["forward_ms"] = bench_ms(lambda: K.forward(h, w, None, target, 1.0), rep_ms=200)
+            row["store_forward_ms"] = bench_ms(lambda tm=tile_max: K._launch_fwd(h, w, None, target, 1.0, slab, tm), rep_ms=200)
+            row["to_grad_ms"] = bench_ms(lambda tm=tile_max: K._launch_logits_to_grad(slab, tm, target, lse, g, 1.0), rep_ms=200)
+            row["fused_ms"] = bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]), rep_ms=300)
+            row["bwd_kernel_ms"] = bench_ms(
+                lambda: K._launch_bwd(h[:chunk], w, None, target[:chunk], lse[:chunk], g[:chunk], 1.0, slab[:chunk]),
+                rep_ms=200)
+            row["forward_tflops"] = 2 * n * vocab * hd / row["forward_ms"] / 1e9
+            row["bwd_kernel_tflops"] = 2 * chunk * vocab * hd / row["bwd_kernel_ms"] / 1e9
         except Exception as err:  # out of shared memory / registers: report, keep going
-            rows.append({"config": params, "error": f"{type(err).__name__}: {str(err)[:200]}"})
-        print("sweep", rows[-1], flush=True)
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+        print("sweep", json.dumps(row), flush=True)
     K.GPU_CONFIGS[torch.bfloat16] = default
     return rows
 
@@ -152,13 +162,19 @@ def markdown(result):
             f"| **{r['fused_over_floor']:.2f}x** | {100 * r['fused_fraction_of_peak']:.0f}% | {r['fused_extra_peak_gib']:.2f} "
             f"| {r['logp_max_err']:.1e} | {r['entropy_max_err']:.1e} | {r['grad_hidden_max_rel_err']:.1e} |")
     if result.get("sweep"):
-        lines += ["", "## Launch configurations (bf16; block_n, block_v, block_k, num_warps, num_stages)", "",
-                  "| config | forward ms (TFLOP/s) | backward kernel ms (TFLOP/s), 4096-row chunk |", "| --- | --- | --- |"]
+        lines += ["", f"## Launch configurations (bf16, N={result['tokens']}; block_n, block_v, block_k, num_warps, "
+                  "num_stages, maxnreg)", "",
+                  "Each kernel role set to the configuration. Fused = the fused path in all (its forward storing the "
+                  "logit tiles, the in-place gradient kernel, two cuBLAS matmuls); backward kernel on a 4096-row chunk.",
+                  "",
+                  "| H | config | forward ms (TFLOP/s) | storing forward ms | gradient kernel ms | fused ms "
+                  "| backward kernel ms (TFLOP/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["sweep"]:
             if "error" in r:
-                lines.append(f"| {r['config']} | {r['error']} | |")
+                lines.append(f"| {r['H']} | {r['config']} | {r['error']} | | | | |")
             else:
-                lines.append(f"| {r['config']} | {r['forward_ms']:.2f} ({r['forward_tflops']:.0f}) "
+                lines.append(f"| {r['H']} | {r['config']} | {r['forward_ms']:.2f} ({r['forward_tflops']:.0f}) "
+                             f"| {r['store_forward_ms']:.2f} | {r['to_grad_ms']:.2f} | {r['fused_ms']:.2f} "
                              f"| {r['bwd_kernel_ms']:.2f} ({r['bwd_kernel_tflops']:.0f}) |")
     lines += ["", "Target: fused / floor <= 1.25 at N=16384, V=151936."]
     return "\n".join(lines) + "\n"
@@ -194,7 +210,11 @@ def main():
         result["sizes"].append(row)
         (args.out / "check_gpu.json").write_text(json.dumps(result, indent=1))  # partial results survive a timeout
     if args.sweep:
-        result["sweep"] = sweep(K, args.tokens, max(int(x) for x in args.sizes.split(",")), VOCAB)
+        result["tokens"] = args.tokens
+        for hd in (int(x) for x in args.sizes.split(",")):
+            result["sweep"] += sweep(K, args.tokens, hd, VOCAB)
+            torch.cuda.empty_cache()
+            (args.out / "check_gpu.json").write_text(json.dumps(result, indent=1))
     result["seconds"] = time.time() - start
     (args.out / "check_gpu.json").write_text(json.dumps(result, indent=1))
     (args.out / "check_gpu.md").write_text(markdown(result))

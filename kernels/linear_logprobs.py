@@ -60,22 +60,38 @@ class LaunchConfig:
     block_k: int  # hidden-dim slice per tl.dot step
     num_warps: int
     num_stages: int  # software-pipelining depth of the H loop
+    maxnreg: Optional[int] = None  # register cap a thread (None: the compiler's choice, up to 255)
+
+    def launch_options(self) -> dict:
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        return opts if self.maxnreg is None else {**opts, "maxnreg": self.maxnreg}
+
+
+@dataclass(frozen=True)
+class KernelConfigs:
+    """One launch configuration per kernel role: they are timed and chosen separately."""
+
+    forward: LaunchConfig  # log-probs only: the old-policy and reference passes, a separate forward
+    fused: LaunchConfig  # forward that keeps its logit tiles + the in-place gradient kernel (training)
+    backward: LaunchConfig  # the backward that recomputes the logit tiles
 
 
 # Hopper (H100/H200), bf16/fp16: 128x128 fp32 accumulator over 8 warps (two warpgroups of wgmma,
 # 64 registers a thread for the accumulator), 3 stages of 128x64 + 128x64 bf16 operands = 96 KiB of
 # shared memory: the shape Triton's own Hopper matmul and flash-attention tutorials use. Compiled for
-# sm_90 here (Triton 3.9, no GPU; tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, no
-# spills; ptxas gives the forward 255 registers a thread (one program per SM), the backward 128.
-# Not yet timed on the H200 (benchmarks/check_gpu.py --sweep times the alternatives).
+# sm_90 here (tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, no spills; ptxas gives
+# the forward 255 registers a thread (one program per SM), the backward 128.
+# Timed on an H200 (benchmarks/check_gpu.py --sweep, benchmarks/results/gpu/check_gpu.md).
 # fp32 inputs use exact fp32 products (input_precision="ieee", no tf32, like torch's default), which
 # run on FMA units: smaller tiles keep registers and shared memory in bounds. Not the fast path.
 # The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
 # span several tiles, tails and chunks.
+_HOPPER_16BIT = LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3)
+_FP32 = LaunchConfig(block_n=64, block_v=64, block_k=32, num_warps=4, num_stages=2)
 GPU_CONFIGS = {
-    torch.bfloat16: LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3),
-    torch.float16: LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3),
-    torch.float32: LaunchConfig(block_n=64, block_v=64, block_k=32, num_warps=4, num_stages=2),
+    torch.bfloat16: KernelConfigs(forward=_HOPPER_16BIT, fused=_HOPPER_16BIT, backward=_HOPPER_16BIT),
+    torch.float16: KernelConfigs(forward=_HOPPER_16BIT, fused=_HOPPER_16BIT, backward=_HOPPER_16BIT),
+    torch.float32: KernelConfigs(forward=_FP32, fused=_FP32, backward=_FP32),
 }
 INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1)
 # Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
@@ -89,8 +105,9 @@ GROUP_N = 8
 WORKSPACE_BYTES = 4 << 30
 
 
-def launch_config(dtype: torch.dtype) -> LaunchConfig:
-    return INTERPRET_CONFIG if INTERPRET else GPU_CONFIGS[dtype]
+def launch_config(dtype: torch.dtype, role: str) -> LaunchConfig:
+    """The launch configuration of kernel `role` ("forward", "fused", "backward") for `dtype`."""
+    return INTERPRET_CONFIG if INTERPRET else getattr(GPU_CONFIGS[dtype], role)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,7 +199,9 @@ def _linear_logprobs_fwd_kernel(
         col_ok = col0 + rv < V
         z = _logits_tile(h_base, weight_ptr + col0.to(tl.int64) * stride_w, bias_ptr + col0, row_ok, col_ok,
                          H, stride_h, stride_w, inv_temp, HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
+        z_target += tl.sum(tl.where(rv[None, :] == (target - col0)[:, None], z, 0.0), 1)  # z dies early
+        # padded columns: a finite floor, so that exp(d) = 0 and p * d = 0 (never 0 * -inf) without a mask
+        z = tl.where(col_ok[None, :], z, -1.0e30)
         m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
         d = z - m_new[:, None]
@@ -192,10 +211,9 @@ def _linear_logprobs_fwd_kernel(
                      mask=row_ok[:, None] & col_ok[None, :])
             tl.store(tile_max_ptr + row0.to(tl.int64) * stride_m + (tile_lo + i) + rn * stride_m, m_new, mask=row_ok)
         p = tl.exp(d)  # 0 on padded columns
-        t = alpha * (t + (m - m_new) * s) + tl.sum(p * tl.where(col_ok[None, :], d, 0.0), 1)  # no 0 * -inf
+        t = alpha * (t + (m - m_new) * s) + tl.sum(p * d, 1)
         s = alpha * s + tl.sum(p, 1)
         m = m_new
-        z_target += tl.sum(tl.where(rv[None, :] == (target - col0)[:, None], z, 0.0), 1)
 
     out = stats_ptr + (split.to(tl.int64) * 4) * N + row0 + rn  # int64: S * 4 * N may pass 2**31
     tl.store(out, m, mask=row_ok)
@@ -287,13 +305,12 @@ def tile_grid(n: int, vocab: int, cfg: LaunchConfig):
     return (triton.cdiv(n, cfg.block_n) * triton.cdiv(vocab, cfg.block_v),)
 
 
-def _common(hidden, weight, bias):
+def _common(hidden, weight, bias, role):
     assert hidden.stride(-1) == 1 and weight.is_contiguous(), "hidden rows and weight must be contiguous"
-    cfg = launch_config(hidden.dtype)
+    cfg = launch_config(hidden.dtype, role)
     consts = dict(HAS_BIAS=bias is not None, EVEN_K=hidden.shape[1] % cfg.block_k == 0,
                   IEEE=hidden.dtype == torch.float32, UPCAST=UPCAST_DOT and hidden.dtype != torch.float32,
-                  BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, **cfg.launch_options())
     return cfg, consts, (bias if bias is not None else weight)  # dummy pointer when no bias
 
 
@@ -301,7 +318,7 @@ def _launch_fwd(hidden, weight, bias, target, temperature, logits=None, tile_max
     """Per-split partials [S, 4, N] f32 (m, s, t, target logit). With `logits` [N, V] (input dtype)
     and `tile_max` [N, n_tiles] f32, also stores z - running max and the running max per tile."""
     (n, h), vocab = hidden.shape, weight.shape[0]
-    cfg, consts, bias_arg = _common(hidden, weight, bias)
+    cfg, consts, bias_arg = _common(hidden, weight, bias, "forward" if logits is None else "fused")
     grid, splits, tiles_per_split = fwd_grid(n, vocab, cfg, _num_sms(hidden.device))
     stats = torch.empty(splits, 4, n, dtype=torch.float32, device=hidden.device)
     _linear_logprobs_fwd_kernel[grid](
@@ -329,7 +346,7 @@ def _merge_splits(stats):
 def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits):
     """grad_logits [C, V] <- g (onehot - softmax) / T, recomputing the logits tile by tile."""
     (n, h), vocab = hidden.shape, weight.shape[0]
-    cfg, consts, bias_arg = _common(hidden, weight, bias)
+    cfg, consts, bias_arg = _common(hidden, weight, bias, "backward")
     _linear_logprobs_bwd_kernel[tile_grid(n, vocab, cfg)](
         hidden, weight, bias_arg, target, lse, g, grad_logits, n, vocab, h, 1.0 / temperature,
         hidden.stride(0), weight.stride(0), grad_logits.stride(0), GROUP=GROUP_N, **consts,
@@ -339,7 +356,7 @@ def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits):
 def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature):
     """In place: logits [C, V] (z - tile max, from the forward) <- g (onehot - softmax) / T."""
     n, vocab = logits.shape
-    cfg = launch_config(logits.dtype)
+    cfg = launch_config(logits.dtype, "fused")  # the tiles of the forward that wrote the slab
     assert tile_max.shape == (n, triton.cdiv(vocab, cfg.block_v))
     _logits_to_grad_kernel[tile_grid(n, vocab, cfg)](
         logits, tile_max, target, lse, g, n, vocab, 1.0 / temperature, logits.stride(0), tile_max.stride(0),
@@ -397,8 +414,12 @@ class _ParamGrads:
 
 
 def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int]):
+    """(rows of the workspace, [(start, end)] chunks). Within the workspace budget the chunks are of
+    equal size: 16384 rows as 2 x 8192, not 14128 + 2256 (a small tail runs cuBLAS at a low rate)."""
     step = chunk_size or max(1, WORKSPACE_BYTES // (vocab * bytes_per_logit))
     step = max(1, min(n, step))
+    if chunk_size is None and n > step:
+        step = triton.cdiv(n, triton.cdiv(n, step))
     return step, [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
@@ -438,7 +459,7 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
         return (logp, entropy, *grads.result())
     target = target.contiguous()
     slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
-    tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype).block_v), dtype=torch.float32,
+    tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype, "fused").block_v), dtype=torch.float32,
                            device=hidden.device)
     for s, e in chunks:
         logits = slab[: e - s]

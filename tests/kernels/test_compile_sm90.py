@@ -28,36 +28,43 @@ from grpo_fast.kernels import linear_logprobs as K
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 def compile_(fn, sig, consts, cfg):
-    names = fn.arg_names
+    names = fn.arg_names  # one launch configuration per kernel role (K.KernelConfigs)
     full = {**sig, **{k: "constexpr" for k in consts}}
     # what a launch specialises on 16-byte-aligned pointers and multiples of 16 (real sizes are)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
              if t.startswith("*") or a in ("H", "V") or a.startswith("stride")}
     src = ASTSource(fn=fn, signature={a: full[a] for a in names}, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())
     return {"kernel": fn.__name__, "consts": {a: str(v) for a, v in consts.items()}, "shared": k.metadata.shared,
             "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "async_copy": k.asm["ttgir"].count("async_copy")}
 
 out = []
 for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path and tiles
-    cfg = K.GPU_CONFIGS[dtype]
+    roles = K.GPU_CONFIGS[dtype]
     t = TYPES[dtype]
-    blocks = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k)
     for has_bias, even_k, ones in [(True, True, False), (False, False, True)]:
         one = dict(N=1) if ones else {}  # N == 1 becomes a constant at launch
-        common = dict(HAS_BIAS=has_bias, EVEN_K=even_k, IEEE=dtype == torch.float32, UPCAST=False, **blocks)
         ints = {a: "i32" for a in ("N", "V", "H") if a not in one}
+
+        def common(cfg):
+            return dict(HAS_BIAS=has_bias, EVEN_K=even_k, IEEE=dtype == torch.float32, UPCAST=False,
+                        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k)
+
         for store in (False, True):
+            cfg = roles.fused if store else roles.forward
             sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", stats_ptr="*fp32", logits_ptr=t,
                        tile_max_ptr="*fp32", **ints, inv_temp="fp32", n_splits="i32", tiles_per_split="i32",
                        stride_h="i32", stride_w="i32", stride_l="i32", stride_m="i32")
-            out.append(compile_(K._linear_logprobs_fwd_kernel, sig, dict(STORE_LOGITS=store, **one, **common), cfg))
+            out.append(compile_(K._linear_logprobs_fwd_kernel, sig, dict(STORE_LOGITS=store, **one, **common(cfg)), cfg))
         sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32", grad_ptr=t,
                    **ints, inv_temp="fp32", stride_h="i32", stride_w="i32", stride_g="i32")
-        out.append(compile_(K._linear_logprobs_bwd_kernel, sig, dict(GROUP=K.GROUP_N, **one, **common), cfg))
+        out.append(compile_(K._linear_logprobs_bwd_kernel, sig, dict(GROUP=K.GROUP_N, **one, **common(roles.backward)),
+                            roles.backward))
         sig = dict(logits_ptr=t, tile_max_ptr="*fp32", target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
                    **{a: "i32" for a in ("N", "V") if a not in one}, inv_temp="fp32", stride_l="i32", stride_m="i32")
-        out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, **one), cfg))
+        cfg = roles.fused
+        out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, **one),
+                            K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, cfg.num_warps, cfg.num_stages)))
     for r in out:
         r.setdefault("dtype", str(dtype))
 print(json.dumps(out))

@@ -179,15 +179,16 @@ def test_backward_only_what_is_needed():
 def test_grid_is_one_dimensional_for_a_million_tokens():
     """N on grid axis 0 only (axes 1 and 2 stop at 65535): computed, not launched."""
     n, vocab = 1_000_000, 151936
-    for dtype, cfg in K.GPU_CONFIGS.items():
+    configs = [cfg for roles in K.GPU_CONFIGS.values() for cfg in (roles.forward, roles.fused, roles.backward)]
+    for cfg in configs:
         grid, splits, per_split = K.fwd_grid(n, vocab, cfg, num_sms=132)
         row_blocks = -(-n // cfg.block_n)
-        assert len(grid) == 1 and grid[0] == row_blocks * splits < 2**31, (dtype, grid)
+        assert len(grid) == 1 and grid[0] == row_blocks * splits < 2**31, (cfg, grid)
         assert splits * per_split >= -(-vocab // cfg.block_v) > (splits - 1) * per_split  # every tile, no empty split
         (programs,) = K.tile_grid(n, vocab, cfg)
         assert programs == row_blocks * -(-vocab // cfg.block_v) < 2**31
     # small N: the vocabulary is split to fill the GPU
-    grid, splits, per_split = K.fwd_grid(16, vocab, K.GPU_CONFIGS[torch.bfloat16], num_sms=132)
+    grid, splits, per_split = K.fwd_grid(16, vocab, K.GPU_CONFIGS[torch.bfloat16].forward, num_sms=132)
     assert grid == (splits,) and splits >= 132 and splits * per_split >= -(-vocab // 128)
 
 
@@ -236,3 +237,13 @@ def test_int64_offsets_gpu():
     p = torch.softmax(logits, -1)
     dz = g[tail, None] * (torch.nn.functional.one_hot(target[tail], vocab).float() - p)
     assert_close(gh[tail].float(), dz @ w.float(), atol=2e-2, rtol=2e-2, name="grad_hidden of the last rows")
+
+
+def test_chunks_are_balanced_within_the_workspace():
+    """16384 rows that need two workspaces run as 2 x 8192, not a full chunk and a small tail."""
+    vocab = 151936
+    step, chunks = K._chunks(16384, vocab, 2, None)
+    assert step * vocab * 2 <= K.WORKSPACE_BYTES
+    assert chunks == [(0, 8192), (8192, 16384)]
+    assert K._chunks(100, vocab, 2, None) == (100, [(0, 100)])  # one chunk: no change
+    assert K._chunks(10, vocab, 2, 4)[1] == [(0, 4), (4, 8), (8, 10)]  # an explicit size is kept
