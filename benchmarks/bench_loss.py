@@ -129,9 +129,10 @@ NOTES = {}  # impl -> what differs from its intended configuration, reported wit
 
 def _liger_step(inputs, compiled):
     """Liger's LigerFusedLinearGRPOLoss. On GPU it torch.compiles its per-chunk loss math (its default;
-    the log-probs stay in its own chunked autograd function either way). If that compile fails, as it
-    did on an H200 with torch 2.11 ("sources must not be empty for symbol s37", from the dynamic
-    sequence dimension Liger marks), the loss math runs eagerly and the results say so."""
+    the log-probs stay in its own chunked autograd function either way), here with static shapes:
+    Liger marks the sequence dimension dynamic, and torch 2.11 failed on that on an H200
+    ("sources must not be empty for symbol s37"); every size here is fixed, so static graphs lose
+    nothing. If compiling still fails, the loss math runs eagerly and the results say so."""
     import torch
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -146,15 +147,18 @@ def _liger_step(inputs, compiled):
 
         return liger
 
-    step = make(compiled and "liger" not in NOTES)
-    if compiled and "liger" not in NOTES:
-        try:
-            step()  # compiles now, outside the timed and memory-measured runs
-        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and report it
-            torch._dynamo.reset()
-            NOTES["liger"] = f"torch.compile failed ({type(err).__name__}: {str(err)[:120]}); loss math run eagerly"
-            step = make(False)
-        hidden.grad = weight.grad = None
+    if not compiled or "liger" in NOTES:
+        return make(False)
+    torch._dynamo.maybe_mark_dynamic = lambda *args, **kwargs: None  # static shapes (see above)
+    torch._dynamo.config.cache_size_limit = 64  # one graph per size
+    step = make(True)
+    try:
+        step()  # compiles now, outside the timed and memory-measured runs
+    except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and report it
+        torch._dynamo.reset()
+        NOTES["liger"] = f"torch.compile failed ({type(err).__name__}: {str(err).strip()[:120]}); loss math run eagerly"
+        step = make(False)
+    hidden.grad = weight.grad = None
     return step
 
 

@@ -76,23 +76,31 @@ class KernelConfigs:
     backward: LaunchConfig  # the backward that recomputes the logit tiles
 
 
-# Hopper (H100/H200), bf16/fp16: 128x128 fp32 accumulator over 8 warps (two warpgroups of wgmma,
-# 64 registers a thread for the accumulator), 3 stages of 128x64 + 128x64 bf16 operands = 96 KiB of
-# shared memory: the shape Triton's own Hopper matmul and flash-attention tutorials use. Compiled for
-# sm_90 here (tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, no spills; ptxas gives
-# the forward 255 registers a thread (one program per SM), the backward 128.
-# Timed on an H200 (benchmarks/check_gpu.py --sweep, benchmarks/results/gpu/check_gpu.md).
+# Hopper (H100/H200), bf16/fp16, timed on an H200 at N=16384, V=151936, H=896 and 3584
+# (benchmarks/check_gpu.py --sweep; benchmarks/results/gpu/check_gpu.md):
+# - forward, backward: 128x256 tiles over 8 warps (two warpgroups of wgmma), 3 stages of 128x64 +
+#   256x64 bf16 operands = 144 KiB of shared memory. Against 128x128: forward 33.1 -> 29.9 ms at
+#   H=3584 (538 -> 597 TFLOP/s) and 10.0 -> 8.4 ms at H=896; the backward kernel 8.0 -> 7.2 ms.
+# - fused (the forward that also stores its logit tiles): 128x128. At 128x256 the stored tile's
+#   addresses spill registers (ptxas: 472 bytes) and the storing forward is no faster (36.9 vs 37.6 ms).
+# ptxas gives every one of them 255 registers a thread (one program per SM); capping them at 128 to
+# fit two programs per SM spilled and ran slower (39.7 vs 33.1 ms). Compiled for sm_90 in the CPU
+# suite (tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, shared memory in bounds.
 # fp32 inputs use exact fp32 products (input_precision="ieee", no tf32, like torch's default), which
 # run on FMA units: smaller tiles keep registers and shared memory in bounds. Not the fast path.
 # The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
 # span several tiles, tails and chunks.
-_HOPPER_16BIT = LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3)
+_WIDE = LaunchConfig(block_n=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
+_SQUARE = LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3)
 _FP32 = LaunchConfig(block_n=64, block_v=64, block_k=32, num_warps=4, num_stages=2)
 GPU_CONFIGS = {
-    torch.bfloat16: KernelConfigs(forward=_HOPPER_16BIT, fused=_HOPPER_16BIT, backward=_HOPPER_16BIT),
-    torch.float16: KernelConfigs(forward=_HOPPER_16BIT, fused=_HOPPER_16BIT, backward=_HOPPER_16BIT),
+    torch.bfloat16: KernelConfigs(forward=_WIDE, fused=_SQUARE, backward=_WIDE),
+    torch.float16: KernelConfigs(forward=_WIDE, fused=_SQUARE, backward=_WIDE),
     torch.float32: KernelConfigs(forward=_FP32, fused=_FP32, backward=_FP32),
 }
+# The in-place gradient kernel streams the slab (memory-bound): 4 warps a 128x128 tile ran at
+# 3.2 ms for 16384 x 151936 bf16 (10 GB moved, ~3.1 TB/s), 8 warps at 5.9 ms.
+TO_GRAD_WARPS = 4
 INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1)
 # Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
 # of the work (each program is long: BLOCK_N rows x its share of V).
@@ -101,8 +109,12 @@ PROGRAMS_PER_SM = 8
 # reuses its hidden rows from L2), as in Triton's matmul tutorial.
 GROUP_N = 8
 # Gradient workspace of one chunk: the [C, V] slab in the input dtype (plus C x V/BLOCK_V fp32 tile
-# maxima in the fused path). 4 GiB holds ~14000 rows at V=151936 in bf16: few chunks, full-rate cuBLAS.
-WORKSPACE_BYTES = 4 << 30
+# maxima in the fused path). At most 1/16 of the GPU's memory and 8 GiB: on an H200 16384 rows at
+# V=151936 in bf16 (5 GB) are one chunk, so grad_weight is one cuBLAS product with no fp32 sum
+# across chunks (that sum and its casts cost ~5 ms of 110 at H=3584 with two chunks); a 24 GB GPU
+# gets 1.5 GiB. Larger N: more chunks, the same bound (the loss's memory stays O(N)).
+WORKSPACE_BYTES = 8 << 30
+WORKSPACE_FRACTION = 16
 
 
 def launch_config(dtype: torch.dtype, role: str) -> LaunchConfig:
@@ -360,7 +372,7 @@ def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature):
     assert tile_max.shape == (n, triton.cdiv(vocab, cfg.block_v))
     _logits_to_grad_kernel[tile_grid(n, vocab, cfg)](
         logits, tile_max, target, lse, g, n, vocab, 1.0 / temperature, logits.stride(0), tile_max.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=TO_GRAD_WARPS,
     )
 
 
@@ -413,10 +425,16 @@ class _ParamGrads:
         return self.grad_hidden, gw, gb
 
 
-def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int]):
+def workspace_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return WORKSPACE_BYTES
+    return min(WORKSPACE_BYTES, torch.cuda.get_device_properties(device).total_memory // WORKSPACE_FRACTION)
+
+
+def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int], budget: int = WORKSPACE_BYTES):
     """(rows of the workspace, [(start, end)] chunks). Within the workspace budget the chunks are of
-    equal size: 16384 rows as 2 x 8192, not 14128 + 2256 (a small tail runs cuBLAS at a low rate)."""
-    step = chunk_size or max(1, WORKSPACE_BYTES // (vocab * bytes_per_logit))
+    equal size: 20000 rows as 2 x 10000, not 14128 + 5872 (a small tail runs cuBLAS at a low rate)."""
+    step = chunk_size or max(1, budget // (vocab * bytes_per_logit))
     step = max(1, min(n, step))
     if chunk_size is None and n > step:
         step = triton.cdiv(n, triton.cdiv(n, step))
@@ -430,7 +448,7 @@ def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(T
     Per chunk of C rows: one kernel recomputes the logits tiles into the gradient slab [C, V]
     (input dtype), then two cuBLAS matmuls. `chunk_size` overrides the workspace budget (tests)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size)
+    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
     grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
     if not any(needs) or n == 0:
         return grads.result()
@@ -451,7 +469,7 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
     to the running max) in a [C, V] slab, the slab becomes the gradient in place, then two cuBLAS
     matmuls: 3 matmuls in all, against 4 for forward + backward."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size)
+    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
     grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
     logp = hidden.new_empty(n, dtype=torch.float32)
     entropy = torch.empty_like(logp)

@@ -64,7 +64,7 @@ for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path an
                    **{a: "i32" for a in ("N", "V") if a not in one}, inv_temp="fp32", stride_l="i32", stride_m="i32")
         cfg = roles.fused
         out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, **one),
-                            K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, cfg.num_warps, cfg.num_stages)))
+                            K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, K.TO_GRAD_WARPS, cfg.num_stages)))
     for r in out:
         r.setdefault("dtype", str(dtype))
 print(json.dumps(out))

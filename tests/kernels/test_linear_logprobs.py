@@ -188,8 +188,9 @@ def test_grid_is_one_dimensional_for_a_million_tokens():
         (programs,) = K.tile_grid(n, vocab, cfg)
         assert programs == row_blocks * -(-vocab // cfg.block_v) < 2**31
     # small N: the vocabulary is split to fill the GPU
-    grid, splits, per_split = K.fwd_grid(16, vocab, K.GPU_CONFIGS[torch.bfloat16].forward, num_sms=132)
-    assert grid == (splits,) and splits >= 132 and splits * per_split >= -(-vocab // 128)
+    cfg = K.GPU_CONFIGS[torch.bfloat16].forward
+    grid, splits, per_split = K.fwd_grid(16, vocab, cfg, num_sms=132)
+    assert grid == (splits,) and splits >= 132 and splits * per_split >= -(-vocab // cfg.block_v)
 
 
 def test_empty_input():
@@ -240,10 +241,11 @@ def test_int64_offsets_gpu():
 
 
 def test_chunks_are_balanced_within_the_workspace():
-    """16384 rows that need two workspaces run as 2 x 8192, not a full chunk and a small tail."""
-    vocab = 151936
-    step, chunks = K._chunks(16384, vocab, 2, None)
-    assert step * vocab * 2 <= K.WORKSPACE_BYTES
+    """Rows that need two workspaces run as two equal chunks, not a full chunk and a small tail."""
+    vocab, budget = 151936, 4 << 30
+    step, chunks = K._chunks(16384, vocab, 2, None, budget)
+    assert step * vocab * 2 <= budget
     assert chunks == [(0, 8192), (8192, 16384)]
-    assert K._chunks(100, vocab, 2, None) == (100, [(0, 100)])  # one chunk: no change
-    assert K._chunks(10, vocab, 2, 4)[1] == [(0, 4), (4, 8), (8, 10)]  # an explicit size is kept
+    assert K._chunks(16384, vocab, 2, None, 8 << 30) == (16384, [(0, 16384)])  # an H200's workspace: one chunk
+    assert K._chunks(100, vocab, 2, None, budget) == (100, [(0, 100)])
+    assert K._chunks(10, vocab, 2, 4, budget)[1] == [(0, 4), (4, 8), (8, 10)]  # an explicit size is kept
