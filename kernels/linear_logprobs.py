@@ -25,6 +25,12 @@ fused    Forward and gradients with 3 matmuls, not 4: per chunk the forward kern
          in bf16, which cuBLAS needs anyway, and far below bf16 logits' |z| 2^-9 (plain PyTorch).
          The plain forward never writes logits; only this gradient path uses the workspace.
 
+Measured on an H200, bf16, N=16384, V=151936 (benchmarks/results/gpu/check_gpu.md): the fused path
+takes 1.19x the time of the three cuBLAS matmuls at H=3584 and 1.38x at H=896. The rest is the
+storing forward (37 ms against cuBLAS's 26 ms for the logits at H=3584, 12.4 against 6.9 at H=896:
+the softmax between tiles does not overlap the wgmma; Triton 3.6 warp-specialises loops on
+Blackwell only) and the slab's in-place pass (3.2 ms, memory-bound).
+
 Offsets: each block's start is computed once in int64 (N * H and C * V pass 2**31 at real sizes),
 offsets inside a block in int32. The grids are one-dimensional, so N is not bounded by the 65535
 limit of grid axes 1 and 2.
