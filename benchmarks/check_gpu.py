@@ -105,7 +105,7 @@ def measure(K, n, hd, vocab, peak):
     return row  # the inputs die here; the caller empties the cache
 
 
-SWEEP = [  # (block_n, block_v, block_k, num_warps, num_stages, maxnreg); the first is the current default
+SWEEP = [  # (block_n, block_v, block_k, num_warps, num_stages, maxnreg); the defaults are K.GPU_CONFIGS
     (128, 128, 64, 8, 3, None),
     (128, 128, 64, 8, 3, 128),  # 128 registers a thread: two programs per SM, one's MMAs under the other's softmax
     (128, 128, 64, 8, 2, 128),
@@ -121,31 +121,39 @@ def sweep(K, n, hd, vocab):
     recomputing backward kernel on a 4096-row chunk; milliseconds, bf16."""
     h, w, target, g = make(n, hd, vocab)
     _, _, lse = K.forward(h, w, None, target, 1.0)
-    chunk = 4096
     slab = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
     default = K.GPU_CONFIGS[torch.bfloat16]
     rows = []
-    for params in SWEEP:
-        cfg = K.LaunchConfig(*params)
-        K.GPU_CONFIGS[torch.bfloat16] = K.KernelConfigs(forward=cfg, fused=cfg, backward=cfg)
-        tile_max = torch.empty(n, -(-vocab // cfg.block_v), device="cuda", dtype=torch.float32)
-        try:
-            row = {"H": hd, "config": params}
-            row["forward_ms"] = bench_ms(lambda: K.forward(h, w, None, target, 1.0), rep_ms=200)
-            row["store_forward_ms"] = bench_ms(lambda tm=tile_max: K._launch_fwd(h, w, None, target, 1.0, slab, tm), rep_ms=200)
-            row["to_grad_ms"] = bench_ms(lambda tm=tile_max: K._launch_logits_to_grad(slab, tm, target, lse, g, 1.0), rep_ms=200)
-            row["fused_ms"] = bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]), rep_ms=300)
-            row["bwd_kernel_ms"] = bench_ms(
-                lambda: K._launch_bwd(h[:chunk], w, None, target[:chunk], lse[:chunk], g[:chunk], 1.0, slab[:chunk]),
-                rep_ms=200)
-            row["forward_tflops"] = 2 * n * vocab * hd / row["forward_ms"] / 1e9
-            row["bwd_kernel_tflops"] = 2 * chunk * vocab * hd / row["bwd_kernel_ms"] / 1e9
-        except Exception as err:  # out of shared memory / registers: report, keep going
-            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        rows.append(row)
-        print("sweep", json.dumps(row), flush=True)
-    K.GPU_CONFIGS[torch.bfloat16] = default
+    try:
+        for params in SWEEP:
+            cfg = K.LaunchConfig(*params)
+            K.GPU_CONFIGS[torch.bfloat16] = K.KernelConfigs(forward=cfg, fused=cfg, backward=cfg)
+            rows.append({"H": hd, "config": params})
+            try:
+                rows[-1].update(_time_roles(K, cfg, h, w, target, g, lse, slab))
+            except Exception as err:  # out of shared memory / registers: report, keep going
+                rows[-1]["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            print("sweep", json.dumps(rows[-1]), flush=True)
+    finally:
+        K.GPU_CONFIGS[torch.bfloat16] = default
     return rows
+
+
+def _time_roles(K, cfg, h, w, target, g, lse, slab, chunk=4096):
+    (n, hd), vocab = h.shape, w.shape[0]
+    tile_max = torch.empty(n, -(-vocab // cfg.block_v), device="cuda", dtype=torch.float32)
+    row = {
+        "forward_ms": bench_ms(lambda: K.forward(h, w, None, target, 1.0), rep_ms=200),
+        "store_forward_ms": bench_ms(lambda: K._launch_fwd(h, w, None, target, 1.0, slab, tile_max), rep_ms=200),
+        "to_grad_ms": bench_ms(lambda: K._launch_logits_to_grad(slab, tile_max, target, lse, g, 1.0), rep_ms=200),
+        "fused_ms": bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]), rep_ms=300),
+        "bwd_kernel_ms": bench_ms(
+            lambda: K._launch_bwd(h[:chunk], w, None, target[:chunk], lse[:chunk], g[:chunk], 1.0, slab[:chunk]),
+            rep_ms=200),
+    }
+    row["forward_tflops"] = 2 * n * vocab * hd / row["forward_ms"] / 1e9
+    row["bwd_kernel_tflops"] = 2 * chunk * vocab * hd / row["bwd_kernel_ms"] / 1e9
+    return row
 
 
 def markdown(result):

@@ -105,7 +105,8 @@ GPU_CONFIGS = {
     torch.float32: KernelConfigs(forward=_FP32, fused=_FP32, backward=_FP32),
 }
 # The in-place gradient kernel streams the slab (memory-bound): 4 warps a 128x128 tile ran at
-# 3.2 ms for 16384 x 151936 bf16 (10 GB moved, ~3.1 TB/s), 8 warps at 5.9 ms.
+# 3.2 ms for 16384 x 151936 bf16 (10 GB moved, ~3.1 TB/s), 8 warps at 5.9 ms (the sweep before
+# this constant existed, when the kernel took the tile configuration's num_warps).
 TO_GRAD_WARPS = 4
 INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1)
 # Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
@@ -442,7 +443,7 @@ def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int],
     equal size: 20000 rows as 2 x 10000, not 14128 + 5872 (a small tail runs cuBLAS at a low rate)."""
     step = chunk_size or max(1, budget // (vocab * bytes_per_logit))
     step = max(1, min(n, step))
-    if chunk_size is None and n > step:
+    if not chunk_size and n > step:
         step = triton.cdiv(n, triton.cdiv(n, step))
     return step, [(s, min(n, s + step)) for s in range(0, n, step)]
 

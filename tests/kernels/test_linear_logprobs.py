@@ -143,6 +143,20 @@ def test_matches_reference(name, splits, monkeypatch):
     check_case(CPU_CASES[name], "cpu")
 
 
+def test_each_role_uses_its_own_tiles(monkeypatch):
+    """Forward, fused and backward get different tile shapes (as on a GPU): the fused path's tile
+    maxima and gradient kernel must follow the fused role's tiles, not the forward's."""
+    roles = {"forward": (16, 32), "fused": (32, 16), "backward": (16, 64)}
+
+    def per_role(dtype, role):
+        block_n, block_v = roles[role]
+        return K.LaunchConfig(block_n=block_n, block_v=block_v, block_k=16, num_warps=1, num_stages=1)
+
+    monkeypatch.setattr(K, "launch_config", per_role)
+    check_case(Case(n=37, vocab=70, hidden=40, bias=True, temperature=0.7, chunk_size=20), "cpu")
+    check_case(Case(n=19, vocab=50, hidden=32, dtype=torch.bfloat16, bias=False, chunk_size=8), "cpu")
+
+
 def test_confident_token_gradient_keeps_1_minus_p():
     """p(target) = 1 - 1e-4: in bf16, 1 - p rounds to 0; the kernels form it in fp32."""
     n, vocab, hd = 4, 20, 16
