@@ -308,8 +308,8 @@ def markdown(summary, args, command) -> str:
                      f"{flops(size) / t / 1e12:.3f}", f"{100 * floor / t:.0f}%" if floor else "-", f"{mem:.0f}",
                      _ratio(mem, plain_mem)]
             lines.append("| " + " | ".join(cells) + " |")
-        lines += [""] + [f"{impl}: {c['note']}" for impl, c in impls.items() if "best_s" in c and c["note"]]
-        lines.append("")
+        notes = [f"{impl}: {c['note']}" for impl, c in impls.items() if "best_s" in c and c["note"]]
+        lines += [""] + notes + ([""] if notes else [])
     return "\n".join(lines)
 
 
