@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton's interpreter (3.9) runs tl.dot on bf16 as np.matmul of the uint16 bit patterns it stores
@@ -67,6 +68,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int  # software-pipelining depth of the H loop
     maxnreg: Optional[int] = None  # register cap a thread (None: the compiler's choice, up to 255)
+    tma_store: bool = False  # fused role: store the logit tiles through a TMA descriptor (Hopper)
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -97,7 +99,7 @@ class KernelConfigs:
 # The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
 # span several tiles, tails and chunks.
 _WIDE = LaunchConfig(block_n=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
-_SQUARE = LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3)
+_SQUARE = LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3, tma_store=True)
 _FP32 = LaunchConfig(block_n=64, block_v=64, block_k=32, num_warps=4, num_stages=2)
 GPU_CONFIGS = {
     torch.bfloat16: KernelConfigs(forward=_WIDE, fused=_SQUARE, backward=_WIDE),
@@ -108,7 +110,7 @@ GPU_CONFIGS = {
 # 3.2 ms for 16384 x 151936 bf16 (10 GB moved, ~3.1 TB/s), 8 warps at 5.9 ms (the sweep before
 # this constant existed, when the kernel took the tile configuration's num_warps).
 TO_GRAD_WARPS = 4
-INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1)
+INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1, tma_store=True)
 # Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
 # of the work (each program is long: BLOCK_N rows x its share of V).
 PROGRAMS_PER_SM = 8
@@ -189,11 +191,12 @@ def _linear_logprobs_fwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr,  # [N, H], [V, H], [V] | dummy, [N] int64
     stats_ptr,  # [S, 4, N] f32 out: per split m, s, t, target logit
     logits_ptr,  # [N, V] out when STORE_LOGITS (fused path): z - running max, input dtype; else a dummy
+    logits_desc,  # the same [N, V] as a TMA descriptor when TMA_STORE, else None
     tile_max_ptr,  # [N, n_tiles] f32 out when STORE_LOGITS: that running max per row and tile
     N, V, H, inv_temp, n_splits, tiles_per_split,
     stride_h, stride_w, stride_l, stride_m,
-    HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr, TMA_STORE: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # 1-D grid, split fastest: programs running together share hidden rows (L2) and sweep W.
@@ -225,9 +228,12 @@ def _linear_logprobs_fwd_kernel(
         alpha = tl.exp(m - m_new)
         d = z - m_new[:, None]
         if STORE_LOGITS:
-            l_base = logits_ptr + row0.to(tl.int64) * stride_l + col0
-            tl.store(l_base + (rn[:, None] * stride_l + rv[None, :]), d.to(logits_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & col_ok[None, :])
+            if TMA_STORE:  # the copy engine writes the tile (tails clipped): no address registers
+                logits_desc.store([row0, col0], d.to(logits_desc.dtype))
+            else:
+                l_base = logits_ptr + row0.to(tl.int64) * stride_l + col0
+                tl.store(l_base + (rn[:, None] * stride_l + rv[None, :]), d.to(logits_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & col_ok[None, :])
             tl.store(tile_max_ptr + row0.to(tl.int64) * stride_m + (tile_lo + i) + rn * stride_m, m_new, mask=row_ok)
         p = tl.exp(d)  # 0 on padded columns
         t = alpha * (t + (m - m_new) * s) + tl.sum(p * d, 1)
@@ -340,14 +346,27 @@ def _launch_fwd(hidden, weight, bias, target, temperature, logits=None, tile_max
     cfg, consts, bias_arg = _common(hidden, weight, bias, "forward" if logits is None else "fused")
     grid, splits, tiles_per_split = fwd_grid(n, vocab, cfg, _num_sms(hidden.device))
     stats = torch.empty(splits, 4, n, dtype=torch.float32, device=hidden.device)
+    desc = None
+    if logits is not None and cfg.tma_store and _tma_ok(logits):
+        desc = TensorDescriptor(logits, list(logits.shape), list(logits.stride()), [cfg.block_n, cfg.block_v])
     _linear_logprobs_fwd_kernel[grid](
         hidden, weight, bias_arg, target, stats,
-        logits if logits is not None else stats, tile_max if tile_max is not None else stats,
+        logits if logits is not None else stats, desc, tile_max if tile_max is not None else stats,
         n, vocab, h, 1.0 / temperature, splits, tiles_per_split, hidden.stride(0), weight.stride(0),
         logits.stride(0) if logits is not None else 0, tile_max.stride(0) if tile_max is not None else 0,
-        STORE_LOGITS=logits is not None, **consts,
+        STORE_LOGITS=logits is not None, TMA_STORE=desc is not None, **consts,
     )
     return stats
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs 16-byte aligned base and row stride, unit inner stride."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _slab(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[rows, vocab] workspace whose row stride is a multiple of 16 elements (TMA-aligned)."""
+    return torch.empty(rows, triton.cdiv(vocab, 16) * 16, dtype=dtype, device=device)[:, :vocab]
 
 
 def _merge_splits(stats):
@@ -483,7 +502,7 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
     if n == 0:
         return (logp, entropy, *grads.result())
     target = target.contiguous()
-    slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    slab = _slab(step, vocab, hidden.dtype, hidden.device)
     tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype, "fused").block_v), dtype=torch.float32,
                            device=hidden.device)
     for s, e in chunks:

@@ -36,7 +36,8 @@ def compile_(fn, sig, consts, cfg):
     src = ASTSource(fn=fn, signature={a: full[a] for a in names}, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())
     return {"kernel": fn.__name__, "consts": {a: str(v) for a, v in consts.items()}, "shared": k.metadata.shared,
-            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "async_copy": k.asm["ttgir"].count("async_copy")}
+            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "async_copy": k.asm["ttgir"].count("async_copy"),
+            "tma_store": k.asm["ptx"].count("cp.async.bulk.tensor")}
 
 out = []
 for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path and tiles
@@ -52,10 +53,13 @@ for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path an
 
         for store in (False, True):
             cfg = roles.fused if store else roles.forward
+            tma = store and cfg.tma_store  # the logit tiles through a TMA descriptor, else plain stores
+            desc = dict(logits_desc=f"tensordesc<{t[1:]}[{cfg.block_n},{cfg.block_v}]>") if tma else {}
             sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", stats_ptr="*fp32", logits_ptr=t,
-                       tile_max_ptr="*fp32", **ints, inv_temp="fp32", n_splits="i32", tiles_per_split="i32",
+                       **desc, tile_max_ptr="*fp32", **ints, inv_temp="fp32", n_splits="i32", tiles_per_split="i32",
                        stride_h="i32", stride_w="i32", stride_l="i32", stride_m="i32")
-            out.append(compile_(K._linear_logprobs_fwd_kernel, sig, dict(STORE_LOGITS=store, **one, **common(cfg)), cfg))
+            consts = dict(STORE_LOGITS=store, TMA_STORE=tma, **({} if tma else dict(logits_desc=None)), **one, **common(cfg))
+            out.append(compile_(K._linear_logprobs_fwd_kernel, sig, consts, cfg))
         sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32", grad_ptr=t,
                    **ints, inv_temp="fp32", stride_h="i32", stride_w="i32", stride_g="i32")
         out.append(compile_(K._linear_logprobs_bwd_kernel, sig, dict(GROUP=K.GROUP_N, **one, **common(roles.backward)),
@@ -93,3 +97,5 @@ def test_kernels_compile_for_sm90():
             assert r["async_copy"] > 0, f"{r['kernel']} {r['dtype']} {r['consts']}: the H loop is not pipelined"
             if r["dtype"] != "torch.float32":
                 assert r["wgmma"] > 0, f"{r['kernel']} {r['dtype']} {r['consts']}: no wgmma (Hopper MMA)"
+        if r["consts"].get("TMA_STORE") == "True":
+            assert r["tma_store"] > 0, f"{r['kernel']} {r['dtype']}: TMA_STORE without a bulk tensor copy"
