@@ -89,8 +89,14 @@ class KernelConfigs:
 # - forward, backward: 128x256 tiles over 8 warps (two warpgroups of wgmma), 3 stages of 128x64 +
 #   256x64 bf16 operands = 144 KiB of shared memory. Against 128x128: forward 33.1 -> 29.9 ms at
 #   H=3584 (538 -> 597 TFLOP/s) and 10.0 -> 8.4 ms at H=896; the backward kernel 8.0 -> 7.2 ms.
-# - fused (the forward that also stores its logit tiles): 128x128. At 128x256 the stored tile's
-#   addresses spill registers (ptxas: 472 bytes) and the storing forward is no faster (36.9 vs 37.6 ms).
+# - fused (the forward that also stores its logit tiles): 128x128, the tiles stored through a TMA
+#   descriptor (as fast as plain stores at this tile: 37.3 vs 37.2 ms at H=3584). With plain stores
+#   a 128x256 tile's addresses spill registers (ptxas: 472 bytes); through TMA it does not, and its
+#   storing forward is the fastest measured (32.8 ms at H=3584, 9.9 at H=896, against 37.3 / 12.5),
+#   but its gradient kernel then ran 128x256 blocks (6.0 ms against 3.2) and the fused path was no
+#   faster in all. That kernel now takes at most TO_GRAD_ELEMENTS a program (64x256 there), which
+#   should make 128x256 the better fused tile (projected 25.9 ms at H=896, 1.24x the floor): not yet
+#   timed, so not the default. Sweep it first (benchmarks/check_gpu.py --sweep).
 # ptxas gives every one of them 255 registers a thread (one program per SM); capping them at 128 to
 # fit two programs per SM spilled and ran slower (39.7 vs 33.1 ms). Compiled for sm_90 in the CPU
 # suite (tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, shared memory in bounds.
@@ -108,8 +114,15 @@ GPU_CONFIGS = {
 }
 # The in-place gradient kernel streams the slab (memory-bound): 4 warps a 128x128 tile ran at
 # 3.2 ms for 16384 x 151936 bf16 (10 GB moved, ~3.1 TB/s), 8 warps at 5.9 ms (the sweep before
-# this constant existed, when the kernel took the tile configuration's num_warps).
+# this constant existed, when the kernel took the tile configuration's num_warps), 4 warps on
+# 128x256 at 6.0 ms. Its columns must be the fused forward's tiles (one running max each); its
+# rows are free: at most TO_GRAD_ELEMENTS a program.
 TO_GRAD_WARPS = 4
+TO_GRAD_ELEMENTS = 128 * 128
+
+
+def to_grad_rows(cfg: LaunchConfig) -> int:
+    return max(1, min(cfg.block_n, TO_GRAD_ELEMENTS // cfg.block_v))
 INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1, tma_store=True)
 # Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
 # of the work (each program is long: BLOCK_N rows x its share of V).
@@ -396,9 +409,10 @@ def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature):
     n, vocab = logits.shape
     cfg = launch_config(logits.dtype, "fused")  # the tiles of the forward that wrote the slab
     assert tile_max.shape == (n, triton.cdiv(vocab, cfg.block_v))
-    _logits_to_grad_kernel[tile_grid(n, vocab, cfg)](
+    rows = to_grad_rows(cfg)
+    _logits_to_grad_kernel[(triton.cdiv(n, rows) * triton.cdiv(vocab, cfg.block_v),)](
         logits, tile_max, target, lse, g, n, vocab, 1.0 / temperature, logits.stride(0), tile_max.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=TO_GRAD_WARPS,
+        BLOCK_N=rows, BLOCK_V=cfg.block_v, num_warps=TO_GRAD_WARPS,
     )
 
 

@@ -67,7 +67,7 @@ for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path an
         sig = dict(logits_ptr=t, tile_max_ptr="*fp32", target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
                    **{a: "i32" for a in ("N", "V") if a not in one}, inv_temp="fp32", stride_l="i32", stride_m="i32")
         cfg = roles.fused
-        out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, **one),
+        out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=K.to_grad_rows(cfg), BLOCK_V=cfg.block_v, **one),
                             K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, K.TO_GRAD_WARPS, cfg.num_stages)))
     for r in out:
         r.setdefault("dtype", str(dtype))

@@ -154,6 +154,8 @@ def test_each_role_uses_its_own_tiles(monkeypatch):
         return K.LaunchConfig(block_n=block_n, block_v=block_v, block_k=16, num_warps=1, num_stages=1, tma_store=False)
 
     monkeypatch.setattr(K, "launch_config", per_role)
+    monkeypatch.setattr(K, "TO_GRAD_ELEMENTS", 16 * 16)  # the gradient kernel: 16-row blocks of the fused 32 x 16 tiles
+    assert K.to_grad_rows(per_role(None, "fused")) == 16
     check_case(Case(n=37, vocab=70, hidden=40, bias=True, temperature=0.7, chunk_size=20), "cpu")
     check_case(Case(n=19, vocab=50, hidden=32, dtype=torch.bfloat16, bias=False, chunk_size=8), "cpu")
 
