@@ -102,8 +102,6 @@ class KernelConfigs:
 # suite (tests/kernels/test_compile_sm90.py): wgmma, pipelined H loop, shared memory in bounds.
 # fp32 inputs use exact fp32 products (input_precision="ieee", no tf32, like torch's default), which
 # run on FMA units: smaller tiles keep registers and shared memory in bounds. Not the fast path.
-# The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
-# span several tiles, tails and chunks.
 _WIDE = LaunchConfig(block_n=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
 _SQUARE = LaunchConfig(block_n=128, block_v=128, block_k=64, num_warps=8, num_stages=3, tma_store=True)
 _FP32 = LaunchConfig(block_n=64, block_v=64, block_k=32, num_warps=4, num_stages=2)
@@ -119,10 +117,8 @@ GPU_CONFIGS = {
 # rows are free: at most TO_GRAD_ELEMENTS a program.
 TO_GRAD_WARPS = 4
 TO_GRAD_ELEMENTS = 128 * 128
-
-
-def to_grad_rows(cfg: LaunchConfig) -> int:
-    return max(1, min(cfg.block_n, TO_GRAD_ELEMENTS // cfg.block_v))
+# The interpreter uses the smallest tiles tl.dot accepts on a GPU (16), so tiny test shapes still
+# span several tiles, tails and chunks; it runs the TMA store too.
 INTERPRET_CONFIG = LaunchConfig(block_n=16, block_v=16, block_k=16, num_warps=1, num_stages=1, tma_store=True)
 # Forward splits: aim for this many programs per multiprocessor, so the last wave is a small part
 # of the work (each program is long: BLOCK_N rows x its share of V).
@@ -137,6 +133,11 @@ GROUP_N = 8
 # gets 1.5 GiB. Larger N: more chunks, the same bound (the loss's memory stays O(N)).
 WORKSPACE_BYTES = 8 << 30
 WORKSPACE_FRACTION = 16
+
+
+def to_grad_rows(cfg: LaunchConfig) -> int:
+    """Row block of the in-place gradient kernel over the fused role's `cfg` tiles."""
+    return max(1, min(cfg.block_n, TO_GRAD_ELEMENTS // cfg.block_v))
 
 
 def launch_config(dtype: torch.dtype, role: str) -> LaunchConfig:
