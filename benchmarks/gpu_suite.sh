@@ -37,6 +37,8 @@ if ! "$PY" -c "import grpo_fast.kernels" 2>/dev/null; then
 fi
 
 echo "== gpu_suite $(date -u +%FT%TZ) in $ROOT, git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# a copied tree's .git can be stale: this hash names the code that runs (same command on a checkout)
+echo "sources sha1 $(cat kernels/*.py grpo_fast/ops/*.py benchmarks/*.py | sha1sum | cut -c1-12)"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 "$PY" -c "import grpo_fast.kernels.linear_logprobs as k; print('grpo_fast.kernels from', k.__file__)" || FAILED=$((FAILED + 1))
