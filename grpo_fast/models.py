@@ -80,23 +80,53 @@ def default_model_path() -> str:
     return str(target)
 
 
+_VOCAB_FILES = ("vocab.json", "vocab.txt", "*.model", "*.tiktoken")  # what a tokenizer_config.json loads from
+
+
+def check_model_folder(path: str | os.PathLike) -> None:
+    """Raise ValueError, naming the folder and what is missing, unless it holds config.json, weights
+    (*.safetensors or pytorch_model*.bin) and a tokenizer (tokenizer.json, or tokenizer_config.json
+    with a vocab file). Only file names are looked at: nothing is loaded."""
+    folder = Path(path)
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not (any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not (folder / "tokenizer.json").is_file():
+        has_vocab = any(any(folder.glob(pattern)) for pattern in _VOCAB_FILES)
+        if not (folder / "tokenizer_config.json").is_file():
+            missing.append(f"tokenizer files (tokenizer.json, or tokenizer_config.json with one of {', '.join(_VOCAB_FILES)})")
+        elif not has_vocab:
+            missing.append(f"a tokenizer vocab file (tokenizer.json or one of {', '.join(_VOCAB_FILES)}) beside tokenizer_config.json")
+    if missing:
+        found = sorted(p.name for p in folder.iterdir())
+        shown = found[:12] + ([f"... {len(found) - 12} more"] if len(found) > 12 else [])
+        raise ValueError(f"model folder {os.fspath(path)!r} is missing {'; '.join(missing)}; found {shown}")
+
+
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """'default' (or the default model's name) -> the cached folder; a local folder -> itself."""
+    """'default' (or the default model's name) -> the cached folder; a local folder -> itself,
+    checked to hold config.json, weights and tokenizer files (ValueError naming what is missing)."""
     name = os.fspath(name_or_path)
     if name in ("default", DEFAULT_MODEL):
-        return default_model_path()
+        path = default_model_path()
+        check_model_folder(path)  # a converted folder has all of them; a damaged cache is named
+        return path
     if not os.path.isdir(name):
         raise ValueError(
             f"model must be 'default' or a local model folder (config.json + safetensors + tokenizer), "
             f"got {name!r}; nothing is downloaded"
         )
+    check_model_folder(name)
     return name
 
 
 def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32"):
     """(model, tokenizer) for training: a transformers causal LM in `dtype` and its tokenizer.
 
-    name_or_path: "default" (SmolLM2-135M-Instruct) or a local folder. dtype: a torch dtype or its
+    name_or_path: "default" (SmolLM2-135M-Instruct) or a local folder (checked for config.json, weights
+    and tokenizer files before anything loads). dtype: a torch dtype or its
     name ("float32", "bfloat16", "float16"). The tokenizer gets a pad token (its EOS) if it has none.
     """
     import torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,10 @@ def load_dataset_rows(source, *, split: str = "train", prompt_column: str = "pro
 
     Raises:
         FileNotFoundError: the path does not exist (naming it).
-        ValueError: malformed JSON/JSONL (naming the path and line), an empty dataset, a missing
-            prompt column (naming it and the columns found) or a prompt that is neither a string
-            nor a list of messages (naming the row).
+        ValueError: malformed JSON/JSONL (naming the path, line and column), a file that is not
+            UTF-8 (naming the path, line and column), an empty dataset, a missing prompt column
+            (naming it and the columns found), a prompt that is neither a string nor a list of
+            messages, or a blank prompt (naming the row).
     """
     from .tasks import BUILTIN_TASKS, task_rows
 
@@ -85,15 +87,20 @@ def _read_folder(path: str, split: str) -> list[dict]:
 
 def _read_jsonl(path: str) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
+    # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate, found below with its line
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, start=1):
+            _check_utf8(path, line, line_no)
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
+                # e.colno counts from the last newline before the error: an error at the end of the
+                # line (a missing '}') lands after the line's own '\n' and reads as column 1.
+                column = min(e.pos, len(line.rstrip("\r\n"))) + 1
                 raise ValueError(
-                    f"dataset {path!r}, line {line_no}: malformed JSON ({e.msg} at column {e.colno})"
+                    f"dataset {path!r}, line {line_no}: malformed JSON ({e.msg} at column {column})"
                 ) from None
             if not isinstance(row, dict):
                 raise ValueError(f"dataset {path!r}, line {line_no}: expected a JSON object, got {type(row).__name__}")
@@ -101,15 +108,39 @@ def _read_jsonl(path: str) -> list[dict]:
     return rows
 
 
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # the bytes surrogateescape could not decode
+
+
+def _check_utf8(path: str, text: str, first_line: int = 1) -> None:
+    """Raise ValueError naming the line and column of the first byte of ``text`` that is not UTF-8."""
+    bad = _NOT_UTF8.search(text)
+    if bad is None:
+        return
+    start = bad.start()
+    line_no = first_line + text.count("\n", 0, start)
+    column = start - text.rfind("\n", 0, start)
+    raise ValueError(
+        f"dataset {path!r}, line {line_no}, column {column}: byte 0x{ord(bad.group()) - 0xDC00:02x} is not "
+        f"valid UTF-8; the file must be UTF-8 encoded (re-save it as UTF-8)"
+    )
+
+
 def _read_json(path: str, split: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         text = f.read()
+    _check_utf8(path, text)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several documents: JSON lines saved as .json
             return _read_jsonl(path)
-        raise ValueError(f"dataset {path!r}, line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        line_no, column, where = e.lineno, e.colno, ""
+        end = len(text.rstrip())
+        if e.pos >= end:  # the text ended early: point just past its last character, not at the next line
+            line_no, column, where = text.count("\n", 0, end) + 1, end - text.rfind("\n", 0, end), ", end of file"
+        raise ValueError(
+            f"dataset {path!r}, line {line_no}: malformed JSON ({e.msg} at column {column}{where})"
+        ) from None
     if isinstance(data, dict):
         if split not in data:
             raise ValueError(
@@ -157,8 +188,14 @@ def _is_messages(prompt) -> bool:
     )
 
 
+def _is_blank(content) -> bool:
+    """No text: None, an empty or whitespace-only string, or an empty list (of content parts)."""
+    return content is None or (isinstance(content, str) and not content.strip()) or content == []
+
+
 def check_rows(rows: Sequence[dict], *, prompt_column: str = "prompt", where: str = "dataset") -> None:
-    """Raise ValueError unless ``rows`` is non-empty and every row has a string or chat-message prompt."""
+    """Raise ValueError unless ``rows`` is non-empty and every row has a non-blank string or
+    chat-message prompt (a message list needs at least one message with non-blank content)."""
     if len(rows) == 0:
         raise ValueError(f"{where}: the dataset is empty (0 rows)")
     for i, row in enumerate(rows):
@@ -172,6 +209,16 @@ def check_rows(rows: Sequence[dict], *, prompt_column: str = "prompt", where: st
             raise ValueError(
                 f"{where}: row {i}, column {prompt_column!r}: expected a string or a non-empty list of "
                 f'{{"role", "content"}} messages, got {type(prompt).__name__}: {str(prompt)[:80]!r}'
+            )
+        if isinstance(prompt, str) and _is_blank(prompt):
+            raise ValueError(
+                f"{where}: row {i}, column {prompt_column!r}: the prompt is empty ({prompt!r}); "
+                f"expected non-blank text (drop or fill the row)"
+            )
+        if isinstance(prompt, list) and all(_is_blank(m["content"]) for m in prompt):
+            raise ValueError(
+                f"{where}: row {i}, column {prompt_column!r}: every message's content is empty; "
+                f"expected at least one message with non-blank content (drop or fill the row)"
             )
 
 

