@@ -9,7 +9,7 @@ test: setup
 	$(VENV)/bin/ruff check grpo_fast kernels tests benchmarks
 	$(PY) -m pytest -q tests
 train: setup
-	$(VENV)/bin/grpo-fast train
+	$(VENV)/bin/grpo-fast train --overwrite_output_dir  # the default run replaces its own earlier run
 bench: setup
 	$(PY) benchmarks/bench_loss.py
 lint: setup

@@ -72,16 +72,19 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-fast", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"grpo-fast {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a policy with GRPO", description=__doc__, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="a YAML file of GRPOConfig fields")
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
+    train.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     _add_config_options(train)
 
     ev = sub.add_parser("eval", help="held-out accuracy of a model (greedy, the reward functions' first as accuracy)",
                         allow_abbrev=False)
     ev.add_argument("--config", help="a YAML file of GRPOConfig fields")
+    ev.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     _add_config_options(ev)
 
     bench = sub.add_parser("bench", help="benchmark the fused GRPO loss against plain PyTorch (and Liger)")
@@ -90,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "args")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "args", "debug")}
     if getattr(args, "resume", False):
         overrides.setdefault("resume_from_checkpoint", "latest")
     if args.config:
@@ -110,8 +113,11 @@ def cmd_train(config: GRPOConfig) -> dict:
     if len(history) >= 2:
         before, after = history[0][1], history[-1][1]
         summary.update(accuracy_before=before, accuracy_after=after, gain_points=round(100 * (after - before), 1))
-        print(f"held-out accuracy: {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
-              f"in {summary['wall_time_s'] / 60:.1f} min; metrics, plot and model in {config.output_dir}")
+        where = f"in {summary['wall_time_s'] / 60:.1f} min; metrics, plot and model in {config.output_dir}"
+        if 0 <= before <= 1 and 0 <= after <= 1:
+            print(f"held-out accuracy: {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) {where}")
+        else:  # the first reward is not a 0/1 correctness score: no percentage
+            print(f"held-out mean of the first reward ({config.reward_funcs[0]}): {before:.4g} -> {after:.4g} {where}")
     strict = trainer.boxed_accuracy_history
     if len(strict) >= 2:
         before, after = strict[0][1], strict[-1][1]
@@ -126,7 +132,7 @@ def cmd_train(config: GRPOConfig) -> dict:
 def cmd_eval(config: GRPOConfig) -> dict:
     from .trainer import GRPOTrainer
 
-    trainer = GRPOTrainer.from_config(config)
+    trainer = GRPOTrainer.from_config(config, evaluate_only=True)
     if trainer.eval_rows is None:
         raise SystemExit("grpo-fast eval: the dataset has no held-out ('test') split; use --task arithmetic or a dataset folder with test.jsonl")
     metrics = trainer.evaluate()
@@ -175,9 +181,12 @@ def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
     parser.error(f"unknown option(s): {'; '.join(hints) or ' '.join(unknown)}")
 
 
+# Errors that come from what the user gave (config, data, model folder, reward functions, disk):
+# one line each; --debug shows the traceback.
+_USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, OSError, RuntimeError)
+
+
 def main(argv=None) -> int:
-    # vLLM's per-request INFO lines would bury the progress bar; its warnings still show
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "bench":
@@ -189,11 +198,49 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"grpo-fast {args.command}: {err}", file=sys.stderr)
         return 2
-    if args.command == "train":
-        cmd_train(config)
-    else:
-        cmd_eval(config)
+    _set_log_level(config.log_level)
+    from .trainer import TrainingInterrupted
+
+    try:
+        if args.command == "train":
+            cmd_train(config)
+        else:
+            cmd_eval(config)
+    except TrainingInterrupted as err:
+        print(f"grpo-fast {args.command}: {err}", file=sys.stderr)
+        return 128 + err.signum
+    except _USER_ERRORS as err:
+        if args.debug:
+            raise
+        print(f"grpo-fast {args.command}: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or repr(err)
+
+
+def _set_log_level(level: str) -> None:
+    """grpo_fast's and vLLM's log level (vLLM reads its own before it is imported). At 'warning' the
+    progress bar and grpo_fast's warnings show; vLLM's per-start and per-request notices do not."""
+    import logging
+
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("grpo_fast").setLevel(level.upper())
+    # vLLM's WARNING lines on the CPU repeat for every engine start and say nothing actionable
+    # (no CUDA, no sleep mode, ...): shown from 'info' on, errors always
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if level in ("warning", "error") else level.upper())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpo_fast")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TRUNCATION = ("left", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _f(default, help: str, choices: Optional[tuple] = None):
@@ -122,9 +123,13 @@ class GRPOConfig:
     save_final: bool = _f(True, "Save the trained model (HF format) to output_dir/final at the end.")
     save_total_limit: Optional[int] = _f(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.")
     resume_from_checkpoint: Optional[str] = _f(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
+    overwrite_output_dir: bool = _f(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
+    max_signal_free_steps: int = _f(10, "Stop with an error after this many steps in a row without a training signal: no finite reward in the whole step, or the step skipped for a non-finite loss (each such step warns). Groups whose rewards all agree are normal and do not count. 0: never stop.")
+    log_level: str = _f("warning", "Log level of grpo_fast and of vLLM (the CLI sets vLLM's before it starts). warning keeps vLLM's repeated CPU notices out of a run's log.", LOG_LEVELS)
     disable_tqdm: bool = _f(False, "Turn off the live progress bar.")
 
     def __post_init__(self):
+        _coerce_numeric_strings(self)
         if self.vllm_max_model_length is None and self.max_prompt_length is not None:
             self.vllm_max_model_length = self.max_prompt_length + self.max_completion_length
         _validate(self)
@@ -215,7 +220,7 @@ def _validate(c: GRPOConfig) -> None:
     for name in positive_ints:
         if getattr(c, name) < 1:
             _fail(name, getattr(c, name), "an integer >= 1")
-    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k", "sampling_check_steps"):
+    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k", "sampling_check_steps", "max_signal_free_steps"):
         if getattr(c, name) < 0:
             _fail(name, getattr(c, name), "an integer >= 0")
     for name in ("max_prompt_length", "eval_max_completion_length", "vllm_max_model_length", "save_total_limit",
@@ -268,6 +273,25 @@ def _validate(c: GRPOConfig) -> None:
         _fail("reward_funcs", c.reward_funcs, "at least one reward function name")
     if c.bf16 and c.dtype not in ("auto", "bfloat16"):
         _fail("bf16", c.bf16, f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'")
+
+
+def _coerce_numeric_strings(c: GRPOConfig) -> None:
+    """'1e-5' for a float field (PyYAML reads exponents without a dot as strings) or '10' for an int
+    field become numbers; anything else is left for the type check to report."""
+    types = field_types()
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if not isinstance(value, str):
+            continue
+        args = [a for a in typing.get_args(types[f.name]) if a is not type(None)]
+        base = args[0] if args else types[f.name]
+        try:
+            if base is float:
+                setattr(c, f.name, float(value))
+            elif base is int:
+                setattr(c, f.name, int(value))
+        except ValueError:
+            pass
 
 
 def _check_type(name: str, value, annotation) -> None:

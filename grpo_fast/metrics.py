@@ -36,16 +36,30 @@ class MetricsLogger:
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.history = self._reload(resume_step) if resume_step else []
-        with open(self.path, "w") as f:  # rewrite: drop records past the resumed step
-            for record in self.history:
-                f.write(json.dumps(record) + "\n")
+        tmp = self.path + ".tmp"  # rewrite without records past the resumed step; a kill keeps the old file
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in self.history)
+        os.replace(tmp, self.path)
         self.writer = self._tensorboard() if tensorboard else None
 
     def _reload(self, resume_step: int) -> list[dict]:
+        """The records up to `resume_step`. A torn last line (the process was killed mid-write) is
+        dropped with a warning; a malformed line elsewhere is an error naming the file and line."""
         if not os.path.exists(self.path):
             return []
-        with open(self.path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            lines = [(i, line) for i, line in enumerate(f, start=1) if line.strip()]
+        records = []
+        for k, (line_no, line) in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if k == len(lines) - 1:
+                    logger.warning("%s: dropped a torn last line %d (%s): the run was stopped while writing it",
+                                   self.path, line_no, err.msg)
+                    continue
+                raise ValueError(f"{self.path}, line {line_no}: malformed JSON ({err.msg}); fix or remove that line "
+                                 f"to resume") from None
         return [r for r in records if r.get("step", 0) <= resume_step]
 
     def _tensorboard(self):

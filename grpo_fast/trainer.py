@@ -25,15 +25,25 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import checkpoint, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
 from .rewards.verifiable import boxed_math_reward
 from .train import setup
 from .train.forward import Packer, completion_logprobs
+from .train.interrupt import Interrupted, StopRequests
 from .train.rollouts import Rollouts, from_engine, importance_weights, score, zero_std_groups
 from .train.step import LossOptions, train_step, trainable_tokens
 
 logger = logging.getLogger(__name__)
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM stopped `train()` after it wrote a checkpoint; the message says how to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass
@@ -45,6 +55,7 @@ class TrainState:
     cursor: int = 0  # next position in this epoch's prompt order
     generation_calls: int = 0  # engine calls made (each gets seed + this, for reproducible sampling)
     skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient
+    signal_free_steps: int = 0  # steps in a row with no finite reward or a skipped update
     eval_history: list = field(default_factory=list)  # (step, accuracy)
 
 
@@ -56,18 +67,26 @@ class GRPOTrainer:
     `config.prompt_column` and the columns the rewards read. model / tokenizer: a transformers causal
     LM and its tokenizer; None loads `config.model` (default: SmolLM2-135M-Instruct).
     engine: an already built rollout engine (None: built from `config.engine`).
+    evaluate_only: for `evaluate()` alone (`grpo-fast eval`): output_dir is not checked.
+
+    Checked before any work (model loading, engine start): the output folder (a fresh run never
+    writes into an earlier run's folder; see `run_folder`), the checkpoint to resume, the rows, the
+    columns the reward functions read, and prompt + completion lengths against the model's context.
     """
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
-                 model=None, tokenizer=None, engine=None):
+                 model=None, tokenizer=None, engine=None, evaluate_only: bool = False):
         self.config = config
+        self.resume_path = None if evaluate_only else run_folder.check_start(config)
         self.boxed_accuracy_history: list = []  # (step, strict accuracy) of this process's evaluations
         self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
         self.train_rows = setup.as_rows(train_dataset, config.prompt_column, "train_dataset")
         self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
+        setup.check_reward_columns(self.reward_funcs, self.train_rows, "train_dataset")
         torch.manual_seed(config.seed)
         self.model, self.tokenizer, self.model_path = setup.load_policy(config, model, tokenizer)
         self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
+        setup.check_prompt_lengths(self.train_prompt_ids, config, self.model.config, "train_dataset")
         self.ref_model = setup.frozen_copy(self.model) if config.beta > 0 else None
         self.engine = engine if engine is not None else setup.build_engine(config, self.model, self.tokenizer, self.model_path)
         self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda),
@@ -83,39 +102,64 @@ class GRPOTrainer:
         self.use_is = use_is and not self.engine_shares_weights
         self.needs_old_logp = config.num_iterations > 1 or config.steps_per_generation > 1 or self.use_is
         self.metrics_logger = None
+        self._saved_step = None  # the step of the last checkpoint this process wrote or resumed from
 
     @classmethod
-    def from_config(cls, config: GRPOConfig) -> "GRPOTrainer":
+    def from_config(cls, config: GRPOConfig, evaluate_only: bool = False) -> "GRPOTrainer":
         """Everything from the config: model, reward functions by name, the dataset or built-in task."""
         from .rewards import get_reward_funcs
 
+        if not evaluate_only:
+            run_folder.check_start(config)  # before the dataset is read
         train_rows, eval_rows = setup.datasets_from_config(config)
         funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length)
-        return cls(config, funcs, train_rows, eval_rows)
+        return cls(config, funcs, train_rows, eval_rows, evaluate_only=evaluate_only)
 
     # ------------------------------------------------------------------------------------------
     # The loop
     # ------------------------------------------------------------------------------------------
 
     def train(self) -> dict:
-        """Train for config.max_steps optimizer steps; returns the last logged metrics."""
+        """Train for config.max_steps optimizer steps; returns the last logged metrics.
+
+        The output folder is locked meanwhile. On SIGINT/SIGTERM it writes a checkpoint and raises
+        `TrainingInterrupted`; a failure while sampling or scoring writes one too (if there are
+        steps to keep), then re-raises."""
         c = self.config
-        if c.resume_from_checkpoint:
-            self._resume(c.resume_from_checkpoint)
+        with run_folder.RunLock(c.output_dir), StopRequests() as stop:
+            checkpoint.remove_stale_temp_folders(c.output_dir)
+            if self.resume_path is not None:
+                self._resume(self.resume_path)
+                if self.state.step >= c.max_steps:
+                    print(f"{self.resume_path} is at step {self.state.step} >= max_steps={c.max_steps}: nothing to "
+                          f"train (raise --max_steps to train further)", flush=True)
+                    return {}
+            elif c.overwrite_output_dir:
+                run_folder.clear_run_files(c.output_dir)
+            return self._train_loop(stop)
+
+    def _train_loop(self, stop: StopRequests) -> dict:
+        c = self.config
         self.metrics_logger = _metrics_logger(c.output_dir, self.state.step)
         bar = _progress(c, self.state.step)
         last = {}
-        if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
-            last = self._log_eval(bar)
-        deadline = None if c.max_train_minutes is None else time.perf_counter() + 60 * c.max_train_minutes
         try:
-            while self.state.step < c.max_steps:
+            if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
+                last = self._log_eval(bar)
+            deadline = None if c.max_train_minutes is None else time.perf_counter() + 60 * c.max_train_minutes
+            while self.state.step < c.max_steps and stop.signum is None:
                 if deadline is not None and time.perf_counter() > deadline:
                     bar.print(f"max_train_minutes={c.max_train_minutes} reached after {self.state.step} steps: stopping")
                     break
-                last = self._train_generation_batch(bar) or last
+                last = self._train_generation_batch(bar, stop) or last
         finally:
             bar.close()
+        if stop.signum is not None:
+            path = self._save()
+            self.metrics_logger.close()
+            raise TrainingInterrupted(
+                f"{stop.name} at step {self.state.step}: checkpoint saved to {path}; continue with "
+                f"`grpo-fast train --output_dir {c.output_dir} --resume` (resume_from_checkpoint='latest')", stop.signum)
         if self.eval_rows is not None and (not self.state.eval_history or self.state.eval_history[-1][0] != self.state.step):
             last = self._log_eval(bar)
         if c.save_final:
@@ -126,13 +170,28 @@ class GRPOTrainer:
         self.metrics_logger.close()
         return last
 
-    def _train_generation_batch(self, bar) -> dict:
-        """One generation batch through every stage; returns the last logged metrics."""
+    def _train_generation_batch(self, bar, stop: StopRequests) -> dict:
+        """One generation batch through every stage; returns the last logged metrics.
+
+        Sampling and scoring change nothing but counters: a signal or an error there rewinds the
+        state (counters and RNG) to the round's start, so a checkpoint written then resumes exactly."""
         c, times, first_step = self.config, {}, self.state.step
-        batch, stats = self._generate_and_score(times)  # generate, score
-        batch.advantages = setup.advantages(batch.rewards, c)  # advantages
-        with _timed(times, "time/logprob"):
-            stats.update(self._side_inputs(batch))  # old / reference log-probs, IS weights
+        start_state, start_rng = dataclasses.replace(self.state, eval_history=list(self.state.eval_history)), checkpoint.rng_state()
+        try:
+            with stop.abandonable():
+                batch, stats = self._generate_and_score(times)  # generate, score
+                batch.advantages = setup.advantages(batch.rewards, c)  # advantages
+                with _timed(times, "time/logprob"):
+                    stats.update(self._side_inputs(batch))  # old / reference log-probs, IS weights
+        except BaseException as err:
+            self.state = start_state
+            checkpoint.set_rng_state(start_rng)
+            if isinstance(err, Interrupted):
+                return {}  # train() saves and stops
+            if isinstance(err, Exception) and self.state.step != (self._saved_step or 0):
+                path = self._save()
+                bar.print(f"{type(err).__name__} while sampling or scoring: progress saved to {path}")
+            raise
         parts = self._step_slices(batch)
         # dapo: TRL's normaliser, the generation batch's tokens shared evenly by its step slices
         num_items = trainable_tokens(batch, self.loss_options) / min(c.steps_per_generation, len(batch) // c.num_generations)
@@ -142,15 +201,38 @@ class GRPOTrainer:
             step_metrics = self._optimizer_step(part, num_items, bar)
             step_times = {name: t / len(parts) for name, t in times.items()}  # round costs, spread over its steps
             step_times["time/train"] = _sync_time(start)
-            with _timed(step_times, "time/weight_sync"):
-                if k == len(parts) - 1:
+            if k == len(parts) - 1:
+                with _timed(step_times, "time/weight_sync"):
                     self._sync_weights()  # sync
+                with _timed(step_times, "time/sync_check"):
+                    step_metrics.update(self._check_engine_sync())
             logged = self._log(self._step_metrics(part, batch, step_metrics, stats, step_times), bar)
             if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
                 logged = self._log_eval(bar) or logged
         if c.save_steps and self.state.step // c.save_steps > first_step // c.save_steps:
             self._save()  # at the round's end (a save_steps multiple was crossed): resumes exactly
+        self._stop_without_signal(bar)
         return logged
+
+    def _count_signal(self, part: Rollouts, skipped: bool, bar) -> None:
+        """Count steps without a training signal: no finite reward at all, or a skipped update."""
+        no_reward = bool(part.rewards.isnan().all())
+        if not (no_reward or skipped):
+            self.state.signal_free_steps = 0
+            return
+        self.state.signal_free_steps += 1
+        why = ("every reward was None or non-finite: do the reward functions find the columns they read?"
+               if no_reward else "the loss or gradient was non-finite and the update was skipped")
+        bar.print(f"warning: step {self.state.step} had no training signal ({why}); "
+                  f"{self.state.signal_free_steps} such step(s) in a row")
+
+    def _stop_without_signal(self, bar) -> None:
+        limit, count = self.config.max_signal_free_steps, self.state.signal_free_steps
+        if limit and count >= limit:
+            path = self._save() if self.state.step != (self._saved_step or 0) else None
+            raise RuntimeError(f"no training signal for {count} steps in a row (max_signal_free_steps={limit}): "
+                               f"stopping{f'; progress saved to {path}' if path else ''}. Check the reward functions "
+                               f"and the dataset's columns, or lower the learning rate if the loss is non-finite")
 
     def _step_slices(self, batch: Rollouts) -> list[Rollouts]:
         """The optimizer steps a generation batch feeds: μ passes over steps_per_generation slices
@@ -170,6 +252,7 @@ class GRPOTrainer:
         if metrics["skipped"]:
             self.state.skipped_steps += 1
             bar.print(f"step {self.state.step}: non-finite loss or gradient, step skipped (weights untouched)")
+        self._count_signal(part, metrics["skipped"], bar)
         return metrics
 
     # ---- stages ------------------------------------------------------------------------------
@@ -244,6 +327,30 @@ class GRPOTrainer:
             self.engine.wake()
         self.engine.update_weights(self.model)
 
+    def _check_engine_sync(self) -> dict:
+        """The engine's log-probs of a short greedy probe against the trainer's, after a sync; one
+        re-sync when they differ beyond the tolerance of their precisions, then an error."""
+        from .train import sync_check
+
+        if self.engine_shares_weights:
+            return {}
+        c = self.config
+        limit = sync_check.tolerance(getattr(self.engine, "dtype", torch.float32), setup.train_dtype(c),
+                                     amp=c.mixed_precision == "bf16")
+        probe = self.train_prompt_ids[0]
+        gap = sync_check.probe_gap(self.engine, self.model, self.packer, probe, backend=c.loss_backend)
+        if gap > limit:
+            logger.warning("engine log-probs differ from the trainer's by %.3g (> %.3g) after a weight sync: syncing again",
+                           gap, limit)
+            self._sync_weights()
+            gap = sync_check.probe_gap(self.engine, self.model, self.packer, probe, backend=c.loss_backend)
+            if gap > limit:
+                raise RuntimeError(f"the rollout engine is out of sync with the policy after step {self.state.step}: its "
+                                   f"log-probs differ from the trainer's by {gap:.3g} on average (tolerance {limit:.3g} "
+                                   f"for these precisions) even after a second weight sync; training on its samples "
+                                   f"would train on a stale policy")
+        return {"sampling/sync_check_diff": gap}
+
     def _next_prompts(self, k: int) -> list[int]:
         """The next k prompt indices in the seeded per-epoch order (wrapping into the next epoch)."""
         out, n = [], len(self.train_rows)
@@ -315,22 +422,21 @@ class GRPOTrainer:
             return self.metrics_logger.log(step, metrics)
         return metrics
 
-    def _save(self, path: Optional[str] = None, final: bool = False):
-        from . import checkpoint
-
+    def _save(self, path: Optional[str] = None, final: bool = False) -> str:
+        """A checkpoint of the whole run (or, final=True, the trained model alone into `path`)."""
         c = self.config
         if final:
-            self.model.save_pretrained(path, safe_serialization=True)
-            self.tokenizer.save_pretrained(path)
-            return
-        checkpoint.save_checkpoint(c.output_dir, self.state.step, model=self.model, tokenizer=self.tokenizer,
-                                   optimizer=self.optimizer, scheduler=self.scheduler,
-                                   state=dataclasses.asdict(self.state), config=c.to_dict(), total_limit=c.save_total_limit)
+            return checkpoint.write_atomically(
+                path, lambda tmp: checkpoint.save_model(self.model, self.tokenizer, tmp),
+                needed_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=self.model, tokenizer=self.tokenizer,
+                                          optimizer=self.optimizer, scheduler=self.scheduler,
+                                          state=dataclasses.asdict(self.state), config=c.to_dict(),
+                                          total_limit=c.save_total_limit)
+        self._saved_step = self.state.step
+        return path
 
-    def _resume(self, spec: str):
-        from . import checkpoint
-
-        path = checkpoint.resolve_checkpoint(spec, self.config.output_dir)
+    def _resume(self, path: str):
         saved = checkpoint.load_trainer_state(path)
         checkpoint.load_model_weights(self.model, path)
         self.optimizer.load_state_dict(saved["optimizer"])
@@ -338,6 +444,7 @@ class GRPOTrainer:
         self.state = TrainState(**saved["state"])
         checkpoint.set_rng_state(saved["rng"])
         self._sync_weights()
+        self._saved_step = self.state.step
         logger.info("resumed from %s at step %d", path, self.state.step)
 
 

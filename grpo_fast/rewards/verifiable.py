@@ -106,6 +106,7 @@ def math_reward(prompts=None, completions=None, completion_ids=None, answer=None
 
 
 math_reward.__name__ = "math"
+math_reward.required_columns = ("answer",)  # the trainer checks the dataset has them before the first step
 
 
 def boxed_math_reward(prompts=None, completions=None, completion_ids=None, answer=None, **kwargs) -> list[float | None]:
@@ -120,6 +121,7 @@ def boxed_math_reward(prompts=None, completions=None, completion_ids=None, answe
 
 
 boxed_math_reward.__name__ = "math_boxed"
+boxed_math_reward.required_columns = ("answer",)
 
 
 def format_reward(prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
@@ -165,6 +167,7 @@ class LengthAwareMathReward:
     """
 
     __name__ = "math_length"
+    required_columns = ("answer",)
 
     def __init__(self, max_completion_length: int, buffer: int | None = None):
         if not isinstance(max_completion_length, int) or max_completion_length < 1:

@@ -43,6 +43,59 @@ def as_rows(dataset, prompt_column: str, name: str) -> list[dict]:
     return rows
 
 
+_TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def check_reward_columns(reward_funcs, rows: list[dict], where: str) -> None:
+    """Every column a reward function reads is in the dataset: those it declares in
+    `required_columns`, and keyword parameters it takes without a default."""
+    import inspect
+
+    have = set(rows[0])
+    for f in reward_funcs:
+        needed = list(getattr(f, "required_columns", ()))
+        try:
+            params = inspect.signature(f).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+            params = []
+        needed += [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in _TRL_ARGUMENTS
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        missing = [col for col in dict.fromkeys(needed) if col not in have]
+        if missing:
+            raise ValueError(f"reward function {reward_name(f)!r} reads the column(s) {missing}, which {where} does not "
+                             f"have (columns: {sorted(have)}); add them or choose other reward_funcs")
+
+
+def check_context(config, model_config, where: str) -> None:
+    """Prompt + completion budget within the model's context (max_position_embeddings), before any
+    heavy work: beyond it the positions are ones the model never saw (and vLLM refuses to start)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not limit:
+        return
+    budget = (config.max_prompt_length or 0) + max(config.max_completion_length, config.eval_max_completion_length or 0)
+    if config.max_prompt_length is not None and budget > limit:
+        raise ValueError(f"max_prompt_length ({config.max_prompt_length}) + max_completion_length "
+                         f"({max(config.max_completion_length, config.eval_max_completion_length or 0)}) = {budget} tokens "
+                         f"exceeds the model's context of {limit} (max_position_embeddings of {where}); lower them")
+    if config.vllm_max_model_length is not None and config.vllm_max_model_length > limit:
+        raise ValueError(f"vllm_max_model_length ({config.vllm_max_model_length}) exceeds the model's context of {limit} "
+                         f"(max_position_embeddings of {where}); lower it")
+
+
+def check_prompt_lengths(prompt_ids: list[list[int]], config, model_config, where: str) -> None:
+    """With max_prompt_length=None, the longest encoded prompt + max_completion_length must fit."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not limit or config.max_prompt_length is not None or not prompt_ids:
+        return
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + config.max_completion_length > limit:
+        raise ValueError(f"{where}: row {longest}'s prompt has {len(prompt_ids[longest])} tokens; with max_completion_length "
+                         f"({config.max_completion_length}) that exceeds the model's context of {limit}; set "
+                         f"max_prompt_length (prompts are then cut from the left) or lower max_completion_length")
+
+
 def datasets_from_config(config) -> tuple[list[dict], list[dict] | None]:
     """(train rows, held-out rows) for config.dataset (its 'test' split when it has one) or config.task."""
     from ..data import load_dataset_rows
@@ -89,13 +142,18 @@ def load_policy(config, model=None, tokenizer=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = None
     if model is None:
+        from transformers import AutoConfig
+
         from .. import models
 
         path = models.resolve_model_path(config.model or "default")
+        check_context(config, AutoConfig.from_pretrained(path), repr(path))  # before the weights load
         model, loaded_tokenizer = models.load_policy(path, dtype=train_dtype(config))
         tokenizer = tokenizer or loaded_tokenizer
     elif tokenizer is None:
         raise ValueError("GRPOTrainer: a model was passed without its tokenizer; pass tokenizer= too")
+    else:
+        check_context(config, model.config, "the model passed in")
     model.to(device)
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         # packed micro-batches then run flash-attention's varlen kernel (no dense block mask)

@@ -1,0 +1,84 @@
+"""The run's output folder: one writer at a time, and a fresh run never destroys an earlier one.
+
+- `check_start` (before any work): a fresh run refuses a folder that already holds files, unless
+  told to resume it or to overwrite it; under a torchrun restart (`TORCHELASTIC_RESTART_COUNT > 0`)
+  a run resumes from its own latest checkpoint by itself.
+- `RunLock`: an OS lock (`flock`) on `<output_dir>/.lock` for as long as the run writes there. The
+  kernel releases it when the process dies, kill -9 included, so no stale lock outlives a run.
+- `clear_run_files`: what `overwrite_output_dir` deletes (only the files a run writes).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from typing import Optional
+
+from .checkpoint import TEMP_PREFIX, list_checkpoints, resolve_checkpoint
+
+LOCK_FILE = ".lock"
+# what a run writes into its folder (overwrite_output_dir deletes these and nothing else)
+RUN_FILES = ("metrics.jsonl", "reward.png", "summary.json", "final", "tensorboard")
+
+
+def check_start(config) -> Optional[str]:
+    """The checkpoint folder to resume from (None: a fresh run), checked before any work.
+
+    Raises ValueError naming output_dir, --resume and --overwrite_output_dir when a fresh run would
+    write into an earlier run's folder, and FileNotFoundError when there is nothing to resume."""
+    out = config.output_dir
+    spec = config.resume_from_checkpoint
+    if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and list_checkpoints(out):
+        spec = "latest"  # torchrun restarted this worker: continue the run from its own checkpoint
+    if spec is not None:
+        return resolve_checkpoint(spec, out)
+    existing = _entries(out)
+    if existing and not config.overwrite_output_dir:
+        shown = ", ".join(existing[:4]) + (", ..." if len(existing) > 4 else "")
+        raise ValueError(f"output_dir {out!r} already holds files ({shown}): pass --resume to continue that run, "
+                         f"--overwrite_output_dir to replace it, or choose another --output_dir")
+    return None
+
+
+def clear_run_files(output_dir: str) -> None:
+    """Delete an earlier run's files (checkpoints, final/, metrics, events, plot, summary)."""
+    for name in _entries(output_dir):
+        if name in RUN_FILES or name.startswith("checkpoint-") or name.startswith(TEMP_PREFIX):
+            path = os.path.join(output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _entries(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n != LOCK_FILE)
+
+
+class RunLock:
+    """`with RunLock(output_dir):` holds an exclusive flock on `<output_dir>/.lock`, or raises
+    RuntimeError naming the folder and the pid of the run that holds it."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(f"output_dir {os.path.dirname(self.path)!r} is in use by another run (pid {holder}); "
+                               f"wait for it to finish or choose another --output_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the lock
+            self.fd = None

@@ -1,0 +1,40 @@
+"""After each weight sync: does the engine sample from the policy the trainer holds?
+
+A failed or partial hot-swap (TRL hit one: sleep mode kept the old weights, trl#5312) would make
+every later step train on samples of a stale policy, silently. After each sync the engine decodes a
+short probe greedily, the trainer scores the same tokens, and the mean |difference| of their
+log-probs is compared with a bound set by the precision of the two sides (`tolerance`). Above it the
+trainer syncs once more and checks again; still above it, the run stops with an error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .forward import completion_logprobs
+
+PROBE_TOKENS = 16
+
+# Mean |engine - trainer| log-prob over the probe, by the lower precision of the two sides.
+# float32: the two agree to 6e-6 on SmolLM2 (the default run's sampling/logp_diff_mean) while one
+# skipped sync after one step at lr 1e-5 moves them apart by far more (docs/reliability.md).
+# bfloat16 rounds each logit to ~3 significant digits: agreement is only ~1e-2.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+
+
+def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, amp: bool) -> float:
+    """The bound for an engine computing in `engine_dtype` and a trainer in `trainer_dtype`
+    (bf16 when its decoder runs under autocast)."""
+    sides = [engine_dtype, torch.bfloat16 if amp else trainer_dtype]
+    return max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16]) for d in sides)
+
+
+def probe_gap(engine, model, packer, prompt_ids: list[int], *, backend: str) -> float:
+    """Mean |engine - trainer| log-prob of the engine's greedy continuation of `prompt_ids`."""
+    completion = engine.generate([prompt_ids], n=1, max_new_tokens=PROBE_TOKENS, temperature=0.0)[0][0]
+    if not completion.token_ids:
+        return 0.0
+    # greedy log-probs are the log-softmax of the raw logits: temperature 1 on the trainer's side
+    trainer = completion_logprobs(model, packer, [prompt_ids], [completion.token_ids], temperature=1.0, backend=backend)[0]
+    engine_logp = torch.tensor(completion.logprobs, dtype=torch.float32)
+    return (trainer - engine_logp).abs().mean().item()
