@@ -1,0 +1,89 @@
+"""A run killed at any moment (kill -9 at seeded points, inside a checkpoint write, halfway through a
+metrics line) or stopped by SIGTERM, then resumed, ends exactly where the uninterrupted run ends."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.faults.conftest import run, start
+
+pytestmark = pytest.mark.slow
+
+
+def _steps(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if not k.startswith("time") and k not in ("step_time", "tokens_per_second")}
+            for r in records if "reward" in r]
+
+
+def _assert_same_run(out, reference):
+    a = load_file(os.path.join(out, "final", "model.safetensors"))
+    b = load_file(os.path.join(reference, "final", "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].equal(b[name]), f"{name}: the resumed run's final weights differ from the uninterrupted run's"
+    assert _steps(out) == _steps(reference), "the resumed run's metrics differ from the uninterrupted run's"
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-")], "a temporary checkpoint folder was left behind"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_path, prompts_file):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    code, _, err = run(_args(tiny_path, prompts_file, out))
+    assert code == 0, err
+    return str(out)
+
+
+def _args(tiny_path, prompts_file, out, *extra):
+    return ["train", "--disable_tqdm", "--model", tiny_path, "--engine", "hf", "--dataset", prompts_file,
+            "--reward_funcs", "tests.trainer.common:target_fraction", "--num_generations", "4",
+            "--per_device_train_batch_size", "8", "--max_prompt_length", "32", "--max_completion_length", "8",
+            "--max_tokens_per_microbatch", "128", "--learning_rate", "3e-2", "--max_steps", "4", "--save_steps", "1",
+            "--output_dir", str(out), *extra]
+
+
+def test_kill9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, tiny_path, prompts_file, reference):
+    out = tmp_path / "run"
+    args = lambda *extra: _args(tiny_path, prompts_file, out, *extra)  # noqa: E731
+    # 1. killed right after the 2nd optimizer step, before its checkpoint: checkpoint-1 survives
+    code, _, _ = run(args(), fault="after_step:2")
+    assert code == -signal.SIGKILL
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1"]
+    # 2. resumed, killed inside its 2nd checkpoint write (checkpoint-3): a temporary folder is left
+    code, _, _ = run(args("--resume"), fault="in_save:2")
+    assert code == -signal.SIGKILL
+    assert [n for n in os.listdir(out) if n.startswith(".tmp-checkpoint-3")], "the kill did not hit the checkpoint write"
+    # 3. resumed (the temporary folder is cleaned up), killed halfway through a metrics line
+    code, _, _ = run(args("--resume"), fault="in_metrics:2")
+    assert code == -signal.SIGKILL
+    assert not (out / "metrics.jsonl").read_text().endswith("\n"), "the metrics file should end in a torn line"
+    # 4. resumed to the end: the torn line is dropped with a warning
+    code, _, err = run(args("--resume"))
+    assert code == 0, err
+    assert "torn last line" in err
+    _assert_same_run(str(out), reference)
+
+
+@pytest.mark.parametrize("sig, where", [(signal.SIGTERM, "sleep_in_step:1"), (signal.SIGINT, "sleep_in_score:1")],
+                         ids=["SIGTERM-while-training", "SIGINT-while-sampling"])
+def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, tiny_path, prompts_file, reference, sig, where):
+    out = tmp_path / "run"
+    # no periodic checkpoints at all; each step (or each scoring) takes a second more, for the signal to land in
+    proc = start(_args(tiny_path, prompts_file, out, "--save_steps", "0"), fault=where)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    last = err.strip().splitlines()[-1]
+    assert "checkpoint saved" in last and "--resume" in last, last
+    code, _, err = run(_args(tiny_path, prompts_file, out, "--resume"))
+    assert code == 0, err
+    _assert_same_run(str(out), reference)
