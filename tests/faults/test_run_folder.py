@@ -1,0 +1,136 @@
+"""The output folder: a fresh run never destroys an earlier one, one run writes at a time, a full
+disk is named and cleaned up, and the checks that come before any work."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpo_fast import checkpoint
+from grpo_fast.run_folder import RunLock
+from grpo_fast.trainer import GRPOTrainer
+from tests.trainer.common import config, rows, target_fraction
+
+
+def _train(tmp_path, tiny, **overrides):
+    model, tokenizer = tiny
+    c = config(tmp_path, eval_before_train=False, save_final=True, **overrides)
+    trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
+    trainer.train()
+    return trainer
+
+
+def _metric_steps(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f if '"reward"' in line]
+
+
+def test_fresh_run_refuses_an_earlier_runs_folder_before_loading_anything(tmp_path, tiny):
+    _train(tmp_path, tiny, max_steps=2, save_steps=1, save_total_limit=None)
+    out = tmp_path / "run"
+    assert (out / "checkpoint-2").is_dir()
+    with pytest.raises(ValueError, match=r"already holds files .*--resume.*--overwrite_output_dir"):
+        # a model path that does not exist: the folder check must come first
+        GRPOTrainer(config(tmp_path, model=str(tmp_path / "no-model")), [target_fraction], rows())
+    assert (out / "checkpoint-2").is_dir() and _metric_steps(out) == [1, 2]
+
+
+def test_overwrite_output_dir_replaces_the_earlier_run(tmp_path, tiny, tiny_path):
+    from tests.tiny_model import load_tiny_model
+
+    _train(tmp_path, tiny, max_steps=3, save_steps=1, save_total_limit=None)
+    _train(tmp_path, load_tiny_model(tiny_path), max_steps=1, save_steps=1, save_total_limit=1, overwrite_output_dir=True)
+    out = tmp_path / "run"
+    # the old checkpoint-2/3 are gone (they would otherwise outrank the new run's and be resumed)
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert _metric_steps(out) == [1]
+
+
+def test_torchrun_restart_resumes_by_itself(tmp_path, tiny, tiny_path, monkeypatch):
+    from tests.tiny_model import load_tiny_model
+
+    _train(tmp_path, tiny, max_steps=1, save_steps=1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    trainer = _train(tmp_path, load_tiny_model(tiny_path), max_steps=2, save_steps=1)
+    assert trainer.state.step == 2 and _metric_steps(tmp_path / "run") == [1, 2]
+
+
+def test_second_run_into_a_locked_folder_is_refused(tmp_path, tiny):
+    out = str(tmp_path / "run")
+    with RunLock(out):
+        model, tokenizer = tiny
+        trainer = GRPOTrainer(config(tmp_path, max_steps=1), [target_fraction], rows(), model=model, tokenizer=tokenizer)
+        with pytest.raises(RuntimeError, match=rf"in use by another run \(pid {os.getpid()}\)"):
+            trainer.train()
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl")), "the refused run wrote metrics"
+
+
+def test_the_lock_dies_with_its_process(tmp_path):
+    out = str(tmp_path / "run")
+    code = f"from grpo_fast.run_folder import RunLock; import time; RunLock({out!r}).__enter__(); print('locked', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    with pytest.raises(RuntimeError, match="in use by another run"):
+        RunLock(out).__enter__()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while True:  # the kernel drops the lock with the process's descriptors
+        try:
+            with RunLock(out):
+                break
+        except RuntimeError:
+            assert time.time() < deadline, "the lock outlived the killed process"
+            time.sleep(0.05)
+
+
+def test_full_disk_names_the_folder_and_size_and_leaves_no_temp_folder(tmp_path, tiny, monkeypatch):
+    real_save, calls = checkpoint.torch.save, []
+
+    def save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    with pytest.raises(OSError, match=r"no space left on .*run: writing checkpoint-2 needs about \d+ MiB"):
+        _train(tmp_path, tiny, max_steps=3, save_steps=1)
+    out = tmp_path / "run"
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint-1", "metrics.jsonl", "tensorboard"]
+    assert os.path.exists(out / "checkpoint-1" / checkpoint.STATE_FILE)
+
+
+def test_stale_temp_folders_are_removed_at_the_next_start(tmp_path, tiny):
+    _train(tmp_path, tiny, max_steps=1, save_steps=1)
+    stale = tmp_path / "run" / ".tmp-checkpoint-2-99999"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 1000)
+    _train(tmp_path, tiny, max_steps=2, save_steps=1, resume_from_checkpoint="latest")
+    assert not stale.exists()
+
+
+def test_final_model_is_written_atomically(tmp_path, tiny, monkeypatch):
+    _train(tmp_path, tiny, max_steps=1)
+    final = tmp_path / "run" / "final"
+    before = (final / "model.safetensors").read_bytes()
+    real_save_model = checkpoint.save_model
+
+    def torn(model, tokenizer, folder):
+        real_save_model(model, tokenizer, folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write('{"torn":')
+        raise KeyboardInterrupt  # killed while writing
+
+    monkeypatch.setattr(checkpoint, "save_model", torn)
+    trainer = GRPOTrainer(config(tmp_path), [target_fraction], rows(), model=tiny[0], tokenizer=tiny[1], evaluate_only=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer._save(str(final), final=True)
+    assert json.loads((final / "config.json").read_text())  # the old final/ is whole
+    assert (final / "model.safetensors").read_bytes() == before
+    assert not [n for n in os.listdir(tmp_path / "run") if n.startswith(".tmp-")]
