@@ -16,8 +16,9 @@ import threading
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class Interrupted(Exception):
-    """Raised into the abandonable part of a round by the first SIGINT/SIGTERM."""
+class Interrupted(BaseException):
+    """Raised into the abandonable part of a round by the first SIGINT/SIGTERM. A BaseException, as
+    KeyboardInterrupt is, so that user code's `except Exception` (a reward function's) lets it pass."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

@@ -69,12 +69,11 @@ def test_kill9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, tiny_
     _assert_same_run(str(out), reference)
 
 
-@pytest.mark.parametrize("sig, where", [(signal.SIGTERM, "sleep_in_step:1"), (signal.SIGINT, "sleep_in_score:1")],
-                         ids=["SIGTERM-while-training", "SIGINT-while-sampling"])
-def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, tiny_path, prompts_file, reference, sig, where):
-    out = tmp_path / "run"
-    # no periodic checkpoints at all; each step (or each scoring) takes a second more, for the signal to land in
-    proc = start(_args(tiny_path, prompts_file, out, "--save_steps", "0"), fault=where)
+def test_sigterm_while_training_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, tiny_path, prompts_file,
+                                                                                   reference):
+    out, sig = tmp_path / "run", signal.SIGTERM
+    # no periodic checkpoints at all; each optimizer step takes a second more, for the signal to land in
+    proc = start(_args(tiny_path, prompts_file, out, "--save_steps", "0"), fault="sleep_in_step:1")
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and proc.poll() is None and time.time() < deadline:
@@ -87,3 +86,34 @@ def test_signal_saves_a_checkpoint_and_resume_equals_uninterrupted(tmp_path, tin
     code, _, err = run(_args(tiny_path, prompts_file, out, "--resume"))
     assert code == 0, err
     _assert_same_run(str(out), reference)
+
+
+def test_sigint_inside_a_reward_function_abandons_the_round_and_resume_equals_uninterrupted(tmp_path, tiny_path):
+    from grpo_fast.trainer import GRPOTrainer, TrainingInterrupted
+    from tests.tiny_model import load_tiny_model
+    from tests.trainer.common import config, rows, target_fraction
+
+    calls = []
+
+    def ctrl_c_in_round_3(prompts, completions, completion_ids, **columns):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this reward function runs
+        return target_fraction(prompts, completions, completion_ids)
+
+    ctrl_c_in_round_3.__name__ = "target_fraction"
+
+    def train(out, reward, **overrides):
+        model, tokenizer = load_tiny_model(tiny_path)
+        c = config(tmp_path, output_dir=str(tmp_path / out), max_steps=4, save_final=False, eval_before_train=False,
+                   **overrides)
+        GRPOTrainer(c, [reward], rows(), model=model, tokenizer=tokenizer).train()
+        return model
+
+    whole = train("whole", target_fraction)
+    with pytest.raises(TrainingInterrupted, match=r"SIGINT at step 2: checkpoint saved to .*checkpoint-2.*--resume"):
+        train("split", ctrl_c_in_round_3)
+    resumed = train("split", target_fraction, resume_from_checkpoint="latest")
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+        assert p.equal(q), f"{name} differs between the uninterrupted and the interrupted-then-resumed run"
+    assert _steps(tmp_path / "split") == _steps(tmp_path / "whole")
