@@ -232,6 +232,14 @@ def _set_log_level(level: str) -> None:
     # vLLM's WARNING lines on the CPU repeat for every engine start and say nothing actionable
     # (no CUDA, no sleep mode, ...): shown from 'info' on, errors always
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if level in ("warning", "error") else level.upper())
+    if level in ("warning", "error"):  # transformers' per-save and per-load bars would bury the run's own bar
+        import warnings
+
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        logging.getLogger("vllm").setLevel(logging.ERROR)  # what it logs before it reads VLLM_LOGGING_LEVEL
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # deprecations inside vLLM
 
 
 def _version() -> str:

@@ -23,3 +23,27 @@ def assert_close(actual, expected, *, atol: float, rtol: float = 0.0, name: str 
             f"worst at {idx}: got {actual.reshape(-1)[worst].item():.6g}, expected {expected.reshape(-1)[worst].item():.6g} "
             f"(|diff| {err.reshape(-1)[worst].item():.3g}); max |diff| {err.nan_to_num(float('inf')).max().item():.3g}"
         )
+
+
+def magnitude(expected) -> float:
+    """max(1, largest |expected|): what a tolerance stated for values of order 1 is multiplied by.
+    fp32 rounding and summation-order error grow with the values compared (an ulp of 4.8 is 5e-7),
+    so no bound on values of unbounded size may be absolute only."""
+    expected = torch.as_tensor(expected).detach().double()
+    return max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+
+
+def scaled(atol: float, expected) -> float:
+    """`atol` stated for values of order 1, scaled to the magnitude of `expected`."""
+    return atol * magnitude(expected)
+
+
+def plain_bound(expected, plain, *, factor: float = 4.0, floor: float) -> float:
+    """`factor` x the error plain PyTorch makes (`plain`: the same computation in the input dtype,
+    against the float64 `expected`) + `floor` x (1 + max |expected|). Both terms scale with the
+    values: the first is measured on them, the second is relative to their size."""
+    expected, plain = torch.as_tensor(expected).detach().double().cpu(), torch.as_tensor(plain).detach().double().cpu()
+    if expected.numel() == 0:
+        return floor
+    plain_err = float((plain - expected).abs().max())
+    return factor * plain_err + floor * (1.0 + float(expected.abs().max()))

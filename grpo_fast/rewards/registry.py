@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 
 from .verifiable import LengthAwareMathReward, boxed_math_reward, format_reward, math_reward
@@ -41,7 +43,15 @@ def _import_function(spec: str) -> Callable:
     if not module_name or not attr:
         raise ValueError(f"reward {spec!r}: expected 'module.path:function'")
     try:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            # the `grpo-fast` command does not put the working folder on sys.path as `python` does:
+            # a reward module beside the user's data should still import
+            if os.getcwd() in sys.path:
+                raise
+            sys.path.append(os.getcwd())
+            module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
     obj = module

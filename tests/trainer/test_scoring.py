@@ -69,4 +69,4 @@ def test_importance_weights_follow_trl_modes(mode):
     diff = (old - sampling).double()
     ratio = diff.sum().exp().expand(3) if mode.startswith("sequence") else diff.exp()
     expected = ratio.clamp(max=1.5) if mode.endswith("truncate") else torch.where(ratio > 1.5, 0.0, ratio)
-    assert torch.allclose(w.double(), expected, atol=1e-6), (w, expected)
+    assert torch.allclose(w.double(), expected, atol=1e-6, rtol=1e-6), (w, expected)
