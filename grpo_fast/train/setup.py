@@ -49,7 +49,6 @@ _TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
 def check_reward_columns(reward_funcs, rows: list[dict], where: str) -> None:
     """Every column a reward function reads is in the dataset: those it declares in
     `required_columns`, and keyword parameters it takes without a default."""
-    import inspect
 
     have = set(rows[0])
     for f in reward_funcs:
@@ -69,8 +68,7 @@ def check_reward_columns(reward_funcs, rows: list[dict], where: str) -> None:
 def check_context(config, model_config, where: str) -> None:
     """Prompt + completion budget within the model's context (max_position_embeddings), before any
     heavy work: beyond it the positions are ones the model never saw (and vLLM refuses to start)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limit = getattr(text, "max_position_embeddings", None)
+    limit = _context_limit(model_config)
     if not limit:
         return
     budget = (config.max_prompt_length or 0) + max(config.max_completion_length, config.eval_max_completion_length or 0)
@@ -83,10 +81,15 @@ def check_context(config, model_config, where: str) -> None:
                          f"(max_position_embeddings of {where}); lower it")
 
 
+def _context_limit(model_config):
+    """The model's context in tokens (max_position_embeddings), or None when it does not say."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return getattr(text, "max_position_embeddings", None)
+
+
 def check_prompt_lengths(prompt_ids: list[list[int]], config, model_config, where: str) -> None:
     """With max_prompt_length=None, the longest encoded prompt + max_completion_length must fit."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limit = getattr(text, "max_position_embeddings", None)
+    limit = _context_limit(model_config)
     if not limit or config.max_prompt_length is not None or not prompt_ids:
         return
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -191,14 +194,12 @@ def build_engine(config, model, tokenizer, model_path):
         model_path = tempfile.mkdtemp(prefix="grpo_fast_engine_")
         model.save_pretrained(model_path, safe_serialization=True)
         tokenizer.save_pretrained(model_path)
-    kwargs = dict(dtype=str(train_dtype(config)).replace("torch.", ""), max_model_len=config.vllm_max_model_length,
-                  seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                  enable_sleep_mode=config.vllm_enable_sleep_mode)
-    from ..rollout import VLLMEngine
-
-    accepted = inspect.signature(VLLMEngine.__init__).parameters
-    engine = make_engine("vllm", model_path=model_path,
-                         **{k: v for k, v in kwargs.items() if k in accepted and v is not None})
+    # max_prompt_length=None leaves the engine's context to the model's own limit
+    max_model_len = config.vllm_max_model_length or _context_limit(model.config) or 2048
+    engine = make_engine("vllm", model_path=model_path, dtype=str(train_dtype(config)).replace("torch.", ""),
+                         max_model_len=max_model_len, seed=config.seed,
+                         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                         enable_sleep_mode=config.vllm_enable_sleep_mode)
     engine.update_weights(model)  # the policy may differ from the folder (resumed, or cast)
     return engine
 
