@@ -1,7 +1,7 @@
 """The GRPO objective in plain PyTorch, from logits: **the specification**.
 
 Every kernel and backend in grpo_fast is tested against this file, so it stays short and obviously
-right. Semantics follow TRL's `GRPOTrainer` (see DESIGN.md, "The objective"):
+right. Semantics follow TRL's `GRPOTrainer` (see docs/design.md, "The objective"):
 
     lp      log-prob of the sampled token under logits / temperature
     ratio   w = exp(lp - old)                                   (token level)

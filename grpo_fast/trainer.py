@@ -1,4 +1,4 @@
-"""`GRPOTrainer`: build once, then a short loop over named stages (DESIGN.md, "the data path of one step").
+"""`GRPOTrainer`: build once, then a short loop over named stages (docs/design.md, "The data path of one step").
 
     for each generation batch:
         generate     prompts -> engine -> completions + sampling log-probs     (time/generate)

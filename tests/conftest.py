@@ -23,3 +23,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory) -> str:
+    """One folder with a random tiny Llama (fp32 safetensors) + byte-level tokenizer (tests/tiny_model.py)."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_path) -> str:
+    return tiny_path
+
+
+@pytest.fixture
+def tiny(tiny_path):
+    """(model, tokenizer): a fresh copy of the tiny Llama for each test."""
+    from tests.tiny_model import load_tiny_model
+
+    return load_tiny_model(tiny_path)

@@ -99,7 +99,7 @@ def test_group_of_two_warns():
 
 def independent_loss(logits, target, adv, mask, old, ref, isw, *, beta, eps_low, eps_high, delta, temperature,
                      loss_type, level, max_len):
-    """Plain loops in float64, written from DESIGN.md without looking at objective.py."""
+    """Plain loops in float64, written from docs/design.md without looking at objective.py."""
     B, T, V = logits.shape
     lp = [[None] * T for _ in range(B)]
     for b in range(B):

@@ -50,8 +50,8 @@ from trl.models.utils import _ForwardRedirection  # noqa: E402
 from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
 from .. import objective  # noqa: E402
+from ..models.adapter import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
-from .hf_causal_lm import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
 
 SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # grpo, bnpo, dr_grpo, dapo: the aggregations the fused loss implements
 # Model inputs of vision-language models: the decoder-only path here does not feed them

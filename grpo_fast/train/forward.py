@@ -12,10 +12,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..data.packing import PackedMicroBatch, pack_sequences, plan_micro_batches
-from ..integrations.hf_causal_lm import causal_lm_of, decoder_of, output_head
+from ..models.adapter import causal_lm_of, decoder_of, output_head
 from ..ops import fused_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
+from .packing import PackedMicroBatch, pack_sequences, plan_micro_batches
 
 
 def policy_parts(model):
@@ -44,7 +44,7 @@ def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtyp
 
 
 def attention_mode(model) -> str:
-    """How a packed row keeps its sequences apart (grpo_fast.data.packing): flash-attention's varlen
+    """How a packed row keeps its sequences apart (grpo_fast.train.packing): flash-attention's varlen
     kernel, else grpo_fast's per-sequence SDPA where the model's attention can be swapped, else a
     dense block-diagonal mask."""
     if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):

@@ -150,13 +150,18 @@ def load_policy(config, model=None, tokenizer=None):
         from .. import models
 
         path = models.resolve_model_path(config.model or "default")
-        check_context(config, AutoConfig.from_pretrained(path), repr(path))  # before the weights load
+        model_config = AutoConfig.from_pretrained(path)  # checked before the weights load
+        check_context(config, model_config, repr(path))
+        models.check_logit_transforms(model_config, repr(path))
         model, loaded_tokenizer = models.load_policy(path, dtype=train_dtype(config))
         tokenizer = tokenizer or loaded_tokenizer
     elif tokenizer is None:
         raise ValueError("GRPOTrainer: a model was passed without its tokenizer; pass tokenizer= too")
     else:
         check_context(config, model.config, "the model passed in")
+    from ..models import causal_lm_of, check_fusable
+
+    check_fusable(causal_lm_of(model), "model")
     model.to(device)
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         # packed micro-batches then run flash-attention's varlen kernel (no dense block mask)

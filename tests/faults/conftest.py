@@ -1,4 +1,4 @@
-"""Fixtures of the fault tests: a tiny model folder, a prompt file, and `grpo-fast` in a subprocess."""
+"""Fixtures of the fault tests: a prompt file, `grpo-fast` in a subprocess, one thread per test."""
 
 import json
 import os
@@ -7,14 +7,9 @@ import sys
 
 import pytest
 
-from tests.tiny_model import build_tiny_model
+from tests.trainer.conftest import one_thread  # noqa: F401 - the same autouse fixture here
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_faults"))
 
 
 @pytest.fixture(scope="session")
@@ -36,20 +31,3 @@ def run(argv, fault=None, timeout=300):
     proc = start(argv, fault)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-@pytest.fixture
-def tiny(tiny_path):
-    from tests.tiny_model import load_tiny_model
-
-    return load_tiny_model(tiny_path)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

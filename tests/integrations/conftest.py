@@ -1,4 +1,4 @@
-"""Fixtures for the TRL integration tests: a tiny random Llama on disk, a prompt dataset and a
+"""Fixtures for the TRL integration tests (the tiny Llama is tests/conftest.py's): a prompt dataset and a
 deterministic reward, and builders for a stock trl.GRPOTrainer and a FastGRPOTrainer on them."""
 
 from __future__ import annotations
@@ -11,13 +11,6 @@ trl = pytest.importorskip("trl")
 def length_reward(completions, **kwargs):
     """Deterministic reward: some letters score, length scores a little (groups get distinct rewards)."""
     return [float(sum(c.count(ch) for ch in "aeiou") + 0.05 * len(c)) for c in completions]
-
-
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory):
-    from tests.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_trl"))
 
 
 @pytest.fixture(scope="session")

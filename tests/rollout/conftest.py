@@ -1,14 +1,8 @@
-"""Fixtures of the rollout tests: one tiny model folder per session (see tests/tiny_model.py)."""
+"""Fixtures of the rollout tests (the tiny model folder is tests/conftest.py's `tiny_model_dir`)."""
 
 import pytest
 
-from tests.tiny_model import build_tiny_model, load_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """Folder with a random tiny Llama (fp32 safetensors) + byte-level tokenizer."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+from tests.tiny_model import load_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo_fast.data.packing import block_causal_mask, pack_sequences, plan_micro_batches
 from grpo_fast.train.forward import Packer, attention_mode, completion_logprobs
+from grpo_fast.train.packing import block_causal_mask, pack_sequences, plan_micro_batches
 from tests.helpers import assert_close, scaled
 from tests.tiny_model import build_tiny_model, load_tiny_model
 

@@ -5,7 +5,7 @@ state one position earlier, so the packed row holds `prompt + completion[:-1]` (
 completion token is a target only) and positions restart at 0 for every sequence.
 
 Restarting `position_ids` alone does not keep packed sequences apart under SDPA or eager attention
-(ENVIRONMENT.md: up to 4.5 difference on a tiny Llama). How they are kept apart (`attention`):
+(measured: up to 4.5 difference on a tiny Llama; tests/trainer/test_packing.py). How they are kept apart (`attention`):
 - "varlen": flash-attention 2; transformers runs the varlen kernel from the restarting position ids.
 - "packed": the row carries `cu_seq_lens` (where each sequence starts) and the model attends with
   grpo_fast's per-sequence SDPA (`grpo_fast/train/attention.py`): no mask, n * longest^2 work.
@@ -48,11 +48,6 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return [sorted(b) for b in bins]
-
-
-def packed_length(prompt_len: int, completion_len: int) -> int:
-    """Tokens a sample occupies in a packed row: prompt + completion minus the last target (0 if no completion)."""
-    return prompt_len + completion_len - 1 if completion_len > 0 else 0
 
 
 @dataclass

@@ -4,7 +4,8 @@ A causal LM is `lm_head(decoder(input_ids))`. The fused ops take the decoder's f
 and the lm_head weight, so the model is never called end to end: the `[tokens x vocab]` logits
 never exist. This file finds the decoder and the head (through PEFT and accelerate wrappers),
 runs the decoder, and turns hidden states into per-token log-probs with `fused_linear_logprobs`.
-It knows nothing of TRL.
+Both trainers use it: the native `GRPOTrainer` (train/forward.py) and the TRL adapter
+(integrations/trl.py); it knows nothing of either.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def output_head(lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, head.bias
 
 
-def check_fusable(lm: nn.Module, name: str = "model") -> None:
-    """Raise a ValueError naming the reason when the fused path cannot reproduce `lm`'s logits."""
-    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+def check_logit_transforms(config, name: str = "model") -> None:
+    """Raise a ValueError naming the field when a model config transforms the logits after the lm_head
+    (checkable from config.json alone, before any weights load)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for field in LOGIT_TRANSFORM_FIELDS:
         value = getattr(config, field, None)
         if value is not None and not (field != "final_logit_softcapping" and value == 1.0):
@@ -65,6 +67,11 @@ def check_fusable(lm: nn.Module, name: str = "model") -> None:
                 f"{name}: config.{field}={value!r} transforms the logits after the lm_head, which the fused loss "
                 "does not do; use trl.GRPOTrainer for this model"
             )
+
+
+def check_fusable(lm: nn.Module, name: str = "model") -> None:
+    """Raise a ValueError naming the reason when the fused path cannot reproduce `lm`'s logits."""
+    check_logit_transforms(lm.config, name)
     decoder_of(lm)
     output_head(lm)
 
