@@ -118,12 +118,11 @@ def cmd_train(config: GRPOConfig) -> dict:
             print(f"held-out accuracy: {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) {where}")
         else:  # the first reward is not a 0/1 correctness score: no percentage
             print(f"held-out mean of the first reward ({config.reward_funcs[0]}): {before:.4g} -> {after:.4g} {where}")
-    strict = trainer.boxed_accuracy_history
-    if len(strict) >= 2:
-        before, after = strict[0][1], strict[-1][1]
-        summary.update(boxed_accuracy_before=before, boxed_accuracy_after=after)
-        print(f"held-out accuracy, answers in \\boxed{{}} only: {100 * before:.1f}% -> {100 * after:.1f}% "
-              f"({100 * (after - before):+.1f} points)")
+    for name, values in trainer.state.eval_metric_history.items():  # the task's own metrics
+        if len(values) >= 2:
+            before, after = values[0][1], values[-1][1]
+            summary.update({f"{name}_before": before, f"{name}_after": after})
+            print(f"held-out {name}: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
     with open(os.path.join(config.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

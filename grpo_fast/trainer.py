@@ -15,6 +15,7 @@ run continues at the same step with the same data order and sampling seeds.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -28,7 +29,6 @@ import torch
 from . import checkpoint, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
-from .rewards.verifiable import boxed_math_reward
 from .train import setup
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
@@ -57,6 +57,7 @@ class TrainState:
     skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient
     signal_free_steps: int = 0  # steps in a row with no finite reward or a skipped update
     eval_history: list = field(default_factory=list)  # (step, accuracy)
+    eval_metric_history: dict = field(default_factory=dict)  # name -> [(step, value)] of the eval_metrics
 
 
 class GRPOTrainer:
@@ -67,6 +68,8 @@ class GRPOTrainer:
     `config.prompt_column` and the columns the rewards read. model / tokenizer: a transformers causal
     LM and its tokenizer; None loads `config.model` (default: SmolLM2-135M-Instruct).
     engine: an already built rollout engine (None: built from `config.engine`).
+    eval_metrics: held-out metrics besides the rewards, {name: function with the reward signature},
+    each logged as `eval/<name>` (its mean, None counting as 0); the built-in tasks bring theirs.
     evaluate_only: for `evaluate()` alone (`grpo-fast eval`): output_dir is not checked.
 
     Checked before any work (model loading, engine start): the output folder (a fresh run never
@@ -75,10 +78,10 @@ class GRPOTrainer:
     """
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
-                 model=None, tokenizer=None, engine=None, evaluate_only: bool = False):
+                 model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False):
         self.config = config
+        self.eval_metrics = dict(eval_metrics or {})
         self.resume_path = None if evaluate_only else run_folder.check_start(config)
-        self.boxed_accuracy_history: list = []  # (step, strict accuracy) of this process's evaluations
         self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
         self.train_rows = setup.as_rows(train_dataset, config.prompt_column, "train_dataset")
         self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
@@ -107,13 +110,15 @@ class GRPOTrainer:
     @classmethod
     def from_config(cls, config: GRPOConfig, evaluate_only: bool = False) -> "GRPOTrainer":
         """Everything from the config: model, reward functions by name, the dataset or built-in task."""
+        from .data.tasks import task_eval_metrics
         from .rewards import get_reward_funcs
 
         if not evaluate_only:
             run_folder.check_start(config)  # before the dataset is read
         train_rows, eval_rows = setup.datasets_from_config(config)
         funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length)
-        return cls(config, funcs, train_rows, eval_rows, evaluate_only=evaluate_only)
+        eval_metrics = task_eval_metrics(config.task) if config.dataset is None else None
+        return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -176,13 +181,14 @@ class GRPOTrainer:
         Sampling and scoring change nothing but counters: a signal or an error there rewinds the
         state (counters and RNG) to the round's start, so a checkpoint written then resumes exactly."""
         c, times, first_step = self.config, {}, self.state.step
-        start_state, start_rng = dataclasses.replace(self.state, eval_history=list(self.state.eval_history)), checkpoint.rng_state()
+        start_state, start_rng = copy.deepcopy(self.state), checkpoint.rng_state()
         try:
             with stop.abandonable():
                 batch, stats = self._generate_and_score(times)  # generate, score
                 batch.advantages = setup.advantages(batch.rewards, c)  # advantages
-                with _timed(times, "time/logprob"):
-                    stats.update(self._side_inputs(batch))  # old / reference log-probs, IS weights
+                with _timed(times, "time/logprob"):  # old / reference log-probs, IS weights
+                    batch.old_logp, batch.ref_logp, batch.is_weights, side_stats = self._side_inputs(batch)
+                stats.update(side_stats)
         except BaseException as err:
             self.state = start_state
             checkpoint.set_rng_state(start_rng)
@@ -266,7 +272,9 @@ class GRPOTrainer:
             with _timed(times, "time/generate"):
                 part = self._generate(self._next_prompts(wanted - sum(len(k) // G for k in kept)))
             with _timed(times, "time/reward"):
-                score(self.reward_funcs, part, c.prompt_column, _conversational(part.rows[0][c.prompt_column]))
+                part.rewards, non_finite = score(self.reward_funcs, part, c.prompt_column,
+                                                 _conversational(part.rows[0][c.prompt_column]))
+                part.stats["rewards_non_finite"] = non_finite
             zero = zero_std_groups(part.rewards, c.reward_weights, G)
             sampled_groups, zero_groups, rounds = sampled_groups + len(zero), zero_groups + int(zero.sum()), rounds + 1
             if not c.dynamic_sampling:
@@ -290,35 +298,37 @@ class GRPOTrainer:
             self.engine.wake()
         groups = self.engine.generate(
             [self.train_prompt_ids[i] for i in prompt_index], n=c.num_generations, max_new_tokens=c.max_completion_length,
-            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed * 100_003 + self.state.generation_calls,
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=_sampling_seed(c.seed, self.state.generation_calls),
         )
         if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
             self.engine.sleep()
         return from_engine(groups, [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index])
 
-    def _side_inputs(self, batch: Rollouts) -> dict:
-        """Old-policy and reference log-probs (no grad, no logits) and IS weights, as needed."""
+    def _side_inputs(self, batch: Rollouts) -> tuple[Optional[list], Optional[list], Optional[list], dict]:
+        """(old-policy log-probs, reference log-probs, IS weights, stats): each a list of `[C_i]`
+        tensors or None when the run does not need it. No grad, no logits."""
         c, stats = self.config, {}
         compute = lambda m: completion_logprobs(m, self.packer, batch.prompt_ids, batch.completion_ids,
                                                temperature=c.temperature, backend=c.loss_backend)
         check = c.sampling_check_steps and self.state.step % c.sampling_check_steps == 0
+        old_logp = is_weights = ref_logp = None
         if self.needs_old_logp or check:
-            old_logp = compute(self.model)
-            stats.update(_sampling_stats(old_logp, batch.sampling_logp))
+            trainer_logp = compute(self.model)
+            stats.update(_sampling_stats(trainer_logp, batch.sampling_logp))
             # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
-            batch.old_logp = old_logp if self.needs_old_logp else None
+            old_logp = trainer_logp if self.needs_old_logp else None
         if self.use_is:
-            batch.is_weights = [importance_weights(o, s, mode=c.vllm_importance_sampling_mode, cap=c.vllm_importance_sampling_cap,
-                                                   clip_min=c.vllm_importance_sampling_clip_min)
-                                for o, s in zip(batch.old_logp, batch.sampling_logp, strict=True)]
-            flat = torch.cat(batch.is_weights) if batch.is_weights else torch.zeros(0)
+            is_weights = [importance_weights(o, s, mode=c.vllm_importance_sampling_mode, cap=c.vllm_importance_sampling_cap,
+                                             clip_min=c.vllm_importance_sampling_clip_min)
+                          for o, s in zip(old_logp, batch.sampling_logp, strict=True)]
+            flat = torch.cat(is_weights) if is_weights else torch.zeros(0)
             if flat.numel():
                 stats.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
                               "sampling/importance_sampling_ratio/mean": flat.mean().item(),
                               "sampling/importance_sampling_ratio/max": flat.max().item()})
         if self.ref_model is not None:
-            batch.ref_logp = compute(self.ref_model)
-        return stats
+            ref_logp = compute(self.ref_model)
+        return old_logp, ref_logp, is_weights, stats
 
     def _sync_weights(self):
         if self.engine_shares_weights:
@@ -377,15 +387,16 @@ class GRPOTrainer:
         groups = self.engine.generate(prompt_ids, n=1, max_new_tokens=c.eval_max_completion_length or c.max_completion_length,
                                       temperature=0.0)
         batch = from_engine(groups, prompt_ids, rows)
-        score(self.reward_funcs, batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
+        batch.rewards, _ = score(self.reward_funcs, batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
         first = torch.nan_to_num(batch.rewards[:, 0], nan=0.0)
         out = {"eval/accuracy": first.mean().item(), "eval/reward": setup.weighted_mean(batch.rewards, c.reward_weights),
                "eval/completions/mean_length": batch.completion_lengths().mean().item()}
         for j, f in enumerate(self.reward_funcs):
             out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(batch.rewards[:, j])
-        if "answer" in rows[0]:  # strict grading too: only an answer in the instructed \boxed{} counts
-            strict = boxed_math_reward(completions=batch.completion_texts, answer=[r["answer"] for r in rows])
-            out["eval/accuracy_boxed"] = sum(x or 0.0 for x in strict) / len(strict)
+        if self.eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})
+            values, _ = score(list(self.eval_metrics.values()), batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
+            for name, column in zip(self.eval_metrics, values.T, strict=True):
+                out[f"eval/{name}"] = torch.nan_to_num(column, nan=0.0).mean().item()
         return out
 
     def _log_eval(self, bar) -> dict:
@@ -393,10 +404,10 @@ class GRPOTrainer:
         metrics = self.evaluate()
         metrics["time/eval"] = time.perf_counter() - start
         self.state.eval_history.append((self.state.step, metrics["eval/accuracy"]))
-        if "eval/accuracy_boxed" in metrics:
-            self.boxed_accuracy_history.append((self.state.step, metrics["eval/accuracy_boxed"]))
-        boxed = f" (boxed answers only: {metrics['eval/accuracy_boxed']:.3f})" if "eval/accuracy_boxed" in metrics else ""
-        bar.print(f"step {self.state.step}: held-out accuracy {metrics['eval/accuracy']:.3f}{boxed} "
+        for name in self.eval_metrics:
+            self.state.eval_metric_history.setdefault(name, []).append((self.state.step, metrics[f"eval/{name}"]))
+        extra = "".join(f", {name} {metrics[f'eval/{name}']:.3f}" for name in self.eval_metrics)
+        bar.print(f"step {self.state.step}: held-out accuracy {metrics['eval/accuracy']:.3f}{extra} "
                   f"({min(len(self.eval_rows), self.config.eval_max_samples)} prompts, greedy, {metrics['time/eval']:.0f}s)")
         return self.metrics_logger.log(self.state.step, metrics)
 
@@ -453,10 +464,21 @@ class GRPOTrainer:
 # ----------------------------------------------------------------------------------------------
 
 
+# Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run
+# reaches, so two runs' seeds (seed s, counter k) and (s', k') never coincide unless s = s', k = k'
+# (a plain seed + counter would give run 42's step 1 the seed of run 43's step 0).
+_SAMPLING_SEED_PRIME = 100_003  # > the engine calls of any run
+_EPOCH_SEED_PRIME = 1_000_003  # > the epochs of any run
+
+
+def _sampling_seed(seed: int, generation_calls: int) -> int:
+    return seed * _SAMPLING_SEED_PRIME + generation_calls
+
+
 def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     if not shuffle:
         return list(range(n))
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * _EPOCH_SEED_PRIME + epoch)).tolist()
 
 
 def _split_groups(num_groups: int, parts: int) -> list[list[int]]:

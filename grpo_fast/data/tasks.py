@@ -93,6 +93,17 @@ def arithmetic_rows(
 BUILTIN_TASKS = {"arithmetic": arithmetic_rows}
 
 
+def task_eval_metrics(name: str) -> dict:
+    """Held-out metrics a built-in task grades besides the run's rewards: {name: reward-like function}.
+
+    arithmetic: `accuracy_boxed`, only answers given in the instructed \\boxed{} count (what a
+    MATH-style grader that reads the boxed answer alone would score).
+    """
+    from ..rewards.verifiable import boxed_math_reward
+
+    return {"arithmetic": {"accuracy_boxed": boxed_math_reward}}.get(name, {})
+
+
 def task_rows(spec: str, *, split: str = "train", seed: int = 0) -> list[dict]:
     """Rows of a built-in task named ``"<task>"`` or ``"<task>:<n>"`` (e.g. ``"arithmetic:500"``)."""
     name, _, count = spec.partition(":")

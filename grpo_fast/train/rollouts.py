@@ -81,13 +81,13 @@ def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollou
 # ----------------------------------------------------------------------------------------------
 
 
-def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str, conversational: bool) -> None:
-    """Fill `batch.rewards` (n, k) float64: None and non-finite values become NaN (missing).
+def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str, conversational: bool) -> tuple[torch.Tensor, int]:
+    """(rewards (n, k) float64, count of non-finite values): None and non-finite values become NaN (missing).
 
     Each function is called as TRL calls it: `f(prompts=, completions=, completion_ids=,
     **columns)` with every other dataset column as a list of one entry per completion. A function
     that raises, or returns the wrong number of values or a non-number, is an error naming it.
-    Counts non-finite values (NaN/inf, not None) in `batch.stats["rewards_non_finite"]`.
+    The count is of values that were NaN/inf (not None): a reward function's bug, worth a metric.
     """
     n = len(batch)
     prompts = [r[prompt_column] for r in batch.rows]
@@ -115,8 +115,7 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
                 rewards[i, j] = v
             else:
                 non_finite += 1
-    batch.rewards = rewards
-    batch.stats["rewards_non_finite"] = batch.stats.get("rewards_non_finite", 0) + non_finite
+    return rewards, non_finite
 
 
 def weighted_rewards(rewards: torch.Tensor, weights: Optional[Sequence[float]]) -> torch.Tensor:

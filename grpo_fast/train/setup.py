@@ -8,8 +8,10 @@ import importlib.util
 import inspect
 import math
 import os
+import shutil
 import tempfile
 import warnings
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -195,8 +197,9 @@ def build_engine(config, model, tokenizer, model_path):
         kind = "vllm" if vllm_available() else "hf"
     if kind == "hf":
         return make_engine("hf", model=model, tokenizer=tokenizer, max_model_len=config.vllm_max_model_length)
+    folder = None
     if model_path is None:  # a model passed in: vLLM loads from disk, so write it once
-        model_path = tempfile.mkdtemp(prefix="grpo_fast_engine_")
+        folder = model_path = tempfile.mkdtemp(prefix="grpo_fast_engine_")
         model.save_pretrained(model_path, safe_serialization=True)
         tokenizer.save_pretrained(model_path)
     # max_prompt_length=None leaves the engine's context to the model's own limit
@@ -206,6 +209,8 @@ def build_engine(config, model, tokenizer, model_path):
                          gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                          enable_sleep_mode=config.vllm_enable_sleep_mode)
     engine.update_weights(model)  # the policy may differ from the folder (resumed, or cast)
+    if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
+        weakref.finalize(engine, shutil.rmtree, folder, True)
     return engine
 
 

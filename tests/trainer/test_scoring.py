@@ -25,12 +25,12 @@ def test_columns_arrive_as_lists_and_none_and_nonfinite_become_missing():
         return [1.0, None, math.nan, math.inf]
 
     batch = _batch()
-    score([f], batch, "prompt", conversational=False)
+    rewards, non_finite = score([f], batch, "prompt", conversational=False)
     assert seen["answer"] == ["0", "1", "2", "3"] and seen["completions"] == batch.completion_texts
-    assert batch.rewards[0, 0] == 1.0 and batch.rewards[1:, 0].isnan().all()
-    assert batch.stats["rewards_non_finite"] == 2  # NaN and inf, not None
+    assert rewards[0, 0] == 1.0 and rewards[1:, 0].isnan().all()
+    assert non_finite == 2  # NaN and inf, not None
     # a group with one known reward: no signal, advantage 0 everywhere (objective's semantics)
-    assert torch.equal(group_advantages(batch.rewards, 4), torch.zeros(4))
+    assert torch.equal(group_advantages(rewards, 4), torch.zeros(4))
 
 
 def test_conversational_prompts_get_message_completions():
