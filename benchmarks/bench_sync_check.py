@@ -2,7 +2,7 @@
 
     python benchmarks/bench_sync_check.py        # writes benchmarks/results/sync_check_cpu.{json,md}
 
-The trainer checks after each weight sync that the engine's greedy log-probs of a 16-token probe
+The trainer checks after each weight sync that the engine's greedy log-probs of a short probe (PROBE_TOKENS)
 match the trainer's (grpo_fast/train/sync_check.py). This measures, on SmolLM2-135M-Instruct and
 the arithmetic task's prompts, the mean |engine - trainer| log-prob of the probe:
   synced   engine weights = the policy's (float32 and bfloat16 engines, float32 trainer)
@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -31,11 +32,11 @@ def main() -> None:
 
     from grpo_fast.config import GRPOConfig
     from grpo_fast.rollout import VLLMEngine
-    from grpo_fast.train.sync_check import probe_gap
+    from grpo_fast.train.sync_check import PROBE_TOKENS, probe_gap
     from grpo_fast.trainer import GRPOTrainer
 
     out = tempfile.mkdtemp(prefix="bench_sync_check_")
-    config = GRPOConfig(engine="vllm", max_steps=10, eval_before_train=False, eval_steps=0, save_final=False,
+    config = GRPOConfig(engine="vllm", max_steps=10, eval_before_train=False, eval_steps=0, eval_max_samples=8, save_final=False,
                         disable_tqdm=True, output_dir=os.path.join(out, "run"), sampling_check_steps=0)
     trainer = GRPOTrainer.from_config(config)
     probes = trainer.train_prompt_ids[:8]
@@ -45,9 +46,12 @@ def main() -> None:
         return [probe_gap(engine, trainer.model, trainer.packer, p, backend="cpu") for p in probes]
 
     rows = {"synced, float32 engine": gaps(trainer.engine)}
-    start = time.perf_counter()
-    probe_gap(trainer.engine, trainer.model, trainer.packer, probes[0], backend="cpu")
-    probe_seconds = time.perf_counter() - start
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        probe_gap(trainer.engine, trainer.model, trainer.packer, probes[0], backend="cpu")
+        times.append(time.perf_counter() - start)
+    probe_seconds = statistics.median(times)
     bf16 = VLLMEngine(trainer.model_path, dtype="bfloat16", max_model_len=config.vllm_max_model_length, seed=0)
     rows["synced, bfloat16 engine"] = gaps(bf16)
     for steps in (1, 10):
@@ -63,11 +67,11 @@ def main() -> None:
     result["probe_seconds"] = probe_seconds
     dest = ROOT / "benchmarks" / "results"
     (dest / "sync_check_cpu.json").write_text(json.dumps(result, indent=2))
-    lines = ["# Engine sync check: probe log-prob gap (mean |engine - trainer| over 16 greedy tokens)", "",
+    lines = [f"# Engine sync check: probe log-prob gap (mean |engine - trainer| over {PROBE_TOKENS} greedy tokens)", "",
              "`python benchmarks/bench_sync_check.py`, SmolLM2-135M-Instruct, float32 trainer, 8 arithmetic prompts "
              f"(torch {torch.__version__}).", "", "| case | mean over prompts | min | max |", "| --- | --- | --- | --- |"]
     lines += [f"| {name} | {r['mean']:.3g} | {r['min']:.3g} | {r['max']:.3g} |" for name, r in result.items() if name != "probe_seconds"]
-    lines += ["", f"One probe (generate 16 tokens + the trainer's pass): {probe_seconds:.3f} s "
+    lines += ["", f"One probe (generate {PROBE_TOKENS} tokens + the trainer's pass, median of 5 after a warm-up): {probe_seconds:.3f} s "
               f"({100 * probe_seconds / 25.6:.2f}% of a default-run step of 25.6 s)."]
     (dest / "sync_check_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
