@@ -24,15 +24,15 @@ jobs: load averages are recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness  # imports no torch: OMP_WAIT_POLICY below still comes first
 
 # Before torch loads OpenMP. On a shared CPU, OpenMP threads that spin at barriers lose their
 # timeslices to other jobs' threads: with 2 threads at load ~6, update_weights took 1.9 s instead of
@@ -49,11 +49,7 @@ def matmul_ms(size: int = 1024, repeats: int = 10) -> float:
     import torch
 
     a = torch.randn(size, size)
-    torch.mm(a, a)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.mm(a, a)
-    return (time.perf_counter() - start) / repeats * 1e3
+    return harness.timeit(lambda: torch.mm(a, a), warmup=1, repeats=repeats).mean_s * 1e3
 
 
 def threads_snapshot(label: str) -> dict:
@@ -63,16 +59,6 @@ def threads_snapshot(label: str) -> dict:
                 affinity=sorted(os.sched_getaffinity(0)))
     print(f"[threads] {snap}", flush=True)
     return snap
-
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """(median seconds, last result) of `repeats` calls."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def perturb_(model, scale: float, seed: int) -> None:
@@ -105,9 +91,9 @@ def swap_error(engine, policy, prompts, temperature: float = 1.0) -> float:
 
 def generation_speed(engine, prompts, args) -> dict:
     engine.generate(prompts[:1], n=1, max_new_tokens=8, seed=0)  # warm-up
-    seconds, groups = timed(lambda: engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens,
-                                                    temperature=1.0, seed=1), args.gen_repeats)
-    tokens = sum(len(c.token_ids) for g in groups for c in g)
+    timing = harness.timeit(lambda: engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens,
+                                                    temperature=1.0, seed=1), repeats=args.gen_repeats)
+    seconds, tokens = timing.median_s, sum(len(c.token_ids) for g in timing.result for c in g)
     return dict(seconds=round(seconds, 3), generated_tokens=tokens, tokens_per_s=round(tokens / seconds, 1))
 
 
@@ -130,7 +116,7 @@ def update_seconds(engine, policy, repeats: int, layerwise: bool = False) -> tup
     try:
         engine.update_weights(policy)  # warm-up: the first in-place update touches the kept tensors' pages
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        seconds, _ = timed(lambda: engine.update_weights(policy), repeats)
+        seconds = harness.timeit(lambda: engine.update_weights(policy), repeats=repeats).median_s
         return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // repeats
     finally:
         engine._repack_targets = saved
@@ -174,7 +160,7 @@ def main():
     from grpo_fast.models import load_policy, resolve_model_path
     from grpo_fast.rollout import HFEngine, VLLMEngine
 
-    load_before = os.getloadavg()
+    env = harness.environment()  # load average before
     threads = [threads_snapshot("before engine start")]
     path = resolve_model_path(args.model)
     policy, tokenizer = load_policy(path, dtype=args.dtype)
@@ -211,7 +197,8 @@ def main():
         use_plain_gemm_(engine)
         from grpo_fast.rollout.vllm_engine import _named_tensors
 
-        load_s, _ = timed(lambda: engine.model.load_weights(engine._prepare(_named_tensors(policy))), args.repeats)
+        load_s = harness.timeit(lambda: engine.model.load_weights(engine._prepare(_named_tensors(policy))),
+                                repeats=args.repeats).median_s
         plain_speed = generation_speed(engine, prompts, args)
         print(f"[generate] vllm, plain F.linear {plain_speed}; load alone {load_s:.3f} s", flush=True)
         engine.update_weights(policy)  # re-packs
@@ -229,10 +216,11 @@ def main():
     print(f"[swap] fresh engine: save {save_s:.2f} s + build {build_s:.2f} s (+first token: {ready_s:.2f} s)")
 
     result = dict(
-        machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                     load_average_before=[round(x, 2) for x in load_before],
-                     load_average_after=[round(x, 2) for x in os.getloadavg()],
+        command=harness.command_line(__file__),
+        machine=dict(cpu=env["cpu"], cores=env["cores"], load_average_before=env["load_average"],
+                     load_average_after=harness.load_average(),
                      note="times are medians; the load averages say how busy the CPU was"),
+        environment=env,
         config=dict(vars(args), model_path=path, omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"), torch_threads=torch.get_num_threads(),
                     torch=torch.__version__, vllm=__import__("vllm").__version__),
@@ -250,15 +238,13 @@ def main():
 
 
 def write_results(result: dict, out: Path, stem: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     s, g, c, m = result["swap"], result["generate"], result["config"], result["machine"]
     lines = [
         "# Rollout engines on the CPU (bench_engine.py)",
         "",
-        f"Command: `{' '.join(['python', 'benchmarks/bench_engine.py', *sys.argv[1:]])}`",
+        f"Command: `{result['command']}`",
         "",
-        f"Model `{c['model_path']}` ({c['dtype']}), vllm {c['vllm']}, torch {c['torch']}, {m['cores']} cores; "
+        f"Model `{c['model_path']}` ({c['dtype']}), vllm {c['vllm']}, {harness.describe(result['environment'])}; "
         f"load average {m['load_average_before']} before, {m['load_average_after']} after. {m['note']}.",
         "",
         "## Weight hot-swap vs a fresh engine",
@@ -302,7 +288,7 @@ def write_results(result: dict, out: Path, stem: str) -> None:
         *(f"| {t['when']} | {t['torch_threads']} | {t['matmul_1024_ms']} | {t['affinity']} |" for t in result["threads"]),
         "",
     ]
-    (out / f"{stem}.md").write_text("\n".join(lines))
+    harness.write_results(out / stem, result, "\n".join(lines))
     print("\n".join(lines))
 
 

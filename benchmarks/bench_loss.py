@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # a plain checkout works too
@@ -160,11 +160,6 @@ def _liger_step(inputs, compiled):
     return step
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _warm_up(impl, size, dtype, device):
     """One tiny run first: library start-up (thread pools, MKL buffers, autograd threads, Liger's
     imports) is paid once per process and is not what the measurements are about."""
@@ -172,13 +167,9 @@ def _warm_up(impl, size, dtype, device):
     make_step(impl, make_inputs((1, 4, H, min(V, 256)), dtype, device), device)()
 
 
-def _timed(step, inputs, sync) -> float:
+def _timed(step, inputs, device) -> float:
     inputs[0].grad = inputs[1].grad = None
-    sync()
-    t0 = time.perf_counter()
-    step()
-    sync()
-    return time.perf_counter() - t0
+    return harness.time_call(step, device)
 
 
 def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
@@ -191,7 +182,6 @@ def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
     import torch
 
     dtype = getattr(torch, dtype_name)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for text in sizes:
         size = parse_size(text)
         rows, steps = {}, {}
@@ -208,22 +198,20 @@ def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
             steps = {impl: make_step(impl, inputs, device) for impl in live}
             if device == "cuda":
                 torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() if device == "cuda" else rss_bytes()
             times = {impl: [] for impl in live}
-            for r in range(warmup + repeats):
-                for k in range(len(live)):
-                    impl = live[(r + k) % len(live)]
-                    t = _timed(steps[impl], inputs, sync)
-                    if r >= warmup:
-                        times[impl].append(t)
+            with harness.PeakMemory(device) as memory:  # CPU: ru_maxrss, hence one process per measurement
+                for r in range(warmup + repeats):
+                    for k in range(len(live)):
+                        impl = live[(r + k) % len(live)]
+                        t = _timed(steps[impl], inputs, device)
+                        if r >= warmup:
+                            times[impl].append(t)
             for impl in live:
                 rows[impl]["times_s"] = times[impl]
                 if impl in NOTES:
                     rows[impl]["note"] = NOTES[impl]
             if mode == "memory":
-                peak = torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-                rows[live[0]]["extra_peak_mb"] = (peak - base) / 2**20
+                rows[live[0]]["extra_peak_mb"] = memory.extra_bytes / 2**20
         for impl in impls:
             print("RESULT " + json.dumps(rows[impl]), flush=True)
         del inputs, steps
@@ -283,9 +271,9 @@ def flops(size) -> float:
     return 6.0 * B * T * H * V  # three [N, H] x [H, V]-sized matmuls, 2 flops per multiply-add
 
 
-def markdown(summary, args, command) -> str:
+def markdown(summary, args, command, env) -> str:
     lines = [f"# GRPO loss forward + backward, {args.device} ({args.dtype})", "", f"Command: `{command}`", "",
-             f"Machine: {machine()}", "",
+             f"Machine: {harness.describe(env)}", "",
              _method(args), "",
              "Ratios use the best times. Memory: extra peak over the inputs, in a process of its own per "
              "implementation (it includes the gradients every implementation returns). TFLOP/s counts the "
@@ -323,15 +311,6 @@ def _method(args) -> str:
 
 def _ratio(x, ref) -> str:
     return f"{x / ref:.2f}" if ref else "-"
-
-
-def machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def plot(summary, path):
@@ -384,7 +363,8 @@ def main(argv=None):
         return worker(args.worker.split(","), sizes, args.dtype, args.device, args.warmup, args.repeats, args.mode)
 
     impls = args.impls.split(",") if args.impls else preset["impls"]
-    command = "python benchmarks/bench_loss.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = harness.command_line(__file__, argv)
+    env = harness.environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / (f"loss_{args.device}" + ("" if args.dtype == preset["dtype"] else f"_{args.dtype}"))
@@ -403,8 +383,9 @@ def main(argv=None):
                 f"  extra peak {row['extra_peak_mb']:.0f} MB" if "extra_peak_mb" in row else "")
             print(f"{label:12s} {row['impl']:7s} {row['size']:22s} {what}", flush=True)
         summary = summarise(rows)  # rewrite after every worker: a timeout keeps what was measured
-        stem.with_suffix(".json").write_text(json.dumps(dict(command=command, machine=machine(), args=vars(args), summary=summary, runs=rows), indent=1))
-        stem.with_suffix(".md").write_text(markdown(summary, args, command))
+        result = dict(command=command, machine=harness.describe(env), environment=env, args=vars(args), summary=summary,
+                      runs=rows)
+        harness.write_results(stem, result, markdown(summary, args, command, env), indent=1)
 
     if args.device == "cpu":
         # memory: one process per (impl, size), since peak RSS only grows; time: all implementations

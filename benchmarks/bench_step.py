@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,11 +42,10 @@ def _rows(n_prompts: int) -> list[dict]:
 
 
 def _peak_memory_mb() -> float:
+    """The whole process's peak (a worker runs one trainer): CUDA max_memory_allocated, else max RSS."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return harness.peak_bytes("cuda" if torch.cuda.is_available() else "cpu") / 2**20
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +152,7 @@ def _markdown(report: dict) -> str:
     lines = [
         "# One GRPO step: grpo_fast vs TRL GRPOTrainer",
         "",
-        f"Command: `{' '.join(['python', 'benchmarks/bench_step.py', *sys.argv[1:]])}`",
+        f"Command: `{report['command']}`",
         "",
         f"{report['setup']}. Machine: {report['machine']}; load average at start {report['load_average']}.",
         "",
@@ -200,11 +198,14 @@ def main():
         return
     import torch
 
+    env = harness.environment()
     report = {
+        "command": harness.command_line(__file__),
         "setup": f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.n} completions, up to {args.max_new_tokens} "
                  f"new tokens, {args.steps} steps (first = warm-up), beta 0, dapo, fp32 on CPU / bf16 policy default on GPU",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "machine": harness.describe(env),
+        "environment": env,
+        "load_average": env["load_average"],
         "memory_kind": "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
     }
     suffix = "gpu" if torch.cuda.is_available() else "cpu"
@@ -222,9 +223,7 @@ def main():
         report["trl"]["failed_configs"] = failed
     if "step_time_s" in report["grpo_fast"] and "step_time_s" in report["trl"]:
         report["ratio"] = report["grpo_fast"]["step_time_s"] / report["trl"]["step_time_s"]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"step_{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"step_{suffix}.md").write_text(_markdown(report))
+    harness.write_results(RESULTS / f"step_{suffix}", report, _markdown(report))
     print(_markdown(report))
 
 

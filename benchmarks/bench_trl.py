@@ -22,16 +22,14 @@ gradients every implementation must produce.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # a plain checkout works too
@@ -50,35 +48,17 @@ TRAINERS = ("trl", "fast")
 # ----------------------------------------------------------------------------------------------
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _release_memory():
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so the baseline RSS is honest
-    except OSError:
-        pass
-
-
 def _measure(fn, repeats: int) -> dict:
-    """Best/median seconds of fn() after one warm-up, and its peak RSS (MiB) over the RSS before."""
+    """Best/median seconds of fn() after one warm-up, and its peak RSS (MiB) over the RSS before
+    (the largest over the repeats)."""
     fn()
-    times, extra = [], 0
+    timing, extra = harness.Timing(), 0
     for _ in range(repeats):
-        _release_memory()
-        before = _rss_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM, the peak RSS
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        extra = max(extra, _rss_kib("VmHWM") - before)
-    return {"best_s": min(times), "median_s": statistics.median(times), "peak_extra_mib": extra / 1024}
+        harness.release_memory()
+        with harness.PeakMemory("cpu", reset_rss_peak=True) as memory:
+            timing.times_s.append(harness.time_call(fn))
+        extra = max(extra, memory.extra_bytes)
+    return {"best_s": timing.best_s, "median_s": timing.median_s, "peak_extra_mib": extra / 2**20}
 
 
 def _build_trainer(trainer: str, case: str, workdir: str):
@@ -179,12 +159,12 @@ def run_all(cases, repeats: int) -> list[dict]:
     return rows
 
 
-def markdown(rows, command: str) -> str:
+def markdown(rows, command: str, env: dict) -> str:
     lines = [
         "# FastGRPOTrainer vs trl.GRPOTrainer (CPU)", "",
-        f"`{command}` on {platform.machine()} ({os.cpu_count()} cores, shared with other jobs: times are noisy; "
-        "the best of the repeats is the least disturbed run). TRL "
-        f"{_version('trl')}, torch {_version('torch')}, transformers {_version('transformers')}. fp32.", "",
+        f"`{command}` on {harness.describe(env)}, load average {env['load_average']} (shared with other jobs: "
+        "times are noisy; the best of the repeats is the least disturbed run). TRL "
+        f"{harness.package_version('trl')}, transformers {harness.package_version('transformers')}. fp32.", "",
         "Loss step = `compute_loss` + `backward` on one micro-batch; logprob pass = the no-grad old/ref pass. "
         "Peak = peak RSS above the RSS before the part (includes the gradients).", "",
         "| case | B x T (completion) | V | trainer | loss step best / median s | loss step peak MiB "
@@ -214,15 +194,6 @@ def markdown(rows, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _version(name):
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
@@ -238,13 +209,11 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(worker(args.worker, cases[0], args.repeats)))
         return
-    command = "python benchmarks/bench_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command, env = harness.command_line(__file__, argv), harness.environment()
     rows = run_all(cases, args.repeats)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(rows, command.strip()))
-    print(markdown(rows, command.strip()))
+    harness.write_results(Path(args.out), {"command": command, "environment": env, "rows": rows},
+                          markdown(rows, command, env))
+    print(markdown(rows, command, env))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout, not installed
@@ -85,10 +86,9 @@ def measure(K, n, hd, vocab, peak):
     _, _, lse = K.forward(h, w, None, target, 1.0)
     fwd = bench_ms(lambda: K.forward(h, w, None, target, 1.0))
     bwd = bench_ms(lambda: K.backward(h, w, None, target, lse, g, 1.0))
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fused = bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]))
-    extra_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    with harness.PeakMemory("cuda") as memory:
+        fused = bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]))
+    extra_gib = memory.extra_bytes / 2**30
     values = check_values(K, h, w, target, g)
     row = {
         "N": n, "H": hd, "V": vocab,
@@ -207,8 +207,10 @@ def main():
     start = time.time()
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "matmul_peak_tflops": peak, "sizes": [], "sweep": []}
+    env = harness.environment()
+    result = {"device": env["gpu"], "torch": env["torch"], "triton": triton.__version__, "matmul_peak_tflops": peak,
+              "sizes": [], "sweep": [], "command": harness.command_line(__file__), "environment": env}
+    stem = args.out / "check_gpu"
     for hd in (int(x) for x in args.sizes.split(",")):
         row = measure(K, args.tokens, hd, VOCAB, peak)
         torch.cuda.empty_cache()
@@ -217,16 +219,15 @@ def main():
               f"({row['floor_ms']:.2f} ms), {100 * row['fused_fraction_of_peak']:.0f}% of the measured bf16 matmul peak",
               flush=True)
         result["sizes"].append(row)
-        (args.out / "check_gpu.json").write_text(json.dumps(result, indent=1))  # partial results survive a timeout
+        harness.write_results(stem, result, indent=1)  # partial results survive a timeout
     if args.sweep:
         result["tokens"] = args.tokens
         for hd in (int(x) for x in args.sizes.split(",")):
             result["sweep"] += sweep(K, args.tokens, hd, VOCAB)
             torch.cuda.empty_cache()
-            (args.out / "check_gpu.json").write_text(json.dumps(result, indent=1))
+            harness.write_results(stem, result, indent=1)
     result["seconds"] = time.time() - start
-    (args.out / "check_gpu.json").write_text(json.dumps(result, indent=1))
-    (args.out / "check_gpu.md").write_text(markdown(result))
+    harness.write_results(stem, result, markdown(result), indent=1)
     print(markdown(result))
 
 
