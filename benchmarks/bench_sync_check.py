@@ -14,21 +14,19 @@ and the probe's cost against a default-run step (25.6 s, README).
 from __future__ import annotations
 
 import copy
-import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import harness  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+
 
 def main() -> None:
-    import torch
 
     from grpo_fast.config import GRPOConfig
     from grpo_fast.rollout import VLLMEngine
@@ -46,12 +44,8 @@ def main() -> None:
         return [probe_gap(engine, trainer.model, trainer.packer, p, backend="cpu") for p in probes]
 
     rows = {"synced, float32 engine": gaps(trainer.engine)}
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        probe_gap(trainer.engine, trainer.model, trainer.packer, probes[0], backend="cpu")
-        times.append(time.perf_counter() - start)
-    probe_seconds = statistics.median(times)
+    probe_seconds = harness.timeit(lambda: probe_gap(trainer.engine, trainer.model, trainer.packer, probes[0], backend="cpu"),
+                                   warmup=1, repeats=5).median_s
     bf16 = VLLMEngine(trainer.model_path, dtype="bfloat16", max_model_len=config.vllm_max_model_length, seed=0)
     rows["synced, bfloat16 engine"] = gaps(bf16)
     for steps in (1, 10):
@@ -64,16 +58,16 @@ def main() -> None:
         trainer.config.overwrite_output_dir = True
         trainer.resume_path = None
     result = {name: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)} for name, v in rows.items()}
-    result["probe_seconds"] = probe_seconds
-    dest = ROOT / "benchmarks" / "results"
-    (dest / "sync_check_cpu.json").write_text(json.dumps(result, indent=2))
+    env = harness.environment()
     lines = [f"# Engine sync check: probe log-prob gap (mean |engine - trainer| over {PROBE_TOKENS} greedy tokens)", "",
-             "`python benchmarks/bench_sync_check.py`, SmolLM2-135M-Instruct, float32 trainer, 8 arithmetic prompts "
-             f"(torch {torch.__version__}).", "", "| case | mean over prompts | min | max |", "| --- | --- | --- | --- |"]
-    lines += [f"| {name} | {r['mean']:.3g} | {r['min']:.3g} | {r['max']:.3g} |" for name, r in result.items() if name != "probe_seconds"]
-    lines += ["", f"One probe (generate {PROBE_TOKENS} tokens + the trainer's pass, median of 5 after a warm-up): {probe_seconds:.3f} s "
-              f"({100 * probe_seconds / 25.6:.2f}% of a default-run step of 25.6 s)."]
-    (dest / "sync_check_cpu.md").write_text("\n".join(lines) + "\n")
+             f"`{harness.command_line(__file__)}`, SmolLM2-135M-Instruct, float32 trainer, 8 arithmetic prompts; "
+             f"{harness.describe(env)}.", "", "| case | mean over prompts | min | max |", "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {r['mean']:.3g} | {r['min']:.3g} | {r['max']:.3g} |" for name, r in result.items()]
+    lines += ["", f"One probe (generate {PROBE_TOKENS} tokens + the trainer's pass, median of 5 after a warm-up): "
+              f"{probe_seconds:.3f} s ({100 * probe_seconds / 25.6:.2f}% of a default-run step of 25.6 s, README)."]
+    harness.write_results(ROOT / "benchmarks" / "results" / "sync_check_cpu",
+                          {"gaps": result, "probe_seconds": probe_seconds, "environment": env,
+                           "command": harness.command_line(__file__)}, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
