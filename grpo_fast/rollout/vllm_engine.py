@@ -257,6 +257,10 @@ class VLLMEngine(RolloutEngine):
             with _quiet_expected_reload_warnings(self.tied_embeddings):
                 self._worker.model_runner.reload_weights(weights_iterator=stream)
             self._repack_tied_lm_head()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks (computed by old weights, or by a probe that should leave no trace)."""
         self.llm.reset_prefix_cache()
 
     def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -34,6 +34,8 @@ def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, amp: bool) 
 def probe_gap(engine, model, packer, prompt_ids: list[int], *, backend: str) -> float:
     """Mean |engine - trainer| log-prob of the engine's greedy continuation of `prompt_ids`."""
     completion = engine.generate([prompt_ids], n=1, max_new_tokens=PROBE_TOKENS, temperature=0.0)[0][0]
+    if hasattr(engine, "reset_prefix_cache"):  # the next round prefills as if no probe had run
+        engine.reset_prefix_cache()
     if not completion.token_ids:
         return 0.0
     # greedy log-probs are the log-softmax of the raw logits: temperature 1 on the trainer's side
