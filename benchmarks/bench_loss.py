@@ -93,7 +93,8 @@ def plain_step(hidden, weight, target, advantages, mask):
             logps = torch.log_softmax(chunk, -1)
             entropy.append(-(logps.exp() * logps).sum(-1))
         entropy = torch.cat(entropy).float()
-    loss, _ = objective.grpo_loss_from_logprobs(logp.float(), advantages, mask, entropy=entropy.view_as(logp), loss_type="dapo")
+    loss, _ = objective.grpo_loss_from_logprobs(logp.float(), advantages, mask, objective.LossOptions(loss_type="dapo"),
+                                                entropy=entropy.view_as(logp))
     loss.backward()
 
 

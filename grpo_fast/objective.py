@@ -10,6 +10,8 @@ right. Semantics follow TRL's `GRPOTrainer` (see docs/design.md, "The objective"
             l *= is_weight;  l += beta * (exp(ref - lp) - (ref - lp) - 1)
     reduce  grpo | bnpo | dr_grpo | dapo
 
+The loss's static options are one frozen `LossOptions`, validated once when it is built; what
+changes from call to call (tensors, the dapo normaliser `num_items_in_batch`) is a call argument.
 The loss is split into `token_logprobs` (logits -> lp, entropy) and `grpo_loss_from_logprobs`
 (lp -> loss, metrics): the fused ops compute the first part without ever holding logits and reuse
 the second part unchanged, so the loss math exists exactly once.
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_ESTIMATORS = ("population", "sample")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -34,6 +38,80 @@ METRIC_NAMES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", 
 def _choice(name: str, value, allowed: Sequence) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}")
+
+
+def _number(name: str, value, ok, allowed: str, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}{' or None' if optional else ''}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The loss's static options, one object for the spec, the ops, the trainer and the TRL adapter.
+
+    Adding a loss option is a field here (with its check in `__post_init__`) plus its math below;
+    the fused ops carry every field to their kernels without naming it (grpo_fast/ops/grpo_loss.py).
+    """
+
+    loss_type: str = "dapo"
+    """Aggregation: grpo | bnpo | dr_grpo | dapo (see `loss_weights`)."""
+    beta: float = 0.0
+    """KL coefficient against the reference policy (k3 estimator); > 0 needs ref_logp."""
+    epsilon_low: float = 0.2
+    """Lower PPO clip range: the ratio is clipped below at 1 - epsilon_low (TRL's `epsilon`)."""
+    epsilon_high: Optional[float] = None
+    """Upper clip range (DAPO clip-higher); None: epsilon_low."""
+    delta: Optional[float] = None
+    """Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2); None: off."""
+    temperature: float = 1.0
+    """Log-probs are taken under logits / temperature, as the sampler drew the tokens."""
+    importance_sampling_level: str = "token"
+    """Ratio per token (GRPO) or per sequence (GSPO)."""
+    max_completion_length: Optional[int] = None
+    """dr_grpo's constant divisor L; None: the batch's T."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_completion_length out of the loss (the trainer's selection)."""
+    backend: str = "auto"
+    """Fused-op backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch."""
+
+    def __post_init__(self):
+        _choice("loss_type", self.loss_type, LOSS_TYPES)
+        _number("beta", self.beta, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+        _number("epsilon_low", self.epsilon_low, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+        _number("epsilon_high", self.epsilon_high, lambda v: 0 <= v < math.inf, "a finite number >= 0", optional=True)
+        _number("delta", self.delta, lambda v: v > 1, "> 1 (it caps the ratio from above)", optional=True)
+        _number("temperature", self.temperature, lambda v: 0 < v < math.inf, "a positive finite number")
+        _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        _number("max_completion_length", self.max_completion_length, lambda v: isinstance(v, int) and v >= 1,
+                "an integer >= 1", optional=True)
+        if not isinstance(self.mask_truncated_completions, bool):
+            raise ValueError(f"mask_truncated_completions must be True or False, got {self.mask_truncated_completions!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is unknown; expected one of {list(BACKENDS)}")
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon_low, epsilon_high) with epsilon_high resolved."""
+        return self.epsilon_low, self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_config(cls, config) -> "LossOptions":
+        """From grpo_fast's `GRPOConfig` (its `epsilon` is epsilon_low, `loss_backend` the backend)."""
+        c = config
+        return cls(loss_type=c.loss_type, beta=c.beta, epsilon_low=c.epsilon, epsilon_high=c.epsilon_high,
+                   delta=c.delta, temperature=c.temperature, importance_sampling_level=c.importance_sampling_level,
+                   max_completion_length=c.max_completion_length,
+                   mask_truncated_completions=c.mask_truncated_completions, backend=c.loss_backend)
+
+
+DEFAULT_OPTIONS = LossOptions()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,37 +207,34 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
 def per_token_loss(
     logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    options: LossOptions = DEFAULT_OPTIONS,
     *,
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    importance_sampling_level: str = "token",
 ):
     """Token losses before aggregation: `(per_token, ratio, kl)`, all shaped like `logp`.
 
-    At token level everything is elementwise, so any slice of tokens (`[N]` or `[B, T]`) works;
-    the fused ops call this on chunks of tokens. Sequence level needs whole rows `[B, T]`.
-    `advantages` is `[B]` (broadcast over T) or shaped like `logp`. `kl` is None without ref_logp.
+    At token level everything is elementwise, so any slice of tokens (`[N]` or `[B, T]`) works and
+    `mask` is not read; the fused ops call this on chunks of tokens. Sequence level needs whole rows
+    `[B, T]` and the mask. `advantages` is `[B]` (broadcast over T) or shaped like `logp`. `kl` is
+    None without ref_logp.
     """
-    if beta != 0.0 and ref_logp is None:
-        raise ValueError(f"beta={beta} needs ref_logp (the reference policy's log-probs), got None")
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    if options.beta != 0.0 and ref_logp is None:
+        raise ValueError(f"beta={options.beta} needs ref_logp (the reference policy's log-probs), got None")
+    epsilon_low, epsilon_high = options.clip_range
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() < logp.dim() else adv  # (B, 1) or like logp
     old = logp.detach() if old_logp is None else old_logp.to(logp.dtype)
 
     log_ratio = logp - old
-    if importance_sampling_level == "sequence":
+    if options.importance_sampling_level == "sequence":
         m = mask.to(logp.dtype)
         log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    if delta is not None:  # two-sided clipping (INTELLECT-2): cap the ratio before the PPO clip
-        ratio = torch.clamp(ratio, max=delta)
+    if options.delta is not None:  # two-sided clipping (INTELLECT-2): cap the ratio before the PPO clip
+        ratio = torch.clamp(ratio, max=options.delta)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
     if is_weights is not None:  # as TRL: the IS correction scales the policy-gradient term only
@@ -168,31 +243,26 @@ def per_token_loss(
     if ref_logp is not None:
         d = ref_logp.to(logp.dtype) - logp
         kl = torch.exp(d) - d - 1  # k3 estimator
-        if beta != 0.0:
-            per_token = per_token + beta * kl
+        if options.beta != 0.0:
+            per_token = per_token + options.beta * kl
     return per_token, ratio.expand_as(logp), kl
 
 
-def loss_weights(
-    mask: torch.Tensor,
-    loss_type: str = "dapo",
-    max_completion_length: Optional[int] = None,
-    num_items_in_batch=None,
-) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, options: LossOptions = DEFAULT_OPTIONS, num_items_in_batch=None) -> torch.Tensor:
     """Per-token weights `[B, T]` with `loss = sum(per_token * weights)` for every loss type.
 
     Every aggregation is linear in the token losses with weights known before the pass, which is
     what lets the fused kernels produce gradients in the same pass as the forward.
+    num_items_in_batch: dapo's normaliser (a number or a scalar tensor); None: the mask's sum.
     """
-    _choice("loss_type", loss_type, LOSS_TYPES)
     m = mask.to(torch.float32)
     B, T = m.shape
-    if loss_type == "grpo":  # mean over sequences of the per-sequence token mean
+    if options.loss_type == "grpo":  # mean over sequences of the per-sequence token mean
         return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
-    if loss_type == "bnpo":
+    if options.loss_type == "bnpo":
         return m / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        length = T if max_completion_length is None else max_completion_length
+    if options.loss_type == "dr_grpo":
+        length = T if options.max_completion_length is None else options.max_completion_length
         return m / (B * length)
     normaliser = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
     return m / normaliser.clamp(min=1.0)
@@ -202,33 +272,30 @@ def grpo_loss_from_logprobs(
     logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    options: LossOptions = DEFAULT_OPTIONS,
     *,
     entropy: Optional[torch.Tensor] = None,
-    loss_type: str = "dapo",
-    max_completion_length: Optional[int] = None,
+    old_logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
     num_items_in_batch=None,
-    epsilon_low: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    **options,
 ):
     """The GRPO loss from per-token log-probs `logp [B, T]` (float32): `(loss, metrics)`.
 
-    options: old_logp, ref_logp, is_weights, beta, delta, importance_sampling_level (see
-    `per_token_loss`). Metrics are detached scalars named as TRL logs them.
+    entropy, old_logp, ref_logp, is_weights: `[B, T]` or None; num_items_in_batch: see
+    `loss_weights`. Metrics are detached scalars named as TRL logs them (METRIC_NAMES).
     """
-    _choice("loss_type", loss_type, LOSS_TYPES)
-    _choice("importance_sampling_level", options.get("importance_sampling_level", "token"), IMPORTANCE_SAMPLING_LEVELS)
     per_token, ratio, kl = per_token_loss(
-        logp, advantages, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high, **options
+        logp, advantages, mask, options, old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights
     )
-    weights = loss_weights(mask, loss_type, max_completion_length, num_items_in_batch)
+    weights = loss_weights(mask, options, num_items_in_batch)
     loss = (per_token * weights).sum()
-    return loss, clip_metrics(ratio, advantages, mask, kl, entropy, epsilon_low, epsilon_high)
+    return loss, clip_metrics(ratio, advantages, mask, options, kl, entropy)
 
 
-def clip_metrics(ratio, advantages, mask, kl=None, entropy=None, epsilon_low=0.2, epsilon_high=None):
+def clip_metrics(ratio, advantages, mask, options: LossOptions = DEFAULT_OPTIONS, kl=None, entropy=None):
     """TRL's logged metrics: masked means of kl, entropy and the clipped fractions."""
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    epsilon_low, epsilon_high = options.clip_range
     m = mask.to(torch.float32)
     adv = advantages.unsqueeze(-1) if advantages.dim() < ratio.dim() else advantages
     ratio = ratio.detach()
@@ -253,45 +320,38 @@ def grpo_loss_reference(
     target_ids: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    options: LossOptions = DEFAULT_OPTIONS,
     *,
-    temperature: float = 1.0,
-    **options,
+    old_logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
+    num_items_in_batch=None,
 ):
     """GRPO loss from materialised `logits [B, T, V]`: `(loss, metrics)`.
 
     target_ids `[B, T]` int; advantages `[B]` or `[B, T]`; mask `[B, T]` (1 = completion token);
-    options are those of `grpo_loss_from_logprobs` (old_logp, ref_logp, is_weights `[B, T]`,
-    beta, epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level,
-    max_completion_length, num_items_in_batch). Metrics are detached scalars named as in TRL.
+    old_logp, ref_logp, is_weights `[B, T]` or None; num_items_in_batch: dapo's normaliser (see
+    `loss_weights`). Metrics are detached scalars named as in TRL.
     """
-    check_loss_inputs(logits.shape[:-1], target_ids=target_ids, advantages=advantages, mask=mask, **options)
-    if temperature <= 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    logp, entropy = token_logprobs(logits, target_ids, temperature)
-    return grpo_loss_from_logprobs(logp, advantages, mask, entropy=entropy.detach(), **options)
+    check_loss_inputs(logits.shape[:-1], options, target_ids=target_ids, advantages=advantages, mask=mask,
+                      old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights)
+    logp, entropy = token_logprobs(logits, target_ids, options.temperature)
+    return grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy.detach(), old_logp=old_logp,
+                                   ref_logp=ref_logp, is_weights=is_weights, num_items_in_batch=num_items_in_batch)
 
 
-def check_loss_inputs(bt, *, target_ids, advantages, mask, **options) -> None:
-    """Validate loss options and shapes before any work; errors name the argument and the shapes."""
-    _choice("loss_type", options.get("loss_type", "dapo"), LOSS_TYPES)
-    _choice("importance_sampling_level", options.get("importance_sampling_level", "token"), IMPORTANCE_SAMPLING_LEVELS)
-    if options.get("beta", 0.0) != 0.0 and options.get("ref_logp") is None:
-        raise ValueError(f"beta={options['beta']} needs ref_logp (the reference policy's log-probs), got None")
-    for name in ("epsilon_low", "epsilon_high"):
-        if options.get(name) is not None and not 0 <= options[name]:
-            raise ValueError(f"{name} must be >= 0, got {options[name]}")
-    if options.get("delta") is not None and not options["delta"] > 1:
-        raise ValueError(f"delta must be > 1 (it caps the ratio from above), got {options['delta']}")
+def check_loss_inputs(bt, options: LossOptions, *, target_ids, advantages, mask, old_logp=None, ref_logp=None,
+                      is_weights=None) -> None:
+    """Validate the loss's tensors against each other and the options (which checked themselves when
+    built) before any work; errors name the argument and the shapes."""
+    if options.beta != 0.0 and ref_logp is None:
+        raise ValueError(f"beta={options.beta} needs ref_logp (the reference policy's log-probs), got None")
     bt = tuple(bt)
     if len(bt) != 2:
         raise ValueError(f"expected [B, T, ...] inputs, got leading shape {bt}")
-    expected = {"target_ids": bt, "mask": bt}
-    for name in ("old_logp", "ref_logp", "is_weights"):
-        if options.get(name) is not None:
-            expected[name] = bt
-    values = {"target_ids": target_ids, "mask": mask, **options}
-    for name, shape in expected.items():
-        if tuple(values[name].shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)} (B, T), got {list(values[name].shape)}")
+    given = {"target_ids": target_ids, "mask": mask, "old_logp": old_logp, "ref_logp": ref_logp, "is_weights": is_weights}
+    for name, tensor in given.items():
+        if tensor is not None and tuple(tensor.shape) != bt:
+            raise ValueError(f"{name} must have shape {list(bt)} (B, T), got {list(tensor.shape)}")
     if tuple(advantages.shape) not in (bt[:1], bt):
         raise ValueError(f"advantages must have shape [{bt[0]}] or {list(bt)}, got {list(advantages.shape)}")

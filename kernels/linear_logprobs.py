@@ -13,7 +13,9 @@ forward  One kernel. Each program owns BLOCK_N rows and a contiguous range of vo
 backward Per chunk of C rows: one kernel recomputes each [BLOCK_N, BLOCK_V] tile of `z` and writes
          `g * (onehot - softmax(z)) / temperature` (computed in fp32, stored in the input dtype)
          into a bounded [C, V] slab; cuBLAS then does grad_hidden = slab @ W and
-         grad_weight += slab.T @ hidden (fp32 accumulation across chunks). 3 matmuls.
+         grad_weight += slab.T @ hidden (fp32 accumulation across chunks). 3 matmuls. The chunks
+         and the gradient matmuls are the chunk driver's, shared with the CPU backends
+         (grpo_fast/ops/chunks.py); this file gives it the workspace budget and the slabs.
 fused    Forward and gradients with 3 matmuls, not 4: per chunk the forward kernel also stores
          each logit tile relative to the row's running max, d = z - m (<= 0), in the input dtype,
          plus that max per (row, tile) in fp32 (STORE_LOGITS); the callback turns the chunk's
@@ -41,12 +43,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from grpo_fast.ops import chunks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton's interpreter (3.9) runs tl.dot on bf16 as np.matmul of the uint16 bit patterns it stores
@@ -432,40 +436,6 @@ def forward(hidden, weight, bias, target, temperature):
     return _merge_splits(_launch_fwd(hidden, weight, bias, target.contiguous(), temperature))
 
 
-class _ParamGrads:
-    """Gradient outputs, filled chunk by chunk from [C, V] gradient slabs with cuBLAS matmuls."""
-
-    def __init__(self, hidden, weight, bias, needs: Sequence[bool], single_chunk: bool):
-        need_h, need_w, need_b = needs
-        self.hidden, self.weight = hidden, weight
-        self.grad_hidden = torch.empty_like(hidden) if need_h else None
-        # fp32 across chunks; one chunk: cuBLAS's own fp32 accumulation, rounded once at the end
-        exact = single_chunk or weight.dtype == torch.float32
-        self.grad_weight = None
-        if need_w:
-            self.grad_weight = torch.zeros(weight.shape, dtype=torch.float32 if not exact else weight.dtype,
-                                           device=weight.device)
-        self.grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if (need_b and bias is not None) else None
-        self.bias = bias
-
-    def add(self, start, end, grad_logits):  # grad_logits [C, V] in the input dtype
-        if self.grad_hidden is not None:
-            torch.mm(grad_logits, self.weight, out=self.grad_hidden[start:end])
-        if self.grad_weight is not None:
-            if self.grad_weight.dtype == grad_logits.dtype:
-                self.grad_weight.addmm_(grad_logits.t(), self.hidden[start:end])
-            else:  # chunk product accumulated in fp32 by cuBLAS, summed over chunks in fp32
-                self.grad_weight += grad_logits.t() @ self.hidden[start:end]
-        if self.grad_bias is not None:
-            self.grad_bias += grad_logits.sum(0, dtype=torch.float32)
-
-    def result(self):
-        gw = None if self.grad_weight is None else self.grad_weight.to(self.weight.dtype)
-        gb = None if self.grad_bias is None else self.grad_bias.to(self.bias.dtype)
-        return self.grad_hidden, gw, gb
-
-
 def workspace_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return WORKSPACE_BYTES
@@ -473,13 +443,9 @@ def workspace_bytes(device: torch.device) -> int:
 
 
 def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int], budget: int = WORKSPACE_BYTES):
-    """(rows of the workspace, [(start, end)] chunks). Within the workspace budget the chunks are of
-    equal size: 20000 rows as 2 x 10000, not 14128 + 5872 (a small tail runs cuBLAS at a low rate)."""
-    step = chunk_size or max(1, budget // (vocab * bytes_per_logit))
-    step = max(1, min(n, step))
-    if not chunk_size and n > step:
-        step = triton.cdiv(n, triton.cdiv(n, step))
-    return step, [(s, min(n, s + step)) for s in range(0, n, step)]
+    """(rows of the workspace, [(start, end)] chunks): the chunk driver's plan within the workspace
+    budget, in chunks of equal size (a small tail runs cuBLAS at a low rate)."""
+    return chunks.plan(n, vocab, bytes_per_logit, budget=budget, balanced=True, chunk_size=chunk_size)
 
 
 def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None):
@@ -489,17 +455,18 @@ def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(T
     Per chunk of C rows: one kernel recomputes the logits tiles into the gradient slab [C, V]
     (input dtype), then two cuBLAS matmuls. `chunk_size` overrides the workspace budget (tests)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
-    grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
-    if not any(needs) or n == 0:
-        return grads.result()
-    slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device)
+    if not any(needs):
+        return None, None, None
+    step, spans = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
+    slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device) if n else None
     g, lse, target = grad_logp.float().contiguous(), lse.float().contiguous(), target.contiguous()
-    for s, e in chunks:
+
+    def chunk_grad(s, e):
         grad_logits = slab[: e - s]
         _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], temperature, grad_logits)
-        grads.add(s, e, grad_logits)
-    return grads.result()
+        return grad_logits
+
+    return chunks.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad)
 
 
 def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None):
@@ -510,22 +477,23 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
     to the running max) in a [C, V] slab, the slab becomes the gradient in place, then two cuBLAS
     matmuls: 3 matmuls in all, against 4 for forward + backward."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    step, chunks = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
-    grads = _ParamGrads(hidden, weight, bias, needs, single_chunk=len(chunks) <= 1)
+    step, spans = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
     logp = hidden.new_empty(n, dtype=torch.float32)
     entropy = torch.empty_like(logp)
-    if n == 0:
-        return (logp, entropy, *grads.result())
     target = target.contiguous()
-    slab = _slab(step, vocab, hidden.dtype, hidden.device)
-    tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype, "fused").block_v), dtype=torch.float32,
-                           device=hidden.device)
-    for s, e in chunks:
+    slab = tile_max = None
+    if n:
+        slab = _slab(step, vocab, hidden.dtype, hidden.device)
+        tile_max = torch.empty(step, triton.cdiv(vocab, launch_config(hidden.dtype, "fused").block_v),
+                               dtype=torch.float32, device=hidden.device)
+
+    def chunk_grad(s, e):
         logits = slab[: e - s]
         stats = _launch_fwd(hidden[s:e], weight, bias, target[s:e], temperature, logits, tile_max[: e - s])
         logp[s:e], entropy[s:e], lse = _merge_splits(stats)
         g = dloss_dlogp(s, e, logp[s:e])
         assert tuple(g.shape) == (e - s,), f"dloss_dlogp returned shape {tuple(g.shape)}, expected ({e - s},)"
         _launch_logits_to_grad(logits, tile_max[: e - s], target[s:e], lse, g.float().contiguous(), temperature)
-        grads.add(s, e, logits)
-    return (logp, entropy, *grads.result())
+        return logits
+
+    return (logp, entropy, *chunks.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_fast import group_advantages, grpo_loss_reference
+from grpo_fast.objective import LossOptions
 from tests.helpers import assert_close, scaled
 
 # ---------------------------------------------------------------------------------------------
@@ -157,11 +158,9 @@ def test_loss_and_gradients_match_independent_float64(loss_type, beta, eps_high,
     (grad_expected,) = torch.autograd.grad(expected, logits)
 
     logits64 = logits.detach().clone().requires_grad_(True)
-    loss, metrics = grpo_loss_reference(
-        logits64, target, adv, mask, old_logp=old, ref_logp=ref, is_weights=isw, beta=beta, epsilon_low=0.2,
-        epsilon_high=eps_high, delta=delta, temperature=0.7, loss_type=loss_type, importance_sampling_level=level,
-        max_completion_length=6,
-    )
+    options = LossOptions(beta=beta, epsilon_low=0.2, epsilon_high=eps_high, delta=delta, temperature=0.7,
+                          loss_type=loss_type, importance_sampling_level=level, max_completion_length=6)
+    loss, metrics = grpo_loss_reference(logits64, target, adv, mask, options, old_logp=old, ref_logp=ref, is_weights=isw)
     (grad,) = torch.autograd.grad(loss, logits64)
     # objective computes log-probs in float32 (as every backend does): the tolerance is fp32's
     assert_close(loss, expected, atol=scaled(1e-5, expected), rtol=1e-5, name="loss")
@@ -175,7 +174,7 @@ def test_metrics_match_independent_counts():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     mask = torch.ones(4, 5)
     mask[0, 3:] = 0
-    _, metrics = grpo_loss_reference(logits, target, adv, mask, old_logp=old, ref_logp=ref, epsilon_high=0.28)
+    _, metrics = grpo_loss_reference(logits, target, adv, mask, LossOptions(epsilon_high=0.28), old_logp=old, ref_logp=ref)
     lp = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     w = torch.exp(lp - old)
     m = mask.bool()
@@ -203,7 +202,7 @@ def test_dapo_uses_num_items_in_batch():
 def test_without_old_logp_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():
     logits, target, adv, mask, *_ = make_case(seed=7)
     logits.requires_grad_(True)
-    loss, metrics = grpo_loss_reference(logits, target, adv, mask, loss_type="bnpo")
+    loss, metrics = grpo_loss_reference(logits, target, adv, mask, LossOptions(loss_type="bnpo"))
     lp = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     pg = -(lp * adv[:, None] * mask).sum() / mask.sum()
     expected = torch.autograd.grad(pg, logits)[0]
@@ -226,13 +225,53 @@ def test_without_old_logp_the_ratio_is_one_and_the_gradient_is_the_policy_gradie
 )
 def test_loss_errors_before_any_work(change, match):
     logits, target, adv, mask, *_ = make_case()
-    kwargs = dict(advantages=adv, mask=mask)
-    kwargs.update(change)
-    with pytest.raises(ValueError, match=match):
-        grpo_loss_reference(logits, target, **kwargs)
+    tensors = dict(advantages=adv, mask=mask)
+    tensors.update({k: v for k, v in change.items() if isinstance(v, torch.Tensor)})
+    with pytest.raises(ValueError, match=match):  # options check themselves when built
+        options = LossOptions(**{k: v for k, v in change.items() if not isinstance(v, torch.Tensor)})
+        grpo_loss_reference(logits, target, options=options, **tensors)
 
 
 def test_loss_is_finite_for_extreme_but_valid_inputs():
     logits = torch.tensor([[[80.0, -80.0, 0.0]]])
     loss, _ = grpo_loss_reference(logits, torch.tensor([[1]]), torch.tensor([1.0]), torch.ones(1, 1))
     assert math.isfinite(loss.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss options
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("loss_type", "ppo", r"loss_type='ppo' is not supported; expected one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'\]"),
+        ("beta", -0.1, r"beta must be a finite number >= 0, got -0.1"),
+        ("epsilon_low", "0.2", r"epsilon_low must be a finite number >= 0, got '0.2'"),
+        ("epsilon_high", float("nan"), r"epsilon_high must be a finite number >= 0 or None, got nan"),
+        ("delta", 1.0, r"delta must be > 1 \(it caps the ratio from above\) or None, got 1.0"),
+        ("temperature", 0, r"temperature must be a positive finite number, got 0"),
+        ("importance_sampling_level", "batch", r"importance_sampling_level='batch' is not supported; expected one of \['token', 'sequence'\]"),
+        ("max_completion_length", 0, r"max_completion_length must be an integer >= 1 or None, got 0"),
+        ("mask_truncated_completions", 1, r"mask_truncated_completions must be True or False, got 1"),
+        ("backend", "cuda", r"backend='cuda' is unknown; expected one of \['auto', 'triton', 'cpu', 'torch'\]"),
+    ],
+)
+def test_loss_options_check_themselves_when_built(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LossOptions(**{field: value})
+
+
+def test_loss_options_from_grpo_config():
+    from grpo_fast.config import GRPOConfig
+
+    config = GRPOConfig(loss_type="grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, delta=1.5, temperature=0.9,
+                        importance_sampling_level="sequence", max_completion_length=32, mask_truncated_completions=True,
+                        loss_backend="torch")
+    assert LossOptions.from_config(config) == LossOptions(
+        loss_type="grpo", beta=0.04, epsilon_low=0.1, epsilon_high=0.3, delta=1.5, temperature=0.9,
+        importance_sampling_level="sequence", max_completion_length=32, mask_truncated_completions=True,
+        backend="torch",
+    )
+    assert LossOptions(epsilon_low=0.1).clip_range == (0.1, 0.1) and LossOptions(epsilon_high=0.3).clip_range == (0.2, 0.3)

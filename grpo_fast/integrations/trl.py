@@ -20,6 +20,7 @@ Anything else raises a ValueError naming the option when the trainer is built.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from importlib import metadata
 
@@ -51,6 +52,7 @@ from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
 from .. import objective  # noqa: E402
 from ..models.adapter import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
+from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
 
 SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # grpo, bnpo, dr_grpo, dapo: the aggregations the fused loss implements
@@ -105,6 +107,21 @@ def check_supported_trainer(trainer) -> None:
         check_fusable(causal_lm_of(trainer.accelerator.unwrap_model(trainer.ref_model)), "ref_model")
 
 
+def loss_options(trainer) -> LossOptions:
+    """grpo_fast's loss options from a TRL trainer: the values GRPOTrainer.__init__ took from its GRPOConfig
+    (`epsilon` -> epsilon_low, `epsilon_high` resolved; `delta`, `mask_truncated_completions` from the args)
+    and that TRL's own _compute_loss reads. Built at each loss call, as TRL reads them, so a callback that
+    changes `trainer.beta` acts as it does in TRL."""
+    args = trainer.args
+    return LossOptions(
+        loss_type=trainer.loss_type, beta=trainer.beta, epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high, delta=args.delta, temperature=trainer.temperature,
+        importance_sampling_level=trainer.importance_sampling_level,
+        max_completion_length=trainer.max_completion_length,
+        mask_truncated_completions=args.mask_truncated_completions, backend=trainer.fused_backend,
+    )
+
+
 def _reject_multimodal(values: dict) -> None:
     given = [key for key in MULTIMODAL_KEYS if values.get(key) is not None]
     if given:
@@ -138,6 +155,7 @@ class FastGRPOMixin:
         if compute_aux_loss:
             raise ValueError("compute_aux_loss=True (MoE router loss) is not supported by the fused path")
         _reject_multimodal(extra)
+        options = loss_options(self)
         lm = causal_lm_of(self.accelerator.unwrap_model(model))
         weight, bias = output_head(lm)
         batch_size = batch_size or input_ids.size(0)
@@ -147,7 +165,7 @@ class FastGRPOMixin:
             with self.accelerator.autocast():
                 hidden = completion_hidden_states(lm, ids, att, logits_to_keep)
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
-                                            temperature=self.temperature, backend=self.fused_backend)
+                                            temperature=options.temperature, backend=options.backend)
             logps.append(logp)
             entropies.append(entropy)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
@@ -170,27 +188,21 @@ class FastGRPOMixin:
         hidden = hidden.to(weight.dtype)
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
-        loss_options = dict(
-            old_logp=old, ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
-            importance_sampling_level=self.importance_sampling_level,
-        )
-        aggregation = dict(
-            loss_type=self.loss_type, max_completion_length=self.max_completion_length,
-            num_items_in_batch=self._dapo_normaliser(inputs, mode) if self.loss_type == "dapo" else None,
-        )
+        options = loss_options(self)
+        tensors = dict(old_logp=old, ref_logp=inputs["ref_per_token_logps"] if options.beta != 0.0 else None,
+                       num_items_in_batch=self._dapo_normaliser(inputs, mode) if options.loss_type == "dapo" else None)
         count = mask.sum().float()
         if self._needs_current_logprobs(old):
             loss, ratio, kl_sum, entropy_sum = self._loss_from_logprobs(
-                hidden, weight, bias, inputs, mask, advantages, loss_options, aggregation)
+                hidden, weight, bias, inputs, mask, advantages, options, **tensors)
         else:  # on-policy: one fused pass, loss and gradients together; the ratio is exactly 1
             loss, metrics = fused_linear_grpo_loss(
-                hidden, weight, completion_ids, advantages, mask, bias=bias, beta=self.beta,
-                is_weights=self._policy_token_weights(inputs, advantages, mask, None, None), temperature=self.temperature, backend=self.fused_backend, **loss_options, **aggregation,
+                hidden, weight, completion_ids, advantages, mask, bias=bias,
+                is_weights=self._policy_token_weights(inputs, advantages, mask, None, None), options=options, **tensors,
             )
             ratio = self._ones_ratio(mask)
             kl_sum, entropy_sum = metrics["kl"] * count, metrics["entropy"] * count  # local means -> sums
-        if self.loss_type != "dapo" and mode == "train":  # TRL scales for gradient accumulation itself
+        if options.loss_type != "dapo" and mode == "train":  # TRL scales for gradient accumulation itself
             loss = loss / self.current_gradient_accumulation_steps
         self._log_loss_metrics(mode, mask, advantages, ratio, kl_sum, entropy_sum)
         return loss
@@ -206,25 +218,29 @@ class FastGRPOMixin:
         return (old is not None or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
                 or self._bias_corrected_kl())
 
-    def _loss_from_logprobs(self, hidden, weight, bias, inputs, mask, advantages, loss_options, aggregation):
+    def _loss_from_logprobs(self, hidden, weight, bias, inputs, mask, advantages, options, *, old_logp, ref_logp,
+                            num_items_in_batch):
         """Loss through differentiable fused log-probs (no logits either; the backward recomputes logit
         chunks: 4 lm_head matmuls instead of 3) and the objective's token math. Returns
         (loss, ratio for the clip metrics, local kl sum, local entropy sum)."""
         logp, entropy = masked_logprobs(hidden, weight, bias, inputs["completion_ids"], inputs["completion_mask"],
-                                        temperature=self.temperature, backend=self.fused_backend)
+                                        temperature=options.temperature, backend=options.backend)
         is_weights = self._policy_token_weights(inputs, advantages, mask, logp.detach(), entropy)
         bias_kl = self._bias_corrected_kl()
+        tensors = dict(old_logp=old_logp, ref_logp=ref_logp)
         per_token, ratio, kl = objective.per_token_loss(
-            logp, advantages, mask, is_weights=is_weights, beta=0.0 if bias_kl else self.beta, **loss_options)
+            logp, advantages, mask, dataclasses.replace(options, beta=0.0) if bias_kl else options,
+            is_weights=is_weights, **tensors)
         if bias_kl:  # TRL: kl times the (differentiable) ratio before delta capping
             raw_ratio = ratio
-            if self.args.delta is not None:
-                _, raw_ratio, _ = objective.per_token_loss(logp, advantages, mask, **{**loss_options, "delta": None})
+            if options.delta is not None:
+                _, raw_ratio, _ = objective.per_token_loss(logp, advantages, mask, dataclasses.replace(options, delta=None),
+                                                           **tensors)
             kl = kl * raw_ratio
-            per_token = per_token + self.beta * kl
-        loss = (per_token * objective.loss_weights(mask, **aggregation)).sum()
+            per_token = per_token + options.beta * kl
+        loss = (per_token * objective.loss_weights(mask, options, num_items_in_batch)).sum()
         ratio = ratio.detach()
-        ratio = ratio[:, :1] if self.importance_sampling_level == "sequence" else ratio
+        ratio = ratio[:, :1] if options.importance_sampling_level == "sequence" else ratio
         kl_sum = (kl.detach() * mask).sum() if kl is not None else None
         return loss, ratio, kl_sum, (entropy * mask).sum()
 

@@ -3,7 +3,7 @@
 A causal LM is `lm_head(decoder(input_ids))`. The fused ops take the decoder's final hidden states
 and the lm_head weight, so the model is never called end to end: the `[tokens x vocab]` logits
 never exist. This file finds the decoder and the head (through PEFT and accelerate wrappers),
-runs the decoder, and turns hidden states into per-token log-probs with `fused_linear_logprobs`.
+runs the decoder, and turns hidden states into per-token log-probs with `masked_linear_logprobs`.
 Both trainers use it: the native `GRPOTrainer` (train/forward.py) and the TRL adapter
 (integrations/trl.py); it knows nothing of either.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import fused_linear_logprobs
+from ..ops import masked_linear_logprobs
 
 # Config fields that make a model transform its logits after the lm_head (Gemma's softcap,
 # Cohere's logit_scale, Granite's logits_scaling, ...): the fused ops do not, so these models
@@ -88,11 +88,6 @@ def completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to
 def masked_logprobs(hidden, weight, bias, target_ids, mask, *, temperature: float, backend: str = "auto"):
     """Log-probs and entropies `[B, T]` (float32) of `target_ids [B, T]` from `hidden [B, T, H]`,
     computed only where `mask` is set and 0 elsewhere (as TRL returns them). Differentiable in logp."""
-    active = mask.bool()
     hidden = hidden.to(weight.dtype)  # autocast may hand back another dtype; the op wants one
-    logp_a, entropy_a = fused_linear_logprobs(
-        hidden[active], weight, target_ids[active], bias=bias, temperature=temperature, return_entropy=True,
-        backend=backend,
-    )
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
-    return zeros.masked_scatter(active, logp_a), zeros.masked_scatter(active, entropy_a)
+    return masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias, temperature=temperature,
+                                  backend=backend, return_entropy=True)

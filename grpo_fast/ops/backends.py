@@ -9,7 +9,10 @@ bias [V] or None, target [N] int64):
     fused(hidden, weight, bias, target, temperature, dloss_dlogp, needs)
         -> (logp, entropy, grad_hidden, grad_weight, grad_bias)   gradients in the forward pass
 
-Heavy imports (the native extension, Triton) happen here, when a backend is first asked for.
+`dloss_dlogp(start, end, logp_chunk) -> g_chunk` is built inside the registered ops from tensors and
+the loss options (grpo_fast/ops/grpo_loss.py); the backends split the rows into chunks with the
+shared chunk driver (chunks.py). Heavy imports (the native extension, Triton) happen here, when a
+backend is first asked for.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ..objective import BACKENDS
 from . import chunked
-
-BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def resolve(backend: str, device: torch.device) -> str:

@@ -1,10 +1,11 @@
-"""The token-chunk loop shared by the `torch` and `cpu` backends.
+"""The `torch` and `cpu` backends: token chunks, a matmul for the logits, row passes.
 
 For each chunk of C tokens: `logits = hidden_c @ weight.T` (one matmul into a bounded `[C, V]`
 slab), a row pass (log-sum-exp, target log-prob, entropy), and for gradients a second row pass
-that overwrites the slab in place with `g * (onehot - softmax) / temperature`, then the two
-gradient matmuls. Memory is O(C * V) whatever N is. The backends differ only in the row passes
-(`RowOps`): PyTorch ops for `torch`, one vectorised OpenMP C++ pass for `cpu`.
+that overwrites the slab in place with `g * (onehot - softmax) / temperature`; the chunk driver
+(`chunks.py`, shared with the Triton backend) turns the slabs into parameter gradients. Memory is
+O(C * V) whatever N is. The backends differ only in the row passes (`RowOps`): PyTorch ops for
+`torch`, one vectorised OpenMP C++ pass for `cpu`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from . import chunks
 
 # Slab budget: 32 MiB of logits (256 fp32 rows at V = 32768). Bounded memory is the point, but a
 # chunk is also the K of the grad_weight update and the M of the other two matmuls: measured
@@ -65,7 +68,12 @@ TORCH_ROW_OPS = RowOps(stats=torch_stats, grad_=torch_grad_)
 def chunk_rows(n: int, vocab: int, chunk_size: Optional[int] = None, itemsize: int = 4) -> int:
     """Rows per chunk: `chunk_size`, or as many as fit SLAB_BYTES of logits of `itemsize` bytes
     (at least MIN_ROWS)."""
-    return max(1, min(n, chunk_size or max(MIN_ROWS, SLAB_BYTES // (vocab * itemsize))))
+    return _plan(n, vocab, chunk_size, itemsize)[0]
+
+
+def _plan(n, vocab, chunk_size, itemsize):
+    # the module's constants are read at each call (tests shrink them to force many chunks)
+    return chunks.plan(n, vocab, itemsize, budget=SLAB_BYTES, min_rows=MIN_ROWS, chunk_size=chunk_size)
 
 
 def _logits(slab, hidden_c, weight, bias, row_ops: RowOps):
@@ -84,10 +92,9 @@ def forward(row_ops: RowOps, hidden, weight, bias, target, temperature, chunk_si
     logp = hidden.new_empty(n, dtype=torch.float32)
     entropy = torch.empty_like(logp)
     lse = torch.empty_like(logp)
-    step = chunk_rows(n, vocab, chunk_size, weight.element_size())
+    step, spans = _plan(n, vocab, chunk_size, weight.element_size())
     slab = weight.new_empty(step, vocab)
-    for s in range(0, n, step):
-        e = min(n, s + step)
+    for s, e in spans:
         logits = _logits(slab, hidden[s:e], weight, bias, row_ops)
         logp[s:e], entropy[s:e], lse[s:e] = row_ops.stats(logits, target[s:e], temperature)
     return logp, entropy, lse
@@ -95,7 +102,7 @@ def forward(row_ops: RowOps, hidden, weight, bias, target, temperature, chunk_si
 
 def backward(row_ops: RowOps, hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None):
     """Gradients of sum(grad_logp * logp) w.r.t. (hidden, weight, bias), recomputing logit chunks."""
-    return _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=lse, grad_logp=grad_logp)[2:]
+    return _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=lse, grad_logp=grad_logp)[2:]
 
 
 def fused(row_ops: RowOps, hidden, weight, bias, target, temperature, dloss_dlogp, needs=(True, True, True), chunk_size=None):
@@ -105,51 +112,27 @@ def fused(row_ops: RowOps, hidden, weight, bias, target, temperature, dloss_dlog
     as soon as their log-probs are known (valid when the loss is local per token), so the logits
     are computed once, not recomputed in a backward pass.
     """
-    return _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, dloss_dlogp=dloss_dlogp)
+    return _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, dloss_dlogp=dloss_dlogp)
 
 
-def _grad_loop(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=None, grad_logp=None, dloss_dlogp=None):
+def _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=None, grad_logp=None, dloss_dlogp=None):
     n, vocab = hidden.shape[0], weight.shape[0]
-    need_h, need_w, need_b = needs
-    grad_hidden = torch.empty_like(hidden) if need_h else None
-    # f32 accumulators whatever the input dtype (bf16 running sums would lose the small chunks)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if (need_b and bias is not None) else None
     logp = entropy = None
     if dloss_dlogp is not None:
         logp = hidden.new_empty(n, dtype=torch.float32)
         entropy = torch.empty_like(logp)
-    step = chunk_rows(n, vocab, chunk_size, weight.element_size())
+    step, spans = _plan(n, vocab, chunk_size, weight.element_size())
     slab = weight.new_empty(step, vocab)
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        hidden_c = hidden[s:e]
-        logits = _logits(slab, hidden_c, weight, bias, row_ops)
+
+    def chunk_grad(s, e):  # the chunk's [C, V] gradient slab, written over its logits
+        logits = _logits(slab, hidden[s:e], weight, bias, row_ops)
         if dloss_dlogp is not None:
             logp[s:e], entropy[s:e], lse_c = row_ops.stats(logits, target[s:e], temperature)
             g = dloss_dlogp(s, e, logp[s:e]).float()
         else:
             lse_c, g = lse[s:e], grad_logp[s:e].float()
-        grad_logits = row_ops.grad_(logits, target[s:e], lse_c, g, temperature)  # (C, V)
-        _grad_matmuls(grad_logits, hidden_c, weight, grad_hidden[s:e] if need_h else None, grad_weight, grad_bias)
-    if need_w:
-        grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None:
-        grad_bias = grad_bias.to(bias.dtype)
-    return logp, entropy, grad_hidden, grad_weight, grad_bias
+        return row_ops.grad_(logits, target[s:e], lse_c, g, temperature)
 
-
-def _grad_matmuls(grad_logits, hidden_c, weight, grad_hidden_c, grad_weight, grad_bias):
-    """grad_hidden_c = grad_logits @ weight (written in place); grad_weight += grad_logits.T @ hidden_c."""
-    if grad_hidden_c is not None:
-        if grad_logits.dtype == weight.dtype:
-            torch.mm(grad_logits, weight, out=grad_hidden_c)
-        else:
-            grad_hidden_c.copy_(grad_logits.to(weight.dtype) @ weight)
-    if grad_weight is not None:
-        if grad_logits.dtype == torch.float32:
-            grad_weight.addmm_(grad_logits.t(), hidden_c.float())
-        else:  # bf16 slab: the chunk's product in bf16 (fast), summed over chunks in f32
-            grad_weight += grad_logits.t() @ hidden_c
-    if grad_bias is not None:
-        grad_bias += grad_logits.sum(0, dtype=torch.float32)
+    slab_dtype = weight.dtype if weight.dtype in row_ops.slab_dtypes else torch.float32
+    grads = chunks.param_grads(hidden, weight, bias, needs, spans, slab_dtype, chunk_grad)
+    return (logp, entropy, *grads)

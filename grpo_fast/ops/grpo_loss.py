@@ -6,77 +6,133 @@ without logits. Two routes, both exact:
 - token-level ratio: the token loss depends only on the token's own log-prob and every aggregation
   is a fixed weight per token (`objective.loss_weights`), so the gradient of each logit chunk is
   known as soon as its log-probs are: one pass computes loss and gradients (3 matmuls, not 4).
+  That pass is the custom op `grpo_fast::fused_linear_grpo_loss`.
 - sequence-level ratio (GSPO): a token's gradient depends on its whole sequence, so log-probs come
-  from `fused_linear_logprobs` and autograd recomputes logit chunks in the backward.
+  from `masked_linear_logprobs` and autograd recomputes logit chunks in the backward.
 
 Tokens outside the mask are dropped before any matmul: padding costs nothing.
+
+The op takes tensors, which gradients to compute, and the loss options as scalars: one argument per
+`LossOptions` field, its schema generated from the dataclass, so a new option needs no change here.
+It returns the loss, the metrics as one tensor and the gradients it computed in its forward pass;
+its registered backward only scales those by the incoming gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import dataclasses
+import typing
 from typing import Optional
 
 import torch
+from torch import Tensor
+from torch._C import DispatchKey
 
 from .. import objective
+from ..objective import DEFAULT_OPTIONS, LossOptions
 from . import backends
-from .linear_logprobs import LinearLogprobsFunction, LinearOptions, validate_linear
+from .linear_logprobs import Rows, check_targets, fake_grads, masked_linear_logprobs, validate_linear
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+_SCHEMA_TYPES = {str: "str", float: "float", int: "int", bool: "bool", Optional[float]: "float?", Optional[int]: "int?"}
+_HINTS = typing.get_type_hints(LossOptions)
+_ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor target_ids", "Tensor advantages", "Tensor mask",
+         "Tensor? old_logp", "Tensor? ref_logp", "Tensor? is_weights", "Tensor? num_items_in_batch",
+         "bool[] needs", "bool private_grads")
+_ARGS += tuple(f"{_SCHEMA_TYPES[_HINTS[name]]} {name}" for name in OPTION_NAMES)
+SCHEMA = f"({', '.join(_ARGS)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+_ARG_NAMES = tuple(arg.split()[-1] for arg in _ARGS)
 
 
-@dataclass(frozen=True)
-class TokenLossPlan:
-    """Everything the token loss needs besides the log-probs, for the active tokens only ([Na])."""
+@contextlib.contextmanager
+def _recording_autograd():
+    """Let tensors record an autograd graph inside a custom op's kernel.
 
-    advantages: torch.Tensor
-    weights: torch.Tensor
-    old_logp: Optional[torch.Tensor]
-    ref_logp: Optional[torch.Tensor]
-    is_weights: Optional[torch.Tensor]
-    beta: float
-    epsilon_low: float
-    epsilon_high: Optional[float]
-    delta: Optional[float]
-
-    def dloss_dlogp(self, start: int, end: int, logp: torch.Tensor) -> torch.Tensor:
-        """d(loss)/d(logp) for tokens [start, end): autograd through objective.per_token_loss."""
-        part = lambda t: None if t is None else t[start:end]
-        with torch.enable_grad():
-            lp = logp.detach().requires_grad_(True)
-            per_token, _, _ = objective.per_token_loss(
-                lp, self.advantages[start:end], None,
-                old_logp=part(self.old_logp), ref_logp=part(self.ref_logp), is_weights=part(self.is_weights),
-                beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.delta,
-            )
-            (grad,) = torch.autograd.grad((per_token * self.weights[start:end]).sum(), lp)
-        return grad
+    The dispatcher runs a kernel with the autograd keys excluded (the op's autograd is the registered
+    one), so `torch.autograd.grad` there would see no graph. The token loss's d(loss)/d(logp) is
+    autograd through the spec's own math, so it runs with those keys let back in: the same graph and
+    the same numbers as outside an op. (torch.func.grad also records there, but its wrapper tensors
+    break dispatch modes active around the op, such as opcheck's schema check.)"""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
 
 
-class FusedTokenGRPOLossFunction(torch.autograd.Function):
-    """loss = finish(logp, entropy) with the gradients w.r.t. (hidden, weight, bias) computed in the
-    forward pass (fused backends) and only scaled by the incoming gradient in backward."""
+def _token_grad(options: LossOptions, tokens: dict, start: int, end: int, logp: Tensor) -> Tensor:
+    """d(loss)/d(logp) of the active tokens [start, end): autograd through the spec's per_token_loss."""
+    part = {name: None if t is None else t[start:end] for name, t in tokens.items()}
+    with _recording_autograd():
+        lp = logp.detach().requires_grad_(True)
+        per_token, _, _ = objective.per_token_loss(lp, part["advantages"], None, options, old_logp=part["old_logp"],
+                                                   ref_logp=part["ref_logp"], is_weights=part["is_weights"])
+        (grad,) = torch.autograd.grad((per_token * part["weights"]).sum(), lp)
+    return grad
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, options: LinearOptions, plan: TokenLossPlan, finish):
-        impl = backends.get(options.backend)
-        needs = ctx.needs_input_grad[:3]
-        if any(needs):
-            logp, entropy, *grads = impl.fused(hidden, weight, bias, target, options.temperature, plan.dloss_dlogp, needs)
-        else:
-            logp, entropy, _ = impl.forward(hidden, weight, bias, target, options.temperature)
-            grads = [None, None, None]
-        ctx.grads = grads
-        return finish(logp, entropy)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        if ctx.grads is None:
-            raise RuntimeError("fused_linear_grpo_loss: backward ran twice; its gradients were computed once, in forward")
-        grads, ctx.grads = ctx.grads, None
-        # scale in place: `g * grad_loss` would hold a second [V, H] weight gradient at the peak
-        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
-        return (*grads, None, None, None, None)
+def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
+                  num_items_in_batch, needs, private_grads, *option_values):
+    """(loss, metrics [5], grad_hidden, grad_weight, grad_bias); a gradient not in `needs` is empty.
+
+    private_grads: the caller never reads the gradient outputs (`fused_linear_grpo_loss` drops them),
+    so the backward may scale them in place (see `_loss_backward`)."""
+    options = LossOptions(*option_values)
+    rows = Rows(mask, mask.shape)
+    hidden_a, target_a = rows.take(hidden), rows.take(target_ids).to(torch.int64)
+    check_targets(target_a, weight.shape[0])
+    weights = objective.loss_weights(mask, options, num_items_in_batch).to(hidden.device)
+    tokens = dict(advantages=rows.take_tokens(advantages), weights=rows.take_tokens(weights),
+                  old_logp=rows.take_tokens(old_logp), ref_logp=rows.take_tokens(ref_logp),
+                  is_weights=rows.take_tokens(is_weights))
+    impl = backends.get(options.backend)
+    if any(needs):
+        dloss_dlogp = lambda s, e, lp: _token_grad(options, tokens, s, e, lp)
+        logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.temperature, dloss_dlogp, needs)
+    else:
+        logp_a, entropy_a, _ = impl.forward(hidden_a, weight, bias, target_a, options.temperature)
+        grads = [None, None, None]
+    # loss value and metrics: the spec on [B, T]; masked places take the old log-prob (ratio 1, finite)
+    loss, metrics = objective.grpo_loss_from_logprobs(
+        rows.put(logp_a, old_logp), advantages, mask, options, entropy=rows.put(entropy_a), old_logp=old_logp,
+        ref_logp=ref_logp, is_weights=is_weights, num_items_in_batch=num_items_in_batch,
+    )
+    grads[0] = None if grads[0] is None else rows.put(grads[0])  # (B, T, H), 0 at inactive tokens
+    grads = [hidden.new_empty(0) if g is None else g for g in grads]
+    return loss, torch.stack([metrics[name] for name in objective.METRIC_NAMES]), *grads
+
+
+def _loss_fake(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
+               num_items_in_batch, needs, private_grads, *option_values):
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    return torch.empty((), **f32), torch.empty(len(objective.METRIC_NAMES), **f32), *fake_grads(hidden, weight, bias, needs)
+
+
+def _setup_context(ctx, inputs, output):
+    args = dict(zip(_ARG_NAMES, inputs, strict=True))
+    ctx.grads = [g if need else None for g, need in zip(output[2:], args["needs"], strict=True)]
+    ctx.in_place = args["private_grads"]
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _loss_backward(ctx, grad_loss, *_):
+    grads, ctx.grads = ctx.grads, None  # dropped here, so autograd can take them as .grad without a copy
+    if grads is None:
+        raise RuntimeError("fused_linear_grpo_loss: backward ran twice; its gradients were computed once, in forward")
+    # In place where nobody else reads them (private_grads) and in eager mode: `g * grad_loss` would
+    # hold a second [V, H] weight gradient at the peak. Traced (torch.compile, opcheck: functional
+    # tensor wrappers) a graph may not mutate a forward output in its backward, so it multiplies;
+    # inductor then reuses the saved gradient's buffer for the product (a donated buffer).
+    in_place = ctx.in_place and type(grad_loss) is torch.Tensor
+    scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype)
+              for g in grads]
+    return (*scaled, *[None] * (len(_ARG_NAMES) - 3))
+
+
+_loss_op = torch.library.custom_op("grpo_fast::fused_linear_grpo_loss", _loss_forward, mutates_args=(), schema=SCHEMA)
+_loss_op.register_fake(_loss_fake)
+_loss_op.register_autograd(_loss_backward, setup_context=_setup_context)
 
 
 def fused_linear_grpo_loss(
@@ -90,84 +146,55 @@ def fused_linear_grpo_loss(
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    temperature: float = 1.0,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    max_completion_length: Optional[int] = None,
+    beta: float = LossOptions.beta,
+    epsilon_low: float = LossOptions.epsilon_low,
+    epsilon_high: Optional[float] = LossOptions.epsilon_high,
+    delta: Optional[float] = LossOptions.delta,
+    temperature: float = LossOptions.temperature,
+    loss_type: str = LossOptions.loss_type,
+    importance_sampling_level: str = LossOptions.importance_sampling_level,
+    max_completion_length: Optional[int] = LossOptions.max_completion_length,
     num_items_in_batch=None,
-    backend: str = "auto",
+    backend: str = LossOptions.backend,
+    options: Optional[LossOptions] = None,
 ):
     """GRPO loss `(loss, metrics)` with the semantics of `objective.grpo_loss_reference`.
 
     hidden `[B, T, H]`, weight `[V, H]`, target_ids `[B, T]`, advantages `[B]` or `[B, T]`,
     mask `[B, T]` (1 = completion token), old_logp / ref_logp / is_weights `[B, T]` or None,
-    bias `[V]` or None. loss is a float32 scalar, differentiable w.r.t. hidden, weight and bias;
-    metrics holds detached scalars: kl, entropy, clip_ratio/{low,high,region}_mean.
+    bias `[V]` or None, num_items_in_batch: dapo's normaliser (a number or a scalar tensor; None:
+    the mask's sum). The loss options are the keywords from `beta` to `backend` (defaults:
+    `objective.LossOptions`'s), or one `options=LossOptions(...)` with those keywords left alone.
+    loss is a float32 scalar, differentiable w.r.t. hidden, weight and bias; metrics holds detached
+    scalars: kl, entropy, clip_ratio/{low,high,region}_mean.
     """
+    keywords = LossOptions(
+        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        temperature=temperature, importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, backend=backend,
+    )
+    if options is None:
+        options = keywords
+    elif keywords != DEFAULT_OPTIONS:
+        raise ValueError("pass the loss options either as options=LossOptions(...) or as keywords, not both")
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {list(hidden.shape)}")
-    options = validate_linear(hidden, weight, target_ids, bias, temperature, backend)
-    loss_options = dict(
-        old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, beta=beta, delta=delta,
-        importance_sampling_level=importance_sampling_level,
-    )
-    agg = dict(loss_type=loss_type, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch)
-    objective.check_loss_inputs(hidden.shape[:2], target_ids=target_ids, advantages=advantages, mask=mask,
-                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, **loss_options, **agg)
+    resolved = validate_linear(hidden, weight, target_ids, bias, options.temperature, options.backend)
+    objective.check_loss_inputs(hidden.shape[:2], options, target_ids=target_ids, advantages=advantages, mask=mask,
+                                old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights)
+    num_items = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32)
 
-    B, T, H = hidden.shape
-    active = mask.reshape(-1) != 0
-    idx = active.nonzero().squeeze(-1)
-    everything = idx.numel() == B * T
-    hidden_a = hidden.reshape(B * T, H)
-    hidden_a = hidden_a.contiguous() if everything else hidden_a.index_select(0, idx)
-    target_a = target_ids.reshape(-1).to(torch.int64)
-    target_a = target_a.contiguous() if everything else target_a.index_select(0, idx)
+    if options.importance_sampling_level == "sequence":
+        # masked places take the old log-prob: ratio 1, so they stay finite
+        logp, entropy = masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias,
+                                               temperature=options.temperature, backend=resolved,
+                                               return_entropy=True, fill=old_logp)
+        return objective.grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy, old_logp=old_logp,
+                                                 ref_logp=ref_logp, is_weights=is_weights, num_items_in_batch=num_items)
 
-    def active_part(t):
-        if t is None:
-            return None
-        flat = t.unsqueeze(-1).expand(B, T) if t.dim() == 1 else t
-        flat = flat.detach().reshape(-1).float()
-        return flat if everything else flat.index_select(0, idx)
-
-    def scatter(values_a, fill=None):
-        """[Na] -> [B, T], masked places taken from `fill` (zeros when None)."""
-        full = fill.detach().float().clone() if fill is not None else hidden.new_zeros(B, T, dtype=torch.float32)
-        full.view(-1)[idx] = values_a
-        return full
-
-    if importance_sampling_level == "token":
-        weights = objective.loss_weights(mask, **agg).to(hidden.device)
-        plan = TokenLossPlan(
-            advantages=active_part(advantages),
-            weights=active_part(weights), old_logp=active_part(old_logp), ref_logp=active_part(ref_logp),
-            is_weights=active_part(is_weights), beta=beta, epsilon_low=epsilon_low,
-            epsilon_high=epsilon_high, delta=delta,
-        )
-        metrics = {}
-
-        def finish(logp_a, entropy_a):  # loss value and metrics: the objective, on [B, T], no grad
-            # masked places take the old log-prob: ratio 1, so they stay finite
-            loss, metrics_ = objective.grpo_loss_from_logprobs(
-                scatter(logp_a, old_logp), advantages, mask, entropy=scatter(entropy_a),
-                epsilon_low=epsilon_low, epsilon_high=epsilon_high, **loss_options, **agg,
-            )
-            metrics.update(metrics_)
-            return loss
-
-        if not torch.is_grad_enabled():  # needs_input_grad ignores no_grad: detach so no gradient is computed
-            hidden_a, weight, bias = (None if t is None else t.detach() for t in (hidden_a, weight, bias))
-        loss = FusedTokenGRPOLossFunction.apply(hidden_a, weight, bias, target_a, options, plan, finish)
-        return loss, metrics
-
-    logp_a, entropy_a = LinearLogprobsFunction.apply(hidden_a, weight, bias, target_a, options)
-    logp = scatter(logp_a, old_logp)  # masked places: ratio 1, so they stay finite
-    return objective.grpo_loss_from_logprobs(
-        logp, advantages, mask, entropy=scatter(entropy_a),
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high, **loss_options, **agg,
-    )
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    concrete = dataclasses.replace(options, backend=resolved)
+    loss, metrics, *_ = _loss_op(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
+                                 num_items, needs, True, *(getattr(concrete, name) for name in OPTION_NAMES))
+    return loss, dict(zip(objective.METRIC_NAMES, metrics.unbind(), strict=True))

@@ -1,25 +1,30 @@
-"""`fused_linear_logprobs`: per-token log-prob (and entropy) of target ids straight from hidden
-states and the lm_head weight, never materialising the `[tokens x vocab]` logits."""
+"""`fused_linear_logprobs` and `masked_linear_logprobs`: per-token log-prob (and entropy) of target
+ids straight from hidden states and the lm_head weight, never materialising the `[tokens x vocab]`
+logits.
+
+Both go through the custom op `grpo_fast::linear_logprobs` (its backward is the custom op
+`grpo_fast::linear_logprobs_backward`): tensors and scalars in, tensors out, with fake (meta)
+implementations, so `torch.compile(fullgraph=True)` keeps a function that calls them in one graph.
+With a mask, the op selects the active tokens itself: padding costs no matmul, and no
+data-dependent shape reaches a traced graph.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from . import backends
 
 
-@dataclass(frozen=True)
-class LinearOptions:
-    backend: str  # resolved: "triton" | "cpu" | "torch"
-    temperature: float
+def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> str:
+    """Check the inputs of the fused linear ops before any work; return the resolved backend name.
 
-
-def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> LinearOptions:
-    """Check the inputs of the fused linear ops before any work; return the resolved options."""
+    Shapes, dtypes and devices only, so a traced function checks them too; the range of target_ids
+    depends on their values and is checked inside the ops (`check_targets`)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__} {getattr(hidden, 'shape', '')}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -42,34 +47,151 @@ def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> L
         raise ValueError(f"weight must be contiguous [V, H] (got strides {weight.stride()}); pass weight.contiguous()")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    return backends.resolve(backend, hidden.device)
+
+
+def check_targets(target_ids: Tensor, vocab: int) -> None:
+    """target_ids (the active ones) must index the vocabulary of weight."""
     if target_ids.numel():
         lo, hi = int(target_ids.min()), int(target_ids.max())
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(f"target_ids must lie in [0, {vocab}) (the vocabulary of weight), found {bad}")
-    return LinearOptions(backend=backends.resolve(backend, hidden.device), temperature=float(temperature))
 
 
-class LinearLogprobsFunction(torch.autograd.Function):
-    """logp, entropy = f(hidden [N, H], weight, bias); backward recomputes logit chunks/tiles."""
+class Rows:
+    """The active tokens of a `[*lead]` mask (all of them without one): `take` selects them, in
+    order, from `[*lead, ...]` tensors as `[Na, ...]`; `put` writes `[Na, ...]` results back."""
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, options: LinearOptions):
-        impl = backends.get(options.backend)
-        logp, entropy, lse = impl.forward(hidden, weight, bias, target, options.temperature)
-        ctx.save_for_backward(hidden, weight, bias, target, lse)
-        ctx.options = options
-        ctx.mark_non_differentiable(entropy)  # a metric here; its gradient is not implemented
-        return logp, entropy
+    def __init__(self, mask: Optional[Tensor], lead):
+        self.lead = tuple(lead)
+        self.n = math.prod(self.lead)
+        self.idx = None if mask is None else (mask.reshape(-1) != 0).nonzero().squeeze(-1)
+        self.everything = self.idx is None or self.idx.numel() == self.n
 
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, target, lse = ctx.saved_tensors
-        impl = backends.get(ctx.options.backend)
-        needs = ctx.needs_input_grad[:3]
-        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float().contiguous()
-        grads = impl.backward(hidden, weight, bias, target, lse, grad_logp, ctx.options.temperature, needs)
-        return (*grads, None, None)
+    def take(self, t: Tensor) -> Tensor:
+        flat = t.reshape(self.n, *t.shape[len(self.lead):])
+        return flat.contiguous() if self.everything else flat.index_select(0, self.idx)
+
+    def take_tokens(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        """A per-token input `[*lead]` (or `[B]`, broadcast over T) as float32 `[Na]`."""
+        if t is None:
+            return None
+        t = t.unsqueeze(-1).expand(self.lead) if t.dim() < len(self.lead) else t
+        return self.take(t.detach().float())
+
+    def put(self, values: Tensor, fill: Optional[Tensor] = None) -> Tensor:
+        """`[*lead, ...]`: `values` at the active tokens, `fill` (float32; zeros when None) elsewhere."""
+        trailing = tuple(values.shape[1:])
+        if self.everything and fill is None:
+            return values.reshape(self.lead + trailing)
+        full = fill.detach().float().clone() if fill is not None else values.new_zeros(self.lead + trailing)
+        full.view(self.n, *trailing)[self.idx if self.idx is not None else slice(None)] = values
+        return full
+
+
+# ----------------------------------------------------------------------------------------------
+# The registered ops
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())
+def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
+                     mask: Optional[Tensor], temperature: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse), float32 shaped like target_ids, 0 where mask is 0. `backend` resolved."""
+    rows = Rows(mask, target_ids.shape)
+    target = rows.take(target_ids).to(torch.int64)
+    check_targets(target, weight.shape[0])
+    logp, entropy, lse = backends.get(backend).forward(rows.take(hidden), weight, bias, target, temperature)
+    return rows.put(logp), rows.put(entropy), rows.put(lse)
+
+
+@_linear_logprobs.register_fake
+def _(hidden, weight, bias, target_ids, mask, temperature, backend):
+    return tuple(hidden.new_empty(target_ids.shape, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())
+def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
+                              mask: Optional[Tensor], lse: Tensor, grad_logp: Tensor, temperature: float, backend: str,
+                              needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum(grad_logp * logp) w.r.t. (hidden, weight, bias), recomputing logit chunks;
+    an empty tensor where `needs` says not wanted (or there is no bias)."""
+    rows = Rows(mask, target_ids.shape)
+    g = rows.take(grad_logp).float().contiguous()
+    grads = backends.get(backend).backward(rows.take(hidden), weight, bias, rows.take(target_ids).to(torch.int64),
+                                           rows.take(lse), g, temperature, needs)
+    grad_hidden = None if grads[0] is None else rows.put(grads[0])  # (*lead, H), 0 at inactive tokens
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in (grad_hidden, *grads[1:]))
+
+
+def fake_grads(hidden, weight, bias, needs) -> tuple[Tensor, Tensor, Tensor]:
+    """What the ops return for (grad_hidden, grad_weight, grad_bias): contiguous, or empty where not wanted."""
+    wanted = (needs[0], needs[1], needs[2] and bias is not None)
+    return tuple(t.new_empty(t.shape) if want else hidden.new_empty(0)
+                 for t, want in zip((hidden, weight, bias), wanted, strict=True))
+
+
+@_linear_logprobs_backward.register_fake
+def _(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, backend, needs):
+    return fake_grads(hidden, weight, bias, needs)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, target_ids, mask, temperature, backend = inputs
+    ctx.save_for_backward(hidden, weight, bias, target_ids, mask, output[2])
+    ctx.temperature, ctx.backend = temperature, backend
+    ctx.mark_non_differentiable(output[1], output[2])  # entropy is a metric here; lse is internal
+
+
+def _backward(ctx, grad_logp, _grad_entropy, _grad_lse):
+    hidden, weight, bias, target_ids, mask, lse = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.grpo_fast.linear_logprobs_backward(hidden, weight, bias, target_ids, mask, lse, grad_logp,
+                                                         ctx.temperature, ctx.backend, needs)
+    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None)
+
+
+_linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+    return_entropy: bool = False,
+    fill: Optional[torch.Tensor] = None,
+):
+    """`fused_linear_logprobs` of the tokens where `mask` is set; the others cost nothing.
+
+    hidden `[..., H]`, target_ids and mask `[...]` (mask None: every token). Returns float32 `[...]`
+    log-probs, differentiable w.r.t. hidden, weight and bias, holding `fill` (detached; zeros when
+    None) where the mask is 0; with `return_entropy=True`, `(logp, entropy)` where entropy (not
+    differentiable) is 0 where the mask is 0.
+    """
+    backend = validate_linear(hidden, weight, target_ids, bias, temperature, backend)
+    if mask is not None and tuple(mask.shape) != tuple(target_ids.shape):
+        raise ValueError(f"mask must have shape {list(target_ids.shape)} (like target_ids), got {list(mask.shape)}")
+    if fill is not None and (mask is None or tuple(fill.shape) != tuple(target_ids.shape)):
+        raise ValueError(f"fill must come with a mask and have shape {list(target_ids.shape)}, got "
+                         f"{list(fill.shape)} with mask {'None' if mask is None else list(mask.shape)}")
+    # The op saves hidden for its backward: a view (the completion slice of a decoder's [B, L, H]
+    # output) would keep its whole base alive until then, a contiguous copy only the [..., H] it reads.
+    logp, entropy, _ = torch.ops.grpo_fast.linear_logprobs(hidden.contiguous(), weight, bias, target_ids, mask,
+                                                           float(temperature), backend)
+    if fill is not None:
+        logp = torch.where(mask != 0, logp, fill.detach().float())
+    return (logp, entropy) if return_entropy else logp
 
 
 def fused_linear_logprobs(
@@ -90,10 +212,5 @@ def fused_linear_logprobs(
     `return_entropy=True`, `(logp, entropy)` where entropy `[...]` is float32 and not differentiable.
     backend: "auto" (triton on CUDA, cpu on CPU), "triton", "cpu" or "torch".
     """
-    options = validate_linear(hidden, weight, target_ids, bias, temperature, backend)
-    lead = hidden.shape[:-1]
-    hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    target = target_ids.reshape(-1).to(torch.int64).contiguous()
-    logp, entropy = LinearLogprobsFunction.apply(hidden2d, weight, bias, target, options)
-    logp, entropy = logp.view(lead), entropy.view(lead)
-    return (logp, entropy) if return_entropy else logp
+    return masked_linear_logprobs(hidden, weight, target_ids, None, bias=bias, temperature=temperature,
+                                  backend=backend, return_entropy=return_entropy)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..models.adapter import causal_lm_of, decoder_of, output_head
-from ..ops import fused_linear_logprobs
+from ..ops import masked_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
 from .packing import PackedMicroBatch, pack_sequences, plan_micro_batches
 
@@ -89,11 +89,8 @@ def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, te
     out = [torch.zeros(0) for _ in prompt_ids]
     for mb in packer.micro_batches(prompt_ids, completion_ids):
         hidden = completion_hidden(base, mb, packer.amp_dtype)
-        active = mb.completion_mask
-        logp = fused_linear_logprobs(hidden[active], weight, mb.target_ids[active], bias=bias,
-                                     temperature=temperature, backend=backend)
-        full = torch.zeros(mb.target_ids.shape, dtype=torch.float32, device=logp.device)
-        full[active] = logp
-        for i, values in zip(mb.rows, mb.unpad(full), strict=True):
+        logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.completion_mask, bias=bias,
+                                      temperature=temperature, backend=backend)
+        for i, values in zip(mb.rows, mb.unpad(logp), strict=True):
             out[i] = values.cpu()
     return out

@@ -16,37 +16,16 @@ optimizer state stay as they were, and `skipped` is reported.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss
 from .forward import Packer, completion_hidden, policy_parts
 from .rollouts import Rollouts
 
-
-@dataclass(frozen=True)
-class LossOptions:
-    """The fused loss's options from GRPOConfig (one place, passed as one object)."""
-
-    loss_type: str
-    beta: float
-    epsilon_low: float
-    epsilon_high: Optional[float]
-    delta: Optional[float]
-    temperature: float
-    importance_sampling_level: str
-    max_completion_length: int
-    mask_truncated_completions: bool
-    backend: str
-
-    @classmethod
-    def from_config(cls, c) -> "LossOptions":
-        return cls(loss_type=c.loss_type, beta=c.beta, epsilon_low=c.epsilon, epsilon_high=c.epsilon_high,
-                   delta=c.delta, temperature=c.temperature, importance_sampling_level=c.importance_sampling_level,
-                   max_completion_length=c.max_completion_length,
-                   mask_truncated_completions=c.mask_truncated_completions, backend=c.loss_backend)
+__all__ = ["LossOptions", "train_step", "trainable_mask", "trainable_tokens"]  # LossOptions: the trainer's import
 
 
 def trainable_mask(batch: Rollouts, options: LossOptions) -> list[bool]:
@@ -79,11 +58,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
             old_logp=None if batch.old_logp is None else mb.pad(batch.old_logp),
             ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
             is_weights=None if batch.is_weights is None else mb.pad(batch.is_weights),
-            bias=bias, beta=options.beta, epsilon_low=options.epsilon_low, epsilon_high=options.epsilon_high,
-            delta=options.delta, temperature=options.temperature, loss_type=options.loss_type,
-            importance_sampling_level=options.importance_sampling_level,
-            max_completion_length=options.max_completion_length, num_items_in_batch=max(num_items, 1),
-            backend=options.backend,
+            bias=bias, num_items_in_batch=max(num_items, 1), options=options,
         )
         loss = loss * _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
         if not torch.isfinite(loss):

@@ -279,3 +279,15 @@ def test_eval_mode_loss_matches_trl(pair):
     assert logged[1].keys() == logged[0].keys()
     for key in logged[0]:
         assert_close(logged[1][key], logged[0][key], atol=1e-5, rtol=1e-5, name=f"eval metric {key}")
+
+
+def test_loss_options_read_from_the_trainer(pair):
+    """The options the fused loss gets are the values TRL's own _compute_loss reads."""
+    from grpo_fast.integrations.trl import loss_options
+
+    _, fast, _ = pair
+    options = loss_options(fast)
+    assert (options.loss_type, options.beta, options.temperature) == (fast.loss_type, fast.beta, fast.temperature)
+    assert options.clip_range == (fast.args.epsilon, fast.args.epsilon_high) == (fast.epsilon_low, fast.epsilon_high)
+    assert (options.delta, options.importance_sampling_level) == (fast.args.delta, fast.importance_sampling_level)
+    assert (options.max_completion_length, options.backend) == (fast.args.max_completion_length, fast.fused_backend)

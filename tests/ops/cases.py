@@ -9,19 +9,26 @@ for the bf16 tolerances.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
 
 from grpo_fast import objective
+from grpo_fast.objective import LossOptions
 
 BACKENDS_UNDER_TEST = ["torch", "cpu", "triton"]
 
-# loss options the reference and the fused op share (everything but the tensors and the backend)
-OPTION_NAMES = ("beta", "epsilon_low", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
-                "max_completion_length", "num_items_in_batch")
+# the cases' default loss options: a temperature other than 1 exercises the scaling everywhere
+CASE_OPTIONS = LossOptions(temperature=0.7)
+
+
+def loss_options(**changes) -> LossOptions:
+    """CASE_OPTIONS with `changes` (the loss options of one case)."""
+    return dataclasses.replace(CASE_OPTIONS, **changes)
 
 
 def triton_available() -> bool:
@@ -58,8 +65,8 @@ class Case:
     old_logp: bool = True
     ref_logp: bool = False
     is_weights: bool = False
-    temperature: float = 0.7
-    options: dict = field(default_factory=dict)
+    options: LossOptions = CASE_OPTIONS  # the backend is the test's
+    num_items_in_batch: Optional[float] = None
     seed: int = 0
     device: str = "cpu"
 
@@ -67,7 +74,9 @@ class Case:
         parts = [f"B{self.B}T{self.T}H{self.H}V{self.V}", str(self.dtype).replace("torch.", ""), self.mask]
         parts += [n for n in ("bias", "adv_per_token", "ref_logp", "is_weights") if getattr(self, n)]
         parts += [] if self.old_logp else ["no_old"]
-        parts += [f"{k}={v}" for k, v in self.options.items()]
+        parts += [f"{f.name}={getattr(self.options, f.name)}" for f in dataclasses.fields(LossOptions)
+                  if getattr(self.options, f.name) != getattr(CASE_OPTIONS, f.name)]
+        parts += [] if self.num_items_in_batch is None else [f"num_items_in_batch={self.num_items_in_batch}"]
         return "-".join(parts)
 
 
@@ -92,7 +101,7 @@ def make_inputs(case: Case) -> dict:
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[-1, -1] = True
     advantages = torch.randn(B, T, generator=g) if case.adv_per_token else torch.randn(B, generator=g)
-    true_logp, _ = objective.token_logprobs(logits64(hidden, weight, bias), target, case.temperature)
+    true_logp, _ = objective.token_logprobs(logits64(hidden, weight, bias), target, case.options.temperature)
     inputs = dict(hidden=hidden, weight=weight, bias=bias, target_ids=target, advantages=advantages, mask=mask.float())
     if case.old_logp:
         inputs["old_logp"] = true_logp + 0.3 * torch.randn(B, T, generator=g)
@@ -124,8 +133,8 @@ def run_reference(case: Case, inputs: dict, grad_scale: float = 3.0, plain: bool
     h, w, b = _leaves(inputs, None if plain else torch.float64)
     logits = h @ w.t() if b is None else h @ w.t() + b
     loss, metrics = objective.grpo_loss_reference(
-        logits, inputs["target_ids"], inputs["advantages"], inputs["mask"], temperature=case.temperature,
-        **_extras(inputs), **case.options,
+        logits, inputs["target_ids"], inputs["advantages"], inputs["mask"], case.options,
+        num_items_in_batch=case.num_items_in_batch, **_extras(inputs),
     )
     (loss * grad_scale).backward()
     return loss.detach(), metrics, [None if t is None else t.grad for t in (h, w, b)]
@@ -136,8 +145,9 @@ def run_fused(case: Case, inputs: dict, backend: str, grad_scale: float = 3.0):
 
     h, w, b = _leaves(inputs, None)
     loss, metrics = fused_linear_grpo_loss(
-        h, w, inputs["target_ids"], inputs["advantages"], inputs["mask"], bias=b, temperature=case.temperature,
-        backend=backend, **_extras(inputs), **case.options,
+        h, w, inputs["target_ids"], inputs["advantages"], inputs["mask"], bias=b,
+        options=dataclasses.replace(case.options, backend=backend), num_items_in_batch=case.num_items_in_batch,
+        **_extras(inputs),
     )
     (loss * grad_scale).backward()
     return loss.detach(), metrics, [None if t is None else t.grad for t in (h, w, b)]

@@ -19,7 +19,7 @@ import torch
 
 from grpo_fast import objective
 from tests.helpers import assert_close, plain_bound
-from tests.ops.cases import Case, backend_params, make_inputs, run_fused, run_reference
+from tests.ops.cases import Case, backend_params, loss_options, make_inputs, run_fused, run_reference
 
 FACTOR = 4.0  # x the plain-PyTorch error in the same dtype
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3}  # x (1 + largest |expected|); bf16: 1/4 of its ulp
@@ -60,33 +60,33 @@ LOSS_TYPES_AND_LEVELS = [(lt, lvl) for lt in objective.LOSS_TYPES for lvl in obj
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_loss_types_levels_beta(backend, loss_type, level, beta):
     case = Case(ref_logp=beta > 0 or loss_type == "bnpo", bias=loss_type in ("grpo", "dapo"),
-                options=dict(loss_type=loss_type, importance_sampling_level=level, beta=beta))
+                options=loss_options(loss_type=loss_type, importance_sampling_level=level, beta=beta))
     _check_against_spec(case, backend)
 
 
 OPTION_CASES = {
-    "eps_high": Case(options=dict(epsilon_high=0.28)),
-    "delta": Case(options=dict(delta=1.5, epsilon_high=0.28)),
-    "delta_seq": Case(options=dict(delta=1.5, importance_sampling_level="sequence")),
-    "is_weights": Case(is_weights=True, ref_logp=True, options=dict(beta=0.04)),
-    "adv_per_token": Case(adv_per_token=True, options=dict(loss_type="grpo")),
-    "adv_per_token_seq": Case(adv_per_token=True, options=dict(importance_sampling_level="sequence")),
-    "no_old_logp": Case(old_logp=False, ref_logp=True, options=dict(beta=0.04)),
-    "no_old_logp_seq": Case(old_logp=False, options=dict(importance_sampling_level="sequence", loss_type="grpo")),
-    "empty_row": Case(mask="empty_row", options=dict(loss_type="grpo")),
-    "empty_row_seq": Case(mask="empty_row", options=dict(importance_sampling_level="sequence")),
-    "all_masked": Case(mask="none", options=dict(loss_type="grpo")),
-    "all_masked_seq": Case(mask="none", options=dict(importance_sampling_level="sequence")),
+    "eps_high": Case(options=loss_options(epsilon_high=0.28)),
+    "delta": Case(options=loss_options(delta=1.5, epsilon_high=0.28)),
+    "delta_seq": Case(options=loss_options(delta=1.5, importance_sampling_level="sequence")),
+    "is_weights": Case(is_weights=True, ref_logp=True, options=loss_options(beta=0.04)),
+    "adv_per_token": Case(adv_per_token=True, options=loss_options(loss_type="grpo")),
+    "adv_per_token_seq": Case(adv_per_token=True, options=loss_options(importance_sampling_level="sequence")),
+    "no_old_logp": Case(old_logp=False, ref_logp=True, options=loss_options(beta=0.04)),
+    "no_old_logp_seq": Case(old_logp=False, options=loss_options(importance_sampling_level="sequence", loss_type="grpo")),
+    "empty_row": Case(mask="empty_row", options=loss_options(loss_type="grpo")),
+    "empty_row_seq": Case(mask="empty_row", options=loss_options(importance_sampling_level="sequence")),
+    "all_masked": Case(mask="none", options=loss_options(loss_type="grpo")),
+    "all_masked_seq": Case(mask="none", options=loss_options(importance_sampling_level="sequence")),
     "one_token": Case(B=1, T=1, mask="full"),
-    "one_active_token": Case(mask="one", options=dict(loss_type="bnpo")),
+    "one_active_token": Case(mask="one", options=loss_options(loss_type="bnpo")),
     "V5": Case(V=5, bias=True),
-    "V131": Case(V=131, T=3, options=dict(epsilon_high=0.28)),
-    "num_items": Case(options=dict(loss_type="dapo", num_items_in_batch=40)),
-    "max_len": Case(options=dict(loss_type="dr_grpo", max_completion_length=9)),
-    "temperature_1": Case(temperature=1.0, ref_logp=True, options=dict(beta=0.04)),
-    "bf16": Case(dtype=torch.bfloat16, bias=True, ref_logp=True, options=dict(beta=0.04, epsilon_high=0.28)),
-    "bf16_seq": Case(dtype=torch.bfloat16, V=131, options=dict(importance_sampling_level="sequence")),
-    "bf16_grpo": Case(dtype=torch.bfloat16, is_weights=True, adv_per_token=True, options=dict(loss_type="grpo")),
+    "V131": Case(V=131, T=3, options=loss_options(epsilon_high=0.28)),
+    "num_items": Case(options=loss_options(loss_type="dapo"), num_items_in_batch=40),
+    "max_len": Case(options=loss_options(loss_type="dr_grpo", max_completion_length=9)),
+    "temperature_1": Case(ref_logp=True, options=loss_options(temperature=1.0, beta=0.04)),
+    "bf16": Case(dtype=torch.bfloat16, bias=True, ref_logp=True, options=loss_options(beta=0.04, epsilon_high=0.28)),
+    "bf16_seq": Case(dtype=torch.bfloat16, V=131, options=loss_options(importance_sampling_level="sequence")),
+    "bf16_grpo": Case(dtype=torch.bfloat16, is_weights=True, adv_per_token=True, options=loss_options(loss_type="grpo")),
 }
 
 
@@ -101,7 +101,7 @@ def test_options(backend, name):
 def test_upstream_gradient_is_applied(backend):
     """loss * 3 vs loss * -0.5: the fused route computes gradients in forward and scales them in
     backward; both scales must come out right (and not accumulate across calls)."""
-    case = Case(V=37, T=4, ref_logp=True, options=dict(beta=0.04))
+    case = Case(V=37, T=4, ref_logp=True, options=loss_options(beta=0.04))
     inputs = make_inputs(case)
     for scale in (3.0, -0.5):
         _, _, grads = run_fused(case, inputs, backend, grad_scale=scale)
@@ -120,7 +120,7 @@ def test_no_grad_inputs(backend):
     inputs = make_inputs(case)
     loss, metrics = fused_linear_grpo_loss(
         inputs["hidden"], inputs["weight"], inputs["target_ids"], inputs["advantages"], inputs["mask"],
-        old_logp=inputs["old_logp"], temperature=case.temperature, backend=backend,
+        old_logp=inputs["old_logp"], temperature=case.options.temperature, backend=backend,
     )
     ref_loss, _, _ = run_reference(case, inputs)
     plain_loss, _, _ = run_reference(case, inputs, plain=True)

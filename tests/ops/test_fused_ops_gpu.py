@@ -9,18 +9,19 @@ import dataclasses
 import pytest
 import torch
 
-from tests.ops.cases import Case
+from tests.ops.cases import Case, loss_options
 from tests.ops.test_fused_ops import _check_against_spec
 
 pytestmark = pytest.mark.gpu
 
 BASE = Case(B=4, T=96, H=256, V=4099, device="cuda")
 GPU_CASES = {
-    "fp32_token": dataclasses.replace(BASE, bias=True, ref_logp=True, options=dict(beta=0.04, epsilon_high=0.28, delta=1.5)),
-    "fp32_seq": dataclasses.replace(BASE, mask="empty_row", options=dict(importance_sampling_level="sequence", loss_type="grpo")),
-    "bf16_token": dataclasses.replace(BASE, dtype=torch.bfloat16, is_weights=True, adv_per_token=True, options=dict(loss_type="bnpo")),
-    "bf16_seq": dataclasses.replace(BASE, dtype=torch.bfloat16, old_logp=False, options=dict(importance_sampling_level="sequence")),
-    "bf16_big_vocab": dataclasses.replace(BASE, B=2, T=64, H=128, V=151936, dtype=torch.bfloat16, temperature=1.0),
+    "fp32_token": dataclasses.replace(BASE, bias=True, ref_logp=True, options=loss_options(beta=0.04, epsilon_high=0.28, delta=1.5)),
+    "fp32_seq": dataclasses.replace(BASE, mask="empty_row", options=loss_options(importance_sampling_level="sequence", loss_type="grpo")),
+    "bf16_token": dataclasses.replace(BASE, dtype=torch.bfloat16, is_weights=True, adv_per_token=True, options=loss_options(loss_type="bnpo")),
+    "bf16_seq": dataclasses.replace(BASE, dtype=torch.bfloat16, old_logp=False, options=loss_options(importance_sampling_level="sequence")),
+    "bf16_big_vocab": dataclasses.replace(BASE, B=2, T=64, H=128, V=151936, dtype=torch.bfloat16,
+                                       options=loss_options(temperature=1.0)),
 }
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpo_fast import objective
-from tests.ops.cases import Case, backend_params
+from tests.ops.cases import Case, backend_params, loss_options
 from tests.ops.test_fused_ops import _check_against_spec
 
 EXAMPLES = {"torch": 25, "cpu": 25, "triton": 4}
@@ -30,8 +30,9 @@ def cases(draw):
         B=draw(st.integers(1, 3)), T=draw(st.integers(1, 6)), H=draw(st.integers(1, 24)), V=draw(st.integers(1, 70)),
         bias=draw(st.booleans()), mask=draw(st.sampled_from(["random", "full", "empty_row", "one"])),
         adv_per_token=draw(st.booleans()), old_logp=draw(st.booleans()), ref_logp=ref,
-        is_weights=draw(st.booleans()), temperature=draw(st.sampled_from([0.7, 1.0, 1.3])),
-        options=options, seed=draw(st.integers(0, 2**16)),
+        is_weights=draw(st.booleans()),
+        options=loss_options(temperature=draw(st.sampled_from([0.7, 1.0, 1.3])), **options),
+        seed=draw(st.integers(0, 2**16)),
     )
 
 

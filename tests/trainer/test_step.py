@@ -57,11 +57,8 @@ def _reference_grads(model, batch, options, num_items_in_batch=None):
         mask[i, : len(c)] = float(bool(keep))
     chosen = logits[torch.arange(len(rows))[:, None], pick]  # (B, Tc, V)
     loss, _ = grpo_loss_reference(
-        chosen, target, batch.advantages, mask, temperature=options.temperature, old_logp=pad(batch.old_logp),
-        ref_logp=pad(batch.ref_logp), is_weights=pad(batch.is_weights), beta=options.beta,
-        epsilon_low=options.epsilon_low, epsilon_high=options.epsilon_high, loss_type=options.loss_type,
-        max_completion_length=options.max_completion_length, importance_sampling_level=options.importance_sampling_level,
-        num_items_in_batch=num_items_in_batch,
+        chosen, target, batch.advantages, mask, options, old_logp=pad(batch.old_logp), ref_logp=pad(batch.ref_logp),
+        is_weights=pad(batch.is_weights), num_items_in_batch=num_items_in_batch,
     )
     model.zero_grad()
     loss.backward()
