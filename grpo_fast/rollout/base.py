@@ -171,6 +171,11 @@ class RolloutEngine:
         """Copy new policy weights (an nn.Module or an iterable of (HF name, tensor)) into the engine."""
         raise NotImplementedError
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 under the engine's weights (raw logits, one
+        prefill, nothing sampled): what the trainer's sync check compares with its own."""
+        raise NotImplementedError
+
     def sleep(self) -> None:
         """Release memory between rollouts where the platform supports it."""
 

@@ -230,6 +230,17 @@ class VLLMEngine(RolloutEngine):
         completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
         return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
 
+    def prompt_logprobs(self, token_ids) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [int(t) for t in token_ids]
+        if len(ids) < 2:
+            raise ValueError(f"prompt_logprobs: needs at least 2 tokens, got {len(ids)}")
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+
     @staticmethod
     def _completion(output, tokenizer) -> Completion:
         ids = list(output.token_ids)

@@ -1,10 +1,12 @@
 """After each weight sync: does the engine sample from the policy the trainer holds?
 
 A failed or partial hot-swap (TRL hit one: sleep mode kept the old weights, trl#5312) would make
-every later step train on samples of a stale policy, silently. After each sync the engine decodes a
-short probe greedily, the trainer scores the same tokens, and the mean |difference| of their
-log-probs is compared with a bound set by the precision of the two sides (`tolerance`). Above it the
-trainer syncs once more and checks again; still above it, the run stops with an error.
+every later step train on samples of a stale policy, silently. After each sync the engine scores a
+short probe (the last PROBE_TOKENS tokens of a training prompt: one prefill with prompt log-probs,
+nothing decoded, since on a CPU every decode step reads all the weights), the trainer scores the
+same tokens, and the mean |difference| of their log-probs is compared with a bound set by the
+precision of the two sides (`tolerance`). Above it the trainer syncs once more and checks again;
+still above it, the run stops with an error.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from .forward import completion_logprobs
 
-PROBE_TOKENS = 8
+PROBE_TOKENS = 16
 
 # Mean |engine - trainer| log-prob over the probe, by the lower precision of the two sides, from
 # benchmarks/results/sync_check_cpu.md (SmolLM2, 8 prompts): a float32 engine in sync differs by
@@ -32,13 +34,13 @@ def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, amp: bool) 
 
 
 def probe_gap(engine, model, packer, prompt_ids: list[int], *, backend: str) -> float:
-    """Mean |engine - trainer| log-prob of the engine's greedy continuation of `prompt_ids`."""
-    completion = engine.generate([prompt_ids], n=1, max_new_tokens=PROBE_TOKENS, temperature=0.0)[0][0]
+    """Mean |engine - trainer| log-prob of the last PROBE_TOKENS tokens of `prompt_ids`."""
+    probe = list(prompt_ids[-PROBE_TOKENS:])
+    if len(probe) < 2:
+        return 0.0
+    engine_logp = torch.tensor(engine.prompt_logprobs(probe), dtype=torch.float32)
     if hasattr(engine, "reset_prefix_cache"):  # the next round prefills as if no probe had run
         engine.reset_prefix_cache()
-    if not completion.token_ids:
-        return 0.0
-    # greedy log-probs are the log-softmax of the raw logits: temperature 1 on the trainer's side
-    trainer = completion_logprobs(model, packer, [prompt_ids], [completion.token_ids], temperature=1.0, backend=backend)[0]
-    engine_logp = torch.tensor(completion.logprobs, dtype=torch.float32)
+    # the engine's prompt log-probs come from the raw logits: temperature 1 on the trainer's side
+    trainer = completion_logprobs(model, packer, [probe[:1]], [probe[1:]], temperature=1.0, backend=backend)[0]
     return (trainer - engine_logp).abs().mean().item()
