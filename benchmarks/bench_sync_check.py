@@ -2,13 +2,14 @@
 
     python benchmarks/bench_sync_check.py        # writes benchmarks/results/sync_check_cpu.{json,md}
 
-The trainer checks after each weight sync that the engine's greedy log-probs of a short probe (PROBE_TOKENS)
-match the trainer's (grpo_fast/train/sync_check.py). This measures, on SmolLM2-135M-Instruct and
+The trainer checks after each weight sync that the engine's log-probs of a short probe (the last
+PROBE_TOKENS tokens of a sampled sequence) match the trainer's (grpo_fast/train/sync_check.py). This measures, on SmolLM2-135M-Instruct and
 the arithmetic task's prompts, the mean |engine - trainer| log-prob of the probe:
   synced   engine weights = the policy's (float32 and bfloat16 engines, float32 trainer)
   stale    the policy took one GRPO step (the default run's: 8 prompts x 8 completions, lr 1e-5, and
            10 such steps) but the engine kept the old weights: what a skipped swap looks like
-and the probe's cost against a default-run step (25.6 s, README).
+and the probe's cost against a default-run step (25.6 s, README). The probes are the last tokens of
+8 sequences the initial policy sampled for 8 arithmetic prompts.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def main() -> None:
     config = GRPOConfig(engine="vllm", max_steps=10, eval_before_train=False, eval_steps=0, eval_max_samples=8, save_final=False,
                         disable_tqdm=True, output_dir=os.path.join(out, "run"), sampling_check_steps=0)
     trainer = GRPOTrainer.from_config(config)
-    probes = trainer.train_prompt_ids[:8]
+    prompts = trainer.train_prompt_ids[:8]  # probes: the policy's own sampled text, as the trainer takes them
+    groups = trainer.engine.generate(prompts, n=1, max_new_tokens=config.max_completion_length, seed=config.seed)
+    probes = [p + g[0].token_ids for p, g in zip(prompts, groups, strict=True)]
     initial = copy.deepcopy(trainer.model.state_dict())
 
     def gaps(engine) -> list[float]:
@@ -59,11 +62,11 @@ def main() -> None:
         trainer.resume_path = None
     result = {name: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)} for name, v in rows.items()}
     env = harness.environment()
-    lines = [f"# Engine sync check: probe log-prob gap (mean |engine - trainer| over {PROBE_TOKENS} greedy tokens)", "",
+    lines = [f"# Engine sync check: probe log-prob gap (mean |engine - trainer| over the last {PROBE_TOKENS} tokens of a sampled sequence)", "",
              f"`{harness.command_line(__file__)}`, SmolLM2-135M-Instruct, float32 trainer, 8 arithmetic prompts; "
              f"{harness.describe(env)}.", "", "| case | mean over prompts | min | max |", "| --- | --- | --- | --- |"]
     lines += [f"| {name} | {r['mean']:.3g} | {r['min']:.3g} | {r['max']:.3g} |" for name, r in result.items()]
-    lines += ["", f"One probe (generate {PROBE_TOKENS} tokens + the trainer's pass, median of 5 after a warm-up): "
+    lines += ["", f"One probe (the engine's prompt log-probs + the trainer's pass, median of 5 after a warm-up): "
               f"{probe_seconds:.3f} s ({100 * probe_seconds / 25.6:.2f}% of a default-run step of 25.6 s, README)."]
     harness.write_results(ROOT / "benchmarks" / "results" / "sync_check_cpu",
                           {"gaps": result, "probe_seconds": probe_seconds, "environment": env,

@@ -211,7 +211,7 @@ class GRPOTrainer:
                 with _timed(step_times, "time/weight_sync"):
                     self._sync_weights()  # sync
                 with _timed(step_times, "time/sync_check"):
-                    step_metrics.update(self._check_engine_sync())
+                    step_metrics.update(self._check_engine_sync(part))
             logged = self._log(self._step_metrics(part, batch, step_metrics, stats, step_times), bar)
             if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
                 logged = self._log_eval(bar) or logged
@@ -337,7 +337,7 @@ class GRPOTrainer:
             self.engine.wake()
         self.engine.update_weights(self.model)
 
-    def _check_engine_sync(self) -> dict:
+    def _check_engine_sync(self, part: Rollouts) -> dict:
         """The engine's log-probs of a short greedy probe against the trainer's, after a sync; one
         re-sync when they differ beyond the tolerance of their precisions, then an error."""
         from .train import sync_check
@@ -347,7 +347,7 @@ class GRPOTrainer:
         c = self.config
         limit = sync_check.tolerance(getattr(self.engine, "dtype", torch.float32), setup.train_dtype(c),
                                      amp=c.mixed_precision == "bf16")
-        probe = self.train_prompt_ids[0]
+        probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
         gap = sync_check.probe_gap(self.engine, self.model, self.packer, probe, backend=c.loss_backend)
         if gap > limit:
             logger.warning("engine log-probs differ from the trainer's by %.3g (> %.3g) after a weight sync: syncing again",
