@@ -7,8 +7,15 @@ right. Semantics follow TRL's `GRPOTrainer` (see docs/design.md, "The objective"
     ratio   w = exp(lp - old)                                   (token level)
             w = exp(sum_t M (lp - old) / sum_t M)               (sequence level, GSPO)
     loss    l = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)  (w first clamped to <= delta)
-            l *= is_weight;  l += beta * (exp(ref - lp) - (ref - lp) - 1)
-    reduce  grpo | bnpo | dr_grpo | dapo
+                                    grpo, bnpo, dr_grpo, dapo, luspo (the PPO-clipped surrogate)
+            l = -sg(min(w, eps_high)) A lp                      cispo
+            l = -sigmoid(tau (w - 1)) 4 / tau A                 sapo  (tau by the sign of A)
+            l = -sg(phi(W)) A lp                                vespo (W: the sequence's ratio product)
+            l *= is_weight;  l += beta * kl,  kl = exp(ref - lp) - (ref - lp) - 1   (times w when
+                                                                 use_bias_correction_kl)
+    reduce  grpo | sapo (sequence means) | bnpo | dr_grpo | dapo | cispo | vespo (global token
+            mean) | luspo (sequence sums)                       (see `loss_weights`)
+    bonus   loss -= entropy_coef * sum(H * entropy_weights)      (TRL's entropy bonus)
 
 The loss's static options are one frozen `LossOptions`, validated once when it is built; what
 changes from call to call (tensors, the dapo normaliser `num_items_in_batch`) is a call argument.
@@ -26,13 +33,21 @@ from typing import Optional, Sequence
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+# loss types normalised by dapo's global token count (`num_items_in_batch`), not per micro-batch
+TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "cpu", "torch")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_ESTIMATORS = ("population", "sample")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-METRIC_NAMES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+# Every metric the loss can report, named as TRL logs them; `metric_names(options)` says which a
+# loss type reports (TRL logs clip_ratio/* for the clipped surrogates only, cispo and vespo their own).
+METRIC_NAMES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss")
+CLIPPED_SURROGATES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# vespo's gamma weight works on the log of the sequence's ratio product, clamped as TRL does
+VESPO_LOG_W_MIN, VESPO_LOG_W_MAX, VESPO_LOG_RATIO_CLAMP = math.log(1e-8), 20.0, 20.0
 
 
 def _choice(name: str, value, allowed: Sequence) -> None:
@@ -61,7 +76,7 @@ class LossOptions:
     """
 
     loss_type: str = "dapo"
-    """Aggregation: grpo | bnpo | dr_grpo | dapo (see `loss_weights`)."""
+    """Token loss and aggregation: grpo | bnpo | dr_grpo | dapo | cispo | sapo | vespo | luspo."""
     beta: float = 0.0
     """KL coefficient against the reference policy (k3 estimator); > 0 needs ref_logp."""
     epsilon_low: float = 0.2
@@ -80,6 +95,24 @@ class LossOptions:
     """Leave completions cut at max_completion_length out of the loss (the trainer's selection)."""
     backend: str = "auto"
     """Fused-op backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: the sigmoid gate's temperature where the advantage is > 0."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the temperature where the advantage is <= 0."""
+    vespo_k_pos: float = 2.0
+    """vespo: the gamma weight's shape k where the advantage is >= 0."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: the gamma weight's rate lambda where the advantage is >= 0."""
+    vespo_k_neg: float = 3.0
+    """vespo: k where the advantage is < 0."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: lambda where the advantage is < 0."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL term by the (differentiable) importance ratio, as TRL does by default; off
+    here (the plain k3 estimator), on in `GRPOConfig` (TRL's default)."""
+    entropy_coef: float = 0.0
+    """The entropy bonus's coefficient in this loss: loss -= entropy_coef * weighted token entropy.
+    The adaptive controller's gate and coefficient are the trainer's (see `adaptive_entropy_coef`)."""
 
     def __post_init__(self):
         _choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -95,6 +128,20 @@ class LossOptions:
             raise ValueError(f"mask_truncated_completions must be True or False, got {self.mask_truncated_completions!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; expected one of {list(BACKENDS)}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _number(name, getattr(self, name), lambda v: 0 < v < math.inf, "a positive finite number")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _number(name, getattr(self, name), lambda v: 0 <= v < math.inf, "a finite number >= 0")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise ValueError(f"use_bias_correction_kl must be True or False, got {self.use_bias_correction_kl!r}")
+        _number("entropy_coef", self.entropy_coef, math.isfinite, "a finite number")
+
+    @property
+    def token_local(self) -> bool:
+        """Whether each token's loss depends on its own log-prob only (given the other tensors), so
+        its gradient is known as soon as that log-prob is: token-level ratios, and not vespo, whose
+        weight needs the whole sequence's ratio first."""
+        return self.importance_sampling_level == "token" and self.loss_type != "vespo"
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -108,7 +155,34 @@ class LossOptions:
         return cls(loss_type=c.loss_type, beta=c.beta, epsilon_low=c.epsilon, epsilon_high=c.epsilon_high,
                    delta=c.delta, temperature=c.temperature, importance_sampling_level=c.importance_sampling_level,
                    max_completion_length=c.max_completion_length,
-                   mask_truncated_completions=c.mask_truncated_completions, backend=c.loss_backend)
+                   mask_truncated_completions=c.mask_truncated_completions, backend=c.loss_backend,
+                   sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+                   vespo_k_pos=c.vespo_k_pos, vespo_lambda_pos=c.vespo_lambda_pos, vespo_k_neg=c.vespo_k_neg,
+                   vespo_lambda_neg=c.vespo_lambda_neg, use_bias_correction_kl=c.use_bias_correction_kl,
+                   entropy_coef=c.entropy_coef)
+
+
+def option_warnings(options: LossOptions) -> list[str]:
+    """TRL's warnings about combinations that work but are probably not what was meant."""
+    out = []
+    if options.loss_type == "luspo" and options.importance_sampling_level != "sequence":
+        out.append("loss_type='luspo' is meant for importance_sampling_level='sequence' (the paper's setup)")
+    if options.loss_type == "vespo" and options.importance_sampling_level != "token":
+        out.append("loss_type='vespo' computes its sequence-level weight itself; importance_sampling_level "
+                   "should be 'token' (the default)")
+    if options.importance_sampling_level == "sequence" and options.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        out.append(f"importance_sampling_level='sequence' with loss_type={options.loss_type!r} sums per-token "
+                   "contributions, weighting each sequence by its length; GSPO's setup is loss_type='grpo'")
+    return out
+
+
+def metric_names(options: LossOptions) -> tuple[str, ...]:
+    """The metrics the loss reports for these options (TRL's selection)."""
+    if options.loss_type in CLIPPED_SURROGATES:
+        extra = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    else:
+        extra = {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}[options.loss_type]
+    return ("kl", "entropy", *extra, "policy_loss")
 
 
 DEFAULT_OPTIONS = LossOptions()
@@ -213,16 +287,21 @@ def per_token_loss(
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
 ):
     """Token losses before aggregation: `(per_token, ratio, kl)`, all shaped like `logp`.
 
-    At token level everything is elementwise, so any slice of tokens (`[N]` or `[B, T]`) works and
-    `mask` is not read; the fused ops call this on chunks of tokens. Sequence level needs whole rows
-    `[B, T]` and the mask. `advantages` is `[B]` (broadcast over T) or shaped like `logp`. `kl` is
-    None without ref_logp.
+    When `options.token_local`, everything is elementwise, so any slice of tokens (`[N]` or
+    `[B, T]`) works and `mask` is not read; the fused ops call this on chunks of tokens. Sequence
+    level and vespo need whole rows `[B, T]` and the mask. `advantages` is `[B]` (broadcast over T)
+    or shaped like `logp`. is_weights: what the policy-gradient term is multiplied by (TRL's
+    off-policy and high-entropy masks, the vLLM importance ratio). is_ratio: vespo only, the vLLM
+    importance ratio, which vespo folds into its weight instead. `kl` is None without ref_logp.
     """
     if options.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={options.beta} needs ref_logp (the reference policy's log-probs), got None")
+    if is_ratio is not None and options.loss_type != "vespo":
+        raise ValueError(f"is_ratio is vespo's; with loss_type={options.loss_type!r} pass the ratio in is_weights")
     epsilon_low, epsilon_high = options.clip_range
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() < logp.dim() else adv  # (B, 1) or like logp
@@ -233,19 +312,50 @@ def per_token_loss(
         m = mask.to(logp.dtype)
         log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    if options.delta is not None:  # two-sided clipping (INTELLECT-2): cap the ratio before the PPO clip
-        ratio = torch.clamp(ratio, max=options.delta)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    if is_weights is not None:  # as TRL: the IS correction scales the policy-gradient term only
-        per_token = per_token * is_weights.to(logp.dtype)
     kl = None
     if ref_logp is not None:
         d = ref_logp.to(logp.dtype) - logp
         kl = torch.exp(d) - d - 1  # k3 estimator
-        if options.beta != 0.0:
-            per_token = per_token + options.beta * kl
+        if options.use_bias_correction_kl:  # TRL: times the raw ratio, differentiable, before any cap
+            kl = kl * ratio
+
+    if options.loss_type == "cispo":  # REINFORCE with a capped, stop-gradient importance weight
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
+    elif options.loss_type == "sapo":  # a soft gate instead of the hard clip, sharper for A <= 0
+        tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif options.loss_type == "vespo":
+        phi = vespo_weights(logp, old, adv, mask, options, is_ratio)
+        per_token = -phi * adv * logp
+    else:  # the PPO-clipped surrogate
+        if options.delta is not None:  # two-sided clipping (INTELLECT-2): cap the ratio before the PPO clip
+            ratio = torch.clamp(ratio, max=options.delta)
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weights is not None:  # as TRL: the IS correction and the masks scale the policy-gradient term only
+        per_token = per_token * is_weights.to(logp.dtype)
+    if options.beta != 0.0:
+        per_token = per_token + options.beta * kl
     return per_token, ratio.expand_as(logp), kl
+
+
+@torch.no_grad()
+def vespo_weights(logp, old_logp, advantages, mask, options: LossOptions, is_ratio=None) -> torch.Tensor:
+    """vespo's gamma weight `phi(W) = exp(lambda + k log W - lambda W)` (phi(1) = 1), detached, `[B, 1]`
+    (or like `advantages` when that is `[B, T]`): W is the product of the sequence's token ratios
+    (times the vLLM importance ratios `is_ratio`, when given), in log space and clamped as TRL does;
+    (k, lambda) by the sign of the advantage (>= 0: the `_pos` pair)."""
+    m = mask.to(logp.dtype)
+    log_w = (torch.clamp(logp - old_logp, -VESPO_LOG_RATIO_CLAMP, VESPO_LOG_RATIO_CLAMP) * m).sum(-1, keepdim=True)
+    if is_ratio is not None:  # masked: a padded place carries no ratio
+        log_is = torch.clamp(torch.log(is_ratio.to(logp.dtype)), VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+        log_w = log_w + (log_is * m).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    adv = advantages.unsqueeze(-1) if advantages.dim() < logp.dim() else advantages
+    nonneg = adv >= 0
+    k = torch.where(nonneg, options.vespo_k_pos, options.vespo_k_neg)
+    lam = torch.where(nonneg, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def loss_weights(mask: torch.Tensor, options: LossOptions = DEFAULT_OPTIONS, num_items_in_batch=None) -> torch.Tensor:
@@ -253,18 +363,34 @@ def loss_weights(mask: torch.Tensor, options: LossOptions = DEFAULT_OPTIONS, num
 
     Every aggregation is linear in the token losses with weights known before the pass, which is
     what lets the fused kernels produce gradients in the same pass as the forward.
-    num_items_in_batch: dapo's normaliser (a number or a scalar tensor); None: the mask's sum.
+    num_items_in_batch: the normaliser of dapo, cispo and vespo (a number or a scalar tensor);
+    None: the mask's sum.
     """
     m = mask.to(torch.float32)
     B, T = m.shape
-    if options.loss_type == "grpo":  # mean over sequences of the per-sequence token mean
+    if options.loss_type in ("grpo", "sapo"):  # mean over sequences of the per-sequence token mean
         return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
     if options.loss_type == "bnpo":
         return m / m.sum().clamp(min=1.0)
     if options.loss_type == "dr_grpo":
         length = T if options.max_completion_length is None else options.max_completion_length
         return m / (B * length)
+    if options.loss_type == "luspo":  # mean over sequences of the per-sequence token sum
+        return m / B
     normaliser = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
+    return m / normaliser.clamp(min=1.0)
+
+
+def entropy_bonus_weights(mask: torch.Tensor, entropy_mask: Optional[torch.Tensor] = None,
+                          normaliser=None) -> torch.Tensor:
+    """Per-token weights `[B, T]` of the entropy bonus `sum(H * weights)`: TRL's masked token mean of
+    the entropy over `mask` and `entropy_mask` (its high-entropy tokens), whatever the loss type.
+    normaliser: what the weighted sum is divided by (default: the tokens it covers); TRL's trainer
+    also divides by the gradient-accumulation steps, a trainer passes that product here."""
+    m = mask.to(torch.float32)
+    if entropy_mask is not None:
+        m = m * entropy_mask.to(torch.float32)
+    normaliser = m.sum() if normaliser is None else torch.as_tensor(normaliser, dtype=m.dtype)
     return m / normaliser.clamp(min=1.0)
 
 
@@ -278,41 +404,60 @@ def grpo_loss_from_logprobs(
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
     num_items_in_batch=None,
 ):
     """The GRPO loss from per-token log-probs `logp [B, T]` (float32): `(loss, metrics)`.
 
-    entropy, old_logp, ref_logp, is_weights: `[B, T]` or None; num_items_in_batch: see
-    `loss_weights`. Metrics are detached scalars named as TRL logs them (METRIC_NAMES).
+    entropy, old_logp, ref_logp, is_weights, is_ratio, entropy_weights: `[B, T]` or None (see
+    `per_token_loss`, `entropy_bonus_weights`); num_items_in_batch: see `loss_weights`. With
+    `options.entropy_coef != 0` the loss subtracts the entropy bonus, differentiable through
+    `entropy`. Metrics are detached scalars named as TRL logs them (`metric_names(options)`).
     """
-    per_token, ratio, kl = per_token_loss(
-        logp, advantages, mask, options, old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights
-    )
-    weights = loss_weights(mask, options, num_items_in_batch)
-    loss = (per_token * weights).sum()
-    return loss, clip_metrics(ratio, advantages, mask, options, kl, entropy)
+    per_token, ratio, kl = per_token_loss(logp, advantages, mask, options, old_logp=old_logp, ref_logp=ref_logp,
+                                          is_weights=is_weights, is_ratio=is_ratio)
+    policy_loss = (per_token * loss_weights(mask, options, num_items_in_batch)).sum()
+    loss = policy_loss
+    if options.entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError(f"entropy_coef={options.entropy_coef} needs the per-token entropy, got None")
+        weights = entropy_bonus_weights(mask) if entropy_weights is None else entropy_weights
+        loss = loss - options.entropy_coef * (entropy * weights.to(entropy.dtype)).sum()
+    phi = None
+    if options.loss_type == "vespo":
+        phi = vespo_weights(logp, logp.detach() if old_logp is None else old_logp.to(logp.dtype), advantages, mask,
+                            options, is_ratio)
+    metrics = loss_metrics(ratio, advantages, mask, options, kl=kl, entropy=entropy, phi=phi)
+    metrics["policy_loss"] = policy_loss.detach()
+    return loss, metrics
 
 
-def clip_metrics(ratio, advantages, mask, options: LossOptions = DEFAULT_OPTIONS, kl=None, entropy=None):
-    """TRL's logged metrics: masked means of kl, entropy and the clipped fractions."""
+def loss_metrics(ratio, advantages, mask, options: LossOptions = DEFAULT_OPTIONS, *, kl=None, entropy=None, phi=None):
+    """TRL's logged metrics but policy_loss: masked means of kl, entropy, the clipped fractions
+    (cispo's own for cispo), vespo's weight; only those `metric_names(options)` lists."""
     epsilon_low, epsilon_high = options.clip_range
     m = mask.to(torch.float32)
     adv = advantages.unsqueeze(-1) if advantages.dim() < ratio.dim() else advantages
     ratio = ratio.detach()
 
     def masked_mean(x):
-        return ((x.detach().float() * m).sum() / m.sum().clamp(min=1.0))
+        x = x.detach().float().expand_as(m)
+        return (x * m).sum() / m.sum().clamp(min=1.0)
 
-    low = (ratio < 1 - epsilon_low) & (adv < 0)
-    high = (ratio > 1 + epsilon_high) & (adv > 0)
     zero = torch.zeros((), device=ratio.device)
-    return {
-        "kl": masked_mean(kl) if kl is not None else zero,
-        "entropy": masked_mean(entropy) if entropy is not None else zero,
-        "clip_ratio/low_mean": masked_mean(low),
-        "clip_ratio/high_mean": masked_mean(high),
-        "clip_ratio/region_mean": masked_mean(low | high),
-    }
+    out = {"kl": masked_mean(kl) if kl is not None else zero,
+           "entropy": masked_mean(entropy) if entropy is not None else zero}
+    if options.loss_type in CLIPPED_SURROGATES:
+        low = (ratio < 1 - epsilon_low) & (adv < 0)
+        high = (ratio > 1 + epsilon_high) & (adv > 0)
+        out.update({"clip_ratio/low_mean": masked_mean(low), "clip_ratio/high_mean": masked_mean(high),
+                    "clip_ratio/region_mean": masked_mean(low | high)})
+    elif options.loss_type == "cispo":
+        out["cispo_clip_ratio"] = masked_mean((ratio > epsilon_high) & (adv > 0))
+    elif options.loss_type == "vespo":
+        out["vespo/phi_seq_mean"] = masked_mean(phi)
+    return out
 
 
 def grpo_loss_reference(
@@ -325,33 +470,64 @@ def grpo_loss_reference(
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
     num_items_in_batch=None,
 ):
     """GRPO loss from materialised `logits [B, T, V]`: `(loss, metrics)`.
 
     target_ids `[B, T]` int; advantages `[B]` or `[B, T]`; mask `[B, T]` (1 = completion token);
-    old_logp, ref_logp, is_weights `[B, T]` or None; num_items_in_batch: dapo's normaliser (see
-    `loss_weights`). Metrics are detached scalars named as in TRL.
+    old_logp, ref_logp, is_weights, is_ratio, entropy_weights `[B, T]` or None (see
+    `grpo_loss_from_logprobs`); num_items_in_batch: see `loss_weights`. The entropy carries a
+    gradient only into the entropy bonus (options.entropy_coef != 0).
     """
     check_loss_inputs(logits.shape[:-1], options, target_ids=target_ids, advantages=advantages, mask=mask,
-                      old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights)
+                      old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
+                      entropy_weights=entropy_weights)
     logp, entropy = token_logprobs(logits, target_ids, options.temperature)
-    return grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy.detach(), old_logp=old_logp,
-                                   ref_logp=ref_logp, is_weights=is_weights, num_items_in_batch=num_items_in_batch)
+    entropy = entropy if options.entropy_coef != 0.0 else entropy.detach()
+    return grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy, old_logp=old_logp,
+                                   ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
+                                   entropy_weights=entropy_weights, num_items_in_batch=num_items_in_batch)
 
 
 def check_loss_inputs(bt, options: LossOptions, *, target_ids, advantages, mask, old_logp=None, ref_logp=None,
-                      is_weights=None) -> None:
+                      is_weights=None, is_ratio=None, entropy_weights=None) -> None:
     """Validate the loss's tensors against each other and the options (which checked themselves when
     built) before any work; errors name the argument and the shapes."""
     if options.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={options.beta} needs ref_logp (the reference policy's log-probs), got None")
+    if is_ratio is not None and options.loss_type != "vespo":
+        raise ValueError(f"is_ratio is vespo's; with loss_type={options.loss_type!r} pass the ratio in is_weights")
     bt = tuple(bt)
     if len(bt) != 2:
         raise ValueError(f"expected [B, T, ...] inputs, got leading shape {bt}")
-    given = {"target_ids": target_ids, "mask": mask, "old_logp": old_logp, "ref_logp": ref_logp, "is_weights": is_weights}
+    given = {"target_ids": target_ids, "mask": mask, "old_logp": old_logp, "ref_logp": ref_logp,
+             "is_weights": is_weights, "is_ratio": is_ratio, "entropy_weights": entropy_weights}
     for name, tensor in given.items():
         if tensor is not None and tuple(tensor.shape) != bt:
             raise ValueError(f"{name} must have shape {list(bt)} (B, T), got {list(tensor.shape)}")
     if tuple(advantages.shape) not in (bt[:1], bt):
         raise ValueError(f"advantages must have shape [{bt[0]}] or {list(bt)}, got {list(advantages.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The adaptive entropy bonus (TRL's controller)
+# ----------------------------------------------------------------------------------------------
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, *, adaptive: bool, target: float) -> float:
+    """The coefficient a step applies: `coef`, or with the adaptive controller `coef` only when the
+    previous optimizer step's global token entropy was <= target (+inf before the first: none)."""
+    if not adaptive:
+        return coef
+    return coef if last_entropy <= target else 0.0
+
+
+def adaptive_entropy_coef(coef: float, step_entropy: float, *, target: float, delta: float, coef_min: float,
+                          coef_max: float) -> float:
+    """The controller's update at an optimizer step's end, from that step's global token entropy:
+    up by delta (to at most coef_max) when the entropy is <= target, else down (to at least coef_min)."""
+    if step_entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)

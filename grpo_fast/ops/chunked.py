@@ -33,7 +33,8 @@ MIN_ROWS = 128
 class RowOps:
     # (logits [C, V], target [C], temperature) -> (logp, entropy, lse), each [C] f32
     stats: Callable
-    # in place: logits [C, V] <- g * (onehot - softmax(logits / T)) / T; lse [C], g [C] f32
+    # in place: logits [C, V] <- [g (onehot - p) - g_entropy p (log p + H)] / T, p = softmax(logits / T);
+    # lse, g [C] f32; g_entropy and entropy H [C] f32 or both None (no entropy gradient: g (onehot - p) / T)
     grad_: Callable
     # logit dtypes the passes take as they are (accumulating in f32 inside); any other dtype is
     # widened to a float32 copy of the chunk first
@@ -53,11 +54,17 @@ def torch_stats(logits, target, temperature):
     return logp_target, entropy, lse
 
 
-def torch_grad_(logits, target, lse, g, temperature):
+def torch_grad_(logits, target, lse, g, temperature, g_entropy=None, entropy=None):
     scale = (g / temperature).unsqueeze(-1)
     if temperature != 1.0:
         logits.div_(temperature)
-    logits.sub_(lse.unsqueeze(-1)).exp_().mul_(-scale)  # -g p / T
+    logits.sub_(lse.unsqueeze(-1))  # log p
+    if g_entropy is None:
+        logits.exp_().mul_(-scale)  # -g p / T
+    else:  # dH/dz = -p (log p + H) / T: one [C, V] temporary for p (this backend is the plain one)
+        p = logits.exp()
+        logits.add_(entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1)).add_(g.unsqueeze(-1))
+        logits.mul_(p).mul_(-1.0 / temperature)  # -p (g + g_H (log p + H)) / T
     logits.scatter_add_(-1, target.unsqueeze(-1), scale)  # + g onehot / T
     return logits
 
@@ -100,24 +107,31 @@ def forward(row_ops: RowOps, hidden, weight, bias, target, temperature, chunk_si
     return logp, entropy, lse
 
 
-def backward(row_ops: RowOps, hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None):
-    """Gradients of sum(grad_logp * logp) w.r.t. (hidden, weight, bias), recomputing logit chunks."""
-    return _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=lse, grad_logp=grad_logp)[2:]
+def backward(row_ops: RowOps, hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True),
+             chunk_size=None, grad_entropy=None, entropy=None):
+    """Gradients of sum(grad_logp * logp + grad_entropy * entropy) w.r.t. (hidden, weight, bias),
+    recomputing logit chunks; grad_entropy and the forward's entropy [N] f32, or None."""
+    return _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=lse,
+                      grad_logp=grad_logp, grad_entropy=grad_entropy, entropy=entropy)[2:]
 
 
-def fused(row_ops: RowOps, hidden, weight, bias, target, temperature, dloss_dlogp, needs=(True, True, True), chunk_size=None):
+def fused(row_ops: RowOps, hidden, weight, bias, target, temperature, dloss_dlogp, needs=(True, True, True),
+          chunk_size=None, grad_entropy=None):
     """One pass: (logp, entropy, grad_hidden, grad_weight, grad_bias).
 
     `dloss_dlogp(start, end, logp_chunk) -> g_chunk` gives the loss gradient for the chunk's tokens
     as soon as their log-probs are known (valid when the loss is local per token), so the logits
-    are computed once, not recomputed in a backward pass.
+    are computed once, not recomputed in a backward pass. grad_entropy: d(loss)/d(entropy) [N] f32
+    (the entropy bonus: a constant per token), or None.
     """
-    return _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, dloss_dlogp=dloss_dlogp)
+    return _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, dloss_dlogp=dloss_dlogp,
+                      grad_entropy=grad_entropy)
 
 
-def _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=None, grad_logp=None, dloss_dlogp=None):
+def _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_size, lse=None, grad_logp=None,
+               dloss_dlogp=None, grad_entropy=None, entropy=None):
     n, vocab = hidden.shape[0], weight.shape[0]
-    logp = entropy = None
+    logp = None  # entropy: the forward's (backward) or filled here (fused)
     if dloss_dlogp is not None:
         logp = hidden.new_empty(n, dtype=torch.float32)
         entropy = torch.empty_like(logp)
@@ -131,7 +145,9 @@ def _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_
             g = dloss_dlogp(s, e, logp[s:e]).float()
         else:
             lse_c, g = lse[s:e], grad_logp[s:e].float()
-        return row_ops.grad_(logits, target[s:e], lse_c, g, temperature)
+        if grad_entropy is None:
+            return row_ops.grad_(logits, target[s:e], lse_c, g, temperature)
+        return row_ops.grad_(logits, target[s:e], lse_c, g, temperature, grad_entropy[s:e].float(), entropy[s:e].float())
 
     slab_dtype = weight.dtype if weight.dtype in row_ops.slab_dtypes else torch.float32
     grads = chunks.param_grads(hidden, weight, bias, needs, spans, slab_dtype, chunk_grad)

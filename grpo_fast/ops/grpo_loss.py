@@ -3,12 +3,15 @@
 The loss math is `grpo_fast.objective`'s, applied to per-token log-probs that the backends compute
 without logits. Two routes, both exact:
 
-- token-level ratio: the token loss depends only on the token's own log-prob and every aggregation
-  is a fixed weight per token (`objective.loss_weights`), so the gradient of each logit chunk is
-  known as soon as its log-probs are: one pass computes loss and gradients (3 matmuls, not 4).
-  That pass is the custom op `grpo_fast::fused_linear_grpo_loss`.
-- sequence-level ratio (GSPO): a token's gradient depends on its whole sequence, so log-probs come
-  from `masked_linear_logprobs` and autograd recomputes logit chunks in the backward.
+- token-local losses (`LossOptions.token_local`: token-level ratios, every loss type but vespo):
+  the token loss depends only on the token's own log-prob, every aggregation is a fixed weight per
+  token (`objective.loss_weights`) and so is the entropy bonus's (`entropy_bonus_weights`), so the
+  gradient of each logit chunk is known as soon as its log-probs are: one pass computes loss and
+  gradients (3 matmuls, not 4). That pass is the custom op `grpo_fast::fused_linear_grpo_loss`.
+- sequence-level ratios (GSPO, luspo) and vespo (whose weight needs the sequence's ratio product):
+  a token's gradient depends on its whole sequence, so log-probs (and, for the entropy bonus, a
+  differentiable entropy) come from `masked_linear_logprobs` and autograd recomputes logit chunks
+  in the backward.
 
 Tokens outside the mask are dropped before any matmul: padding costs nothing.
 
@@ -38,7 +41,8 @@ OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
 _SCHEMA_TYPES = {str: "str", float: "float", int: "int", bool: "bool", Optional[float]: "float?", Optional[int]: "int?"}
 _HINTS = typing.get_type_hints(LossOptions)
 _ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor target_ids", "Tensor advantages", "Tensor mask",
-         "Tensor? old_logp", "Tensor? ref_logp", "Tensor? is_weights", "Tensor? num_items_in_batch",
+         "Tensor? old_logp", "Tensor? ref_logp", "Tensor? is_weights", "Tensor? entropy_weights",
+         "Tensor? num_items_in_batch",
          "bool[] needs", "bool private_grads")
 _ARGS += tuple(f"{_SCHEMA_TYPES[_HINTS[name]]} {name}" for name in OPTION_NAMES)
 SCHEMA = f"({', '.join(_ARGS)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
@@ -73,8 +77,9 @@ def _token_grad(options: LossOptions, tokens: dict, start: int, end: int, logp: 
 
 
 def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
-                  num_items_in_batch, needs, private_grads, *option_values):
-    """(loss, metrics [5], grad_hidden, grad_weight, grad_bias); a gradient not in `needs` is empty.
+                  entropy_weights, num_items_in_batch, needs, private_grads, *option_values):
+    """(loss, metrics [len(METRIC_NAMES)], grad_hidden, grad_weight, grad_bias); a gradient not in
+    `needs` is empty, a metric the loss type does not report is 0.
 
     private_grads: the caller never reads the gradient outputs (`fused_linear_grpo_loss` drops them),
     so the backward may scale them in place (see `_loss_backward`)."""
@@ -86,25 +91,31 @@ def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, 
     tokens = dict(advantages=rows.take_tokens(advantages), weights=rows.take_tokens(weights),
                   old_logp=rows.take_tokens(old_logp), ref_logp=rows.take_tokens(ref_logp),
                   is_weights=rows.take_tokens(is_weights))
+    if options.entropy_coef != 0.0 and entropy_weights is None:
+        entropy_weights = objective.entropy_bonus_weights(mask)
     impl = backends.get(options.backend)
     if any(needs):
         dloss_dlogp = lambda s, e, lp: _token_grad(options, tokens, s, e, lp)
-        logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.temperature, dloss_dlogp, needs)
+        # the entropy bonus -coef * sum(H * weights): a constant gradient per token
+        grad_entropy = None if options.entropy_coef == 0.0 else -options.entropy_coef * rows.take_tokens(entropy_weights)
+        logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.temperature, dloss_dlogp, needs,
+                                               **({} if grad_entropy is None else dict(grad_entropy=grad_entropy)))
     else:
         logp_a, entropy_a, _ = impl.forward(hidden_a, weight, bias, target_a, options.temperature)
         grads = [None, None, None]
     # loss value and metrics: the spec on [B, T]; masked places take the old log-prob (ratio 1, finite)
     loss, metrics = objective.grpo_loss_from_logprobs(
         rows.put(logp_a, old_logp), advantages, mask, options, entropy=rows.put(entropy_a), old_logp=old_logp,
-        ref_logp=ref_logp, is_weights=is_weights, num_items_in_batch=num_items_in_batch,
+        ref_logp=ref_logp, is_weights=is_weights, entropy_weights=entropy_weights, num_items_in_batch=num_items_in_batch,
     )
     grads[0] = None if grads[0] is None else rows.put(grads[0])  # (B, T, H), 0 at inactive tokens
     grads = [hidden.new_empty(0) if g is None else g for g in grads]
-    return loss, torch.stack([metrics[name] for name in objective.METRIC_NAMES]), *grads
+    zero = loss.new_zeros(())
+    return loss, torch.stack([metrics.get(name, zero) for name in objective.METRIC_NAMES]), *grads
 
 
 def _loss_fake(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
-               num_items_in_batch, needs, private_grads, *option_values):
+               entropy_weights, num_items_in_batch, needs, private_grads, *option_values):
     f32 = dict(dtype=torch.float32, device=hidden.device)
     return torch.empty((), **f32), torch.empty(len(objective.METRIC_NAMES), **f32), *fake_grads(hidden, weight, bias, needs)
 
@@ -145,6 +156,8 @@ def fused_linear_grpo_loss(
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
     beta: float = LossOptions.beta,
     epsilon_low: float = LossOptions.epsilon_low,
@@ -161,12 +174,15 @@ def fused_linear_grpo_loss(
     """GRPO loss `(loss, metrics)` with the semantics of `objective.grpo_loss_reference`.
 
     hidden `[B, T, H]`, weight `[V, H]`, target_ids `[B, T]`, advantages `[B]` or `[B, T]`,
-    mask `[B, T]` (1 = completion token), old_logp / ref_logp / is_weights `[B, T]` or None,
-    bias `[V]` or None, num_items_in_batch: dapo's normaliser (a number or a scalar tensor; None:
+    mask `[B, T]` (1 = completion token), old_logp / ref_logp / is_weights / is_ratio (vespo) /
+    entropy_weights `[B, T]` or None (see `objective.grpo_loss_from_logprobs`), bias `[V]` or None,
+    num_items_in_batch: the normaliser of dapo, cispo and vespo (a number or a scalar tensor; None:
     the mask's sum). The loss options are the keywords from `beta` to `backend` (defaults:
-    `objective.LossOptions`'s), or one `options=LossOptions(...)` with those keywords left alone.
-    loss is a float32 scalar, differentiable w.r.t. hidden, weight and bias; metrics holds detached
-    scalars: kl, entropy, clip_ratio/{low,high,region}_mean.
+    `objective.LossOptions`'s), or one `options=LossOptions(...)` (every option, the new loss types'
+    and the entropy bonus's included) with those keywords left alone.
+    loss is a float32 scalar, differentiable w.r.t. hidden, weight and bias (through the entropy
+    too when options.entropy_coef != 0); metrics holds the detached scalars
+    `objective.metric_names(options)` lists (kl, entropy, clip_ratio/*, policy_loss, ...).
     """
     keywords = LossOptions(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
@@ -181,20 +197,27 @@ def fused_linear_grpo_loss(
         raise ValueError(f"hidden must be [B, T, H], got shape {list(hidden.shape)}")
     resolved = validate_linear(hidden, weight, target_ids, bias, options.temperature, options.backend)
     objective.check_loss_inputs(hidden.shape[:2], options, target_ids=target_ids, advantages=advantages, mask=mask,
-                                old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights)
+                                old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
+                                entropy_weights=entropy_weights)
     num_items = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32)
+    names = objective.metric_names(options)
 
-    if options.importance_sampling_level == "sequence":
+    if not options.token_local:
         # masked places take the old log-prob: ratio 1, so they stay finite
         logp, entropy = masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias,
                                                temperature=options.temperature, backend=resolved,
-                                               return_entropy=True, fill=old_logp)
-        return objective.grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy, old_logp=old_logp,
-                                                 ref_logp=ref_logp, is_weights=is_weights, num_items_in_batch=num_items)
+                                               return_entropy=True, fill=old_logp,
+                                               differentiable_entropy=options.entropy_coef != 0.0)
+        loss, metrics = objective.grpo_loss_from_logprobs(
+            logp, advantages, mask, options, entropy=entropy, old_logp=old_logp, ref_logp=ref_logp,
+            is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights, num_items_in_batch=num_items)
+        return loss, {name: metrics[name] for name in names}
 
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     concrete = dataclasses.replace(options, backend=resolved)
     loss, metrics, *_ = _loss_op(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
-                                 num_items, needs, True, *(getattr(concrete, name) for name in OPTION_NAMES))
-    return loss, dict(zip(objective.METRIC_NAMES, metrics.unbind(), strict=True))
+                                 entropy_weights, num_items, needs, True,
+                                 *(getattr(concrete, name) for name in OPTION_NAMES))
+    metrics = dict(zip(objective.METRIC_NAMES, metrics.unbind(), strict=True))
+    return loss, {name: metrics[name] for name in names}

@@ -97,8 +97,10 @@ class Rows:
 
 @torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
-                     mask: Optional[Tensor], temperature: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse), float32 shaped like target_ids, 0 where mask is 0. `backend` resolved."""
+                     mask: Optional[Tensor], temperature: float, backend: str,
+                     entropy_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse), float32 shaped like target_ids, 0 where mask is 0. `backend` resolved;
+    entropy_grad: whether the entropy is differentiable (else a metric, as lse is internal)."""
     rows = Rows(mask, target_ids.shape)
     target = rows.take(target_ids).to(torch.int64)
     check_targets(target, weight.shape[0])
@@ -107,20 +109,26 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tar
 
 
 @_linear_logprobs.register_fake
-def _(hidden, weight, bias, target_ids, mask, temperature, backend):
+def _(hidden, weight, bias, target_ids, mask, temperature, backend, entropy_grad):
     return tuple(hidden.new_empty(target_ids.shape, dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
                               mask: Optional[Tensor], lse: Tensor, grad_logp: Tensor, temperature: float, backend: str,
-                              needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of sum(grad_logp * logp) w.r.t. (hidden, weight, bias), recomputing logit chunks;
-    an empty tensor where `needs` says not wanted (or there is no bias)."""
+                              needs: list[bool], entropy: Optional[Tensor],
+                              grad_entropy: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum(grad_logp * logp [+ grad_entropy * entropy]) w.r.t. (hidden, weight, bias),
+    recomputing logit chunks; an empty tensor where `needs` says not wanted (or there is no bias).
+    entropy, grad_entropy: the forward's entropy and its incoming gradient, or both None."""
     rows = Rows(mask, target_ids.shape)
     g = rows.take(grad_logp).float().contiguous()
+    entropy_args = {}
+    if grad_entropy is not None:
+        entropy_args = dict(grad_entropy=rows.take(grad_entropy).float().contiguous(),
+                            entropy=rows.take(entropy).float().contiguous())
     grads = backends.get(backend).backward(rows.take(hidden), weight, bias, rows.take(target_ids).to(torch.int64),
-                                           rows.take(lse), g, temperature, needs)
+                                           rows.take(lse), g, temperature, needs, **entropy_args)
     grad_hidden = None if grads[0] is None else rows.put(grads[0])  # (*lead, H), 0 at inactive tokens
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in (grad_hidden, *grads[1:]))
 
@@ -133,23 +141,29 @@ def fake_grads(hidden, weight, bias, needs) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, backend, needs):
+def _(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, backend, needs, entropy, grad_entropy):
     return fake_grads(hidden, weight, bias, needs)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, target_ids, mask, temperature, backend = inputs
-    ctx.save_for_backward(hidden, weight, bias, target_ids, mask, output[2])
+    hidden, weight, bias, target_ids, mask, temperature, backend, entropy_grad = inputs
+    ctx.save_for_backward(hidden, weight, bias, target_ids, mask, output[2], output[1] if entropy_grad else None)
     ctx.temperature, ctx.backend = temperature, backend
-    ctx.mark_non_differentiable(output[1], output[2])  # entropy is a metric here; lse is internal
+    # lse is internal; the entropy is a metric unless asked for (the entropy bonus)
+    ctx.mark_non_differentiable(*((output[2],) if entropy_grad else (output[1], output[2])))
 
 
-def _backward(ctx, grad_logp, _grad_entropy, _grad_lse):
-    hidden, weight, bias, target_ids, mask, lse = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    hidden, weight, bias, target_ids, mask, lse, entropy = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])
+    if entropy is None:
+        grad_entropy = None
+    if grad_logp is None:  # only the entropy reached the loss
+        grad_logp = torch.zeros_like(lse)
     grads = torch.ops.grpo_fast.linear_logprobs_backward(hidden, weight, bias, target_ids, mask, lse, grad_logp,
-                                                         ctx.temperature, ctx.backend, needs)
-    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None)
+                                                         ctx.temperature, ctx.backend, needs,
+                                                         entropy if grad_entropy is not None else None, grad_entropy)
+    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None, None)
 
 
 _linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
@@ -171,13 +185,15 @@ def masked_linear_logprobs(
     backend: str = "auto",
     return_entropy: bool = False,
     fill: Optional[torch.Tensor] = None,
+    differentiable_entropy: bool = False,
 ):
     """`fused_linear_logprobs` of the tokens where `mask` is set; the others cost nothing.
 
     hidden `[..., H]`, target_ids and mask `[...]` (mask None: every token). Returns float32 `[...]`
     log-probs, differentiable w.r.t. hidden, weight and bias, holding `fill` (detached; zeros when
-    None) where the mask is 0; with `return_entropy=True`, `(logp, entropy)` where entropy (not
-    differentiable) is 0 where the mask is 0.
+    None) where the mask is 0; with `return_entropy=True`, `(logp, entropy)` where entropy is 0
+    where the mask is 0, and differentiable only with `differentiable_entropy=True` (its gradient
+    comes from the same backward pass as the log-probs': dH/dz = -p (log p + H) / T).
     """
     backend = validate_linear(hidden, weight, target_ids, bias, temperature, backend)
     if mask is not None and tuple(mask.shape) != tuple(target_ids.shape):
@@ -188,7 +204,7 @@ def masked_linear_logprobs(
     # The op saves hidden for its backward: a view (the completion slice of a decoder's [B, L, H]
     # output) would keep its whole base alive until then, a contiguous copy only the [..., H] it reads.
     logp, entropy, _ = torch.ops.grpo_fast.linear_logprobs(hidden.contiguous(), weight, bias, target_ids, mask,
-                                                           float(temperature), backend)
+                                                           float(temperature), backend, bool(differentiable_entropy))
     if fill is not None:
         logp = torch.where(mask != 0, logp, fill.detach().float())
     return (logp, entropy) if return_entropy else logp
@@ -203,14 +219,17 @@ def fused_linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    differentiable_entropy: bool = False,
 ):
     """Log-probs of `target_ids` under `softmax((hidden @ weight.T + bias) / temperature)`.
 
     hidden `[..., H]` (float32/bfloat16/float16), weight `[V, H]` (same dtype, contiguous),
     target_ids `[...]` integer in `[0, V)`, bias `[V]` or None.
     Returns float32 log-probs `[...]`, differentiable w.r.t. hidden, weight and bias; with
-    `return_entropy=True`, `(logp, entropy)` where entropy `[...]` is float32 and not differentiable.
+    `return_entropy=True`, `(logp, entropy)` where entropy `[...]` is float32, differentiable only with
+    `differentiable_entropy=True`.
     backend: "auto" (triton on CUDA, cpu on CPU), "triton", "cpu" or "torch".
     """
     return masked_linear_logprobs(hidden, weight, target_ids, None, bias=bias, temperature=temperature,
-                                  backend=backend, return_entropy=return_entropy)
+                                  backend=backend, return_entropy=return_entropy,
+                                  differentiable_entropy=differentiable_entropy)

@@ -65,6 +65,8 @@ class Case:
     old_logp: bool = True
     ref_logp: bool = False
     is_weights: bool = False
+    is_ratio: bool = False  # vespo's vLLM importance ratio
+    entropy_weights: bool = False  # explicit entropy-bonus weights (else the spec's default)
     options: LossOptions = CASE_OPTIONS  # the backend is the test's
     num_items_in_batch: Optional[float] = None
     seed: int = 0
@@ -72,7 +74,8 @@ class Case:
 
     def __str__(self):
         parts = [f"B{self.B}T{self.T}H{self.H}V{self.V}", str(self.dtype).replace("torch.", ""), self.mask]
-        parts += [n for n in ("bias", "adv_per_token", "ref_logp", "is_weights") if getattr(self, n)]
+        parts += [n for n in ("bias", "adv_per_token", "ref_logp", "is_weights", "is_ratio", "entropy_weights")
+                  if getattr(self, n)]
         parts += [] if self.old_logp else ["no_old"]
         parts += [f"{f.name}={getattr(self.options, f.name)}" for f in dataclasses.fields(LossOptions)
                   if getattr(self.options, f.name) != getattr(CASE_OPTIONS, f.name)]
@@ -109,6 +112,10 @@ def make_inputs(case: Case) -> dict:
         inputs["ref_logp"] = true_logp + 0.5 * torch.randn(B, T, generator=g)
     if case.is_weights:
         inputs["is_weights"] = torch.rand(B, T, generator=g) * 1.5 + 0.25
+    if case.is_ratio:
+        inputs["is_ratio"] = torch.rand(B, T, generator=g) * 1.5 + 0.25
+    if case.entropy_weights:  # a high-entropy-token mask over a normaliser, as a trainer passes them
+        inputs["entropy_weights"] = (torch.rand(B, T, generator=g) > 0.5).float() * mask.float() / 7.0
     return {k: None if v is None else v.to(case.device) for k, v in inputs.items()}
 
 
@@ -124,7 +131,7 @@ def _leaves(inputs, dtype):
 
 
 def _extras(inputs):
-    return {k: inputs[k] for k in ("old_logp", "ref_logp", "is_weights") if k in inputs}
+    return {k: inputs[k] for k in ("old_logp", "ref_logp", "is_weights", "is_ratio", "entropy_weights") if k in inputs}
 
 
 def run_reference(case: Case, inputs: dict, grad_scale: float = 3.0, plain: bool = False):

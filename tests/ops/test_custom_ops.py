@@ -34,6 +34,7 @@ def _inputs(dtype=torch.float32, seed=0):
         old_logp=-torch.rand(B, T, generator=g) * 3,
         ref_logp=-torch.rand(B, T, generator=g) * 3,
         is_weights=torch.rand(B, T, generator=g) + 0.5,
+        entropy_weights=torch.rand(B, T, generator=g) / (B * T),
     )
 
 
@@ -50,6 +51,9 @@ LOSS_VARIANTS = {  # name: (loss options, which inputs are left out, needs)
     "grpo-no-bias": (LossOptions(loss_type="grpo", max_completion_length=9), ("bias", "ref_logp"), [True, True, False]),
     "hidden-only-no-old": (LossOptions(loss_type="dr_grpo"), ("old_logp", "is_weights"), [True, False, False]),
     "no-grads": (LossOptions(), (), [False, False, False]),
+    "cispo-entropy-bonus": (LossOptions(loss_type="cispo", epsilon_high=5.0, entropy_coef=0.1), (), [True, True, True]),
+    "sapo-default-entropy-weights": (LossOptions(loss_type="sapo", entropy_coef=-0.05), ("entropy_weights",),
+                                     [True, True, True]),
 }
 
 
@@ -60,17 +64,18 @@ def test_opcheck_fused_linear_grpo_loss(backend, variant):
     x = {k: None if k in left_out else v for k, v in _inputs().items()}
     num_items = torch.tensor(7.0) if options.loss_type == "dapo" else None
     args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["advantages"], x["mask"], x["old_logp"],
-            x["ref_logp"], x["is_weights"], num_items, needs, False,
+            x["ref_logp"], x["is_weights"], x["entropy_weights"], num_items, needs, False,
             *_option_values(dataclasses.replace(options, backend=backend)))
     torch.library.opcheck(torch.ops.grpo_fast.fused_linear_grpo_loss, args)
 
 
 @pytest.mark.parametrize("backend", backend_params())
-@pytest.mark.parametrize("masked,bias", [(True, True), (False, False)], ids=["masked-bias", "plain"])
-def test_opcheck_linear_logprobs(backend, masked, bias):
+@pytest.mark.parametrize("masked,bias,entropy_grad", [(True, True, True), (False, False, False)],
+                         ids=["masked-bias-entropy_grad", "plain"])
+def test_opcheck_linear_logprobs(backend, masked, bias, entropy_grad):
     x = _inputs()
     args = (x["hidden"], x["weight"], x["bias"] if bias else None, x["target_ids"], x["mask"] if masked else None,
-            0.7, backend)
+            0.7, backend, entropy_grad)
     torch.library.opcheck(torch.ops.grpo_fast.linear_logprobs, args)
 
 
@@ -78,10 +83,12 @@ def test_opcheck_linear_logprobs(backend, masked, bias):
 @pytest.mark.parametrize("needs", [[True, True, True], [False, True, False]], ids=["all", "weight"])
 def test_opcheck_linear_logprobs_backward(backend, needs):
     x = {k: v.detach() if v.is_floating_point() else v for k, v in _inputs().items()}
-    _, _, lse = torch.ops.grpo_fast.linear_logprobs(x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"],
-                                                     0.7, backend)
+    _, entropy, lse = torch.ops.grpo_fast.linear_logprobs(x["hidden"], x["weight"], x["bias"], x["target_ids"],
+                                                           x["mask"], 0.7, backend, True)
     grad_logp = torch.randn(B, T, generator=torch.Generator().manual_seed(1))
-    args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"], lse, grad_logp, 0.7, backend, needs)
+    grad_entropy = torch.randn(B, T, generator=torch.Generator().manual_seed(2))
+    args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"], lse, grad_logp, 0.7, backend, needs,
+            entropy, grad_entropy)
     torch.library.opcheck(torch.ops.grpo_fast.linear_logprobs_backward, args)
 
 

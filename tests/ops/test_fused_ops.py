@@ -38,8 +38,9 @@ def _check_against_spec(case: Case, backend: str):
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_close(loss, ref_loss, atol=_bound(ref_loss, plain_loss, case.dtype), name=f"{backend} loss")
     n_active = max(int(inputs["mask"].sum()), 1)
-    for name in objective.METRIC_NAMES:
-        if name.startswith("clip_ratio") and case.dtype != torch.float32:
+    assert set(metrics) == set(ref_metrics) == set(objective.metric_names(case.options))
+    for name in metrics:
+        if name.startswith(("clip_ratio", "cispo_clip_ratio")) and case.dtype != torch.float32:
             atol = 1.0 / n_active + 1e-6  # a bf16 ratio right at the clip edge may flip one token
         else:
             atol = _bound(ref_metrics[name], plain_metrics[name], case.dtype)
@@ -87,6 +88,38 @@ OPTION_CASES = {
     "bf16": Case(dtype=torch.bfloat16, bias=True, ref_logp=True, options=loss_options(beta=0.04, epsilon_high=0.28)),
     "bf16_seq": Case(dtype=torch.bfloat16, V=131, options=loss_options(importance_sampling_level="sequence")),
     "bf16_grpo": Case(dtype=torch.bfloat16, is_weights=True, adv_per_token=True, options=loss_options(loss_type="grpo")),
+    # TRL's loss types beyond the clipped surrogate (off-policy old log-probs in every case: at ratio 1
+    # sapo has grpo's gradient and vespo dapo's)
+    "cispo_eps5": Case(ref_logp=True, options=loss_options(loss_type="cispo", epsilon_high=5.0, beta=0.04)),
+    "cispo_wide_ratio": Case(options=loss_options(loss_type="cispo", epsilon_high=1.1)),
+    "sapo_adv_per_token": Case(adv_per_token=True, is_weights=True, options=loss_options(loss_type="sapo")),
+    "sapo_temperatures": Case(options=loss_options(loss_type="sapo", sapo_temperature_pos=0.5,
+                                                   sapo_temperature_neg=2.0)),
+    "vespo_is_ratio": Case(is_ratio=True, is_weights=True, options=loss_options(loss_type="vespo")),
+    "vespo_k_lambda": Case(B=4, options=loss_options(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=1.5,
+                                                     vespo_k_neg=2.5, vespo_lambda_neg=1.0)),
+    "vespo_empty_row": Case(mask="empty_row", options=loss_options(loss_type="vespo")),
+    "luspo_seq_delta": Case(options=loss_options(loss_type="luspo", importance_sampling_level="sequence", delta=1.5)),
+    "bias_corrected_kl": Case(ref_logp=True, options=loss_options(beta=0.04, use_bias_correction_kl=True, delta=1.3)),
+    "bias_corrected_kl_seq": Case(ref_logp=True, options=loss_options(
+        loss_type="grpo", beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence")),
+    "bf16_cispo_sapo": Case(dtype=torch.bfloat16, bias=True, options=loss_options(loss_type="sapo")),
+    "bf16_vespo": Case(dtype=torch.bfloat16, V=131, options=loss_options(loss_type="vespo")),
+    # the entropy bonus: its gradient from the same pass as the log-probs'
+    "entropy_bonus": Case(bias=True, ref_logp=True, options=loss_options(entropy_coef=0.3, beta=0.04)),
+    "entropy_bonus_weights": Case(entropy_weights=True, options=loss_options(loss_type="grpo", entropy_coef=-0.2)),
+    "entropy_bonus_only": Case(old_logp=False, options=loss_options(entropy_coef=0.5, epsilon_low=0.0,
+                                                                    epsilon_high=0.0)),
+    "entropy_bonus_seq": Case(bias=True, options=loss_options(importance_sampling_level="sequence", loss_type="grpo",
+                                                              entropy_coef=0.3)),
+    "entropy_bonus_vespo": Case(entropy_weights=True, options=loss_options(loss_type="vespo", entropy_coef=0.3)),
+    "entropy_bonus_empty_row": Case(mask="empty_row", options=loss_options(loss_type="cispo", entropy_coef=0.3)),
+    "entropy_bonus_all_masked": Case(mask="none", options=loss_options(entropy_coef=0.3)),
+    "entropy_bonus_V131": Case(V=131, T=3, bias=True, options=loss_options(loss_type="sapo", entropy_coef=0.3)),
+    "entropy_bonus_temperature_1": Case(options=loss_options(temperature=1.0, entropy_coef=0.3)),
+    "bf16_entropy_bonus": Case(dtype=torch.bfloat16, bias=True, options=loss_options(entropy_coef=0.3)),
+    "bf16_entropy_bonus_seq": Case(dtype=torch.bfloat16, V=131, options=loss_options(
+        importance_sampling_level="sequence", entropy_coef=0.3)),
 }
 
 
@@ -129,7 +162,8 @@ def test_no_grad_inputs(backend):
 
 
 @pytest.mark.parametrize("backend", backend_params(triton=False))
-@pytest.mark.parametrize("name", ["is_weights", "bf16", "bf16_seq", "empty_row_seq"])
+@pytest.mark.parametrize("name", ["is_weights", "bf16", "bf16_seq", "empty_row_seq", "entropy_bonus",
+                                  "bf16_entropy_bonus", "entropy_bonus_seq", "vespo_is_ratio"])
 def test_many_chunks(backend, name, monkeypatch):
     """A slab of 3 rows: the chunk loop (slab reuse, ragged last chunk, grad_weight summed over
     chunks, in bf16 too) gives the spec's answer."""
