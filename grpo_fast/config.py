@@ -18,10 +18,12 @@ import dataclasses
 import difflib
 import math
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, REWARD_AGGREGATIONS, SCALE_REWARDS, STD_ESTIMATORS
+from .objective import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, REWARD_AGGREGATIONS, SCALE_REWARDS, STD_ESTIMATORS,
+                        LossOptions, option_warnings)
 
 ENGINES = ("auto", "vllm", "hf")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -76,12 +78,27 @@ class GRPOConfig:
     shuffle_dataset: bool = _f(True, "Shuffle the training prompts each epoch (seeded, so a resumed run sees the same order).")
 
     # ---- objective ---------------------------------------------------------------------------
-    loss_type: str = _f("dapo", "Loss aggregation (TRL): grpo | bnpo | dr_grpo | dapo (global token mean over the optimizer step).", LOSS_TYPES)
+    loss_type: str = _f("dapo", "Token loss and aggregation (TRL): grpo (sequence means) | bnpo | dr_grpo | dapo (global token mean over the optimizer step) | cispo (REINFORCE with the ratio capped at epsilon_high and stopped, dapo's mean; TRL suggests epsilon_high=5) | sapo (a soft sigmoid gate instead of the clip, grpo's mean) | vespo (a gamma weight of the sequence's ratio product, dapo's mean) | luspo (the clipped surrogate summed over each sequence, mean over sequences; meant for importance_sampling_level=sequence).", LOSS_TYPES)
     beta: float = _f(0.0, "KL coefficient against a frozen reference policy; 0 loads no reference model.")
     epsilon: float = _f(0.2, "Lower PPO clip range (and the upper one unless epsilon_high is set).")
     epsilon_high: Optional[float] = _f(None, "Upper PPO clip range (DAPO clip-higher, e.g. 0.28). None: epsilon.")
     delta: Optional[float] = _f(None, "Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2). None: off.")
     importance_sampling_level: str = _f("token", "Ratio per token (GRPO) or per sequence (GSPO).", IMPORTANCE_SAMPLING_LEVELS)
+    sapo_temperature_pos: float = _f(1.0, "sapo: temperature of the sigmoid gate where the advantage is > 0 (TRL).")
+    sapo_temperature_neg: float = _f(1.05, "sapo: temperature where the advantage is <= 0 (TRL).")
+    vespo_k_pos: float = _f(2.0, "vespo: shape k of the gamma weight phi(W) = exp(lambda + k log W - lambda W) where the advantage is >= 0 (TRL).")
+    vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda where the advantage is >= 0 (TRL).")
+    vespo_k_neg: float = _f(3.0, "vespo: k where the advantage is < 0 (TRL).")
+    vespo_lambda_neg: float = _f(2.0, "vespo: lambda where the advantage is < 0 (TRL).")
+    use_bias_correction_kl: bool = _f(True, "Multiply the KL term by the importance ratio (TRL's default since 1.x): with num_iterations > 1 or an off-policy batch it changes the KL gradient when beta > 0. False: the plain k3 estimator.")
+    top_entropy_quantile: float = _f(1.0, "Train only on the highest-entropy tokens of each micro-batch: this share of them (TRL; 1.0: all). Costs a no-grad log-prob pass of the lm_head per micro-batch.")
+    off_policy_mask_threshold: Optional[float] = _f(None, "Off-policy sequence mask (DeepSeek-V3.2, TRL): drop a negative-advantage completion from the loss when its mean log-prob gap (sampler minus current policy) exceeds this. None: off. Costs a no-grad log-prob pass of the lm_head per micro-batch.")
+    entropy_coef: float = _f(0.0, "Entropy bonus (TRL): the loss subtracts entropy_coef x the masked mean token entropy, whatever the loss type; with use_adaptive_entropy, the starting coefficient.")
+    use_adaptive_entropy: bool = _f(False, "Adapt entropy_coef each optimizer step (TRL): +entropy_coef_delta when the step's token entropy was <= entropy_target, else -delta; the bonus is applied only while the previous step's entropy was <= entropy_target.")
+    entropy_coef_min: float = _f(0.0, "Adaptive entropy: smallest coefficient.")
+    entropy_coef_max: float = _f(1.0, "Adaptive entropy: largest coefficient.")
+    entropy_coef_delta: float = _f(0.005, "Adaptive entropy: change of the coefficient per optimizer step.")
+    entropy_target: float = _f(0.2, "Adaptive entropy: the token entropy (nats) the controller aims at.")
     scale_rewards: str = _f("group", "Advantage scaling: divide by the group std, the batch std, or not at all (Dr. GRPO).", SCALE_REWARDS)
     advantage_std: str = _f("population", "Std estimator for the advantages: population (biased) or sample (unbiased, as TRL).", STD_ESTIMATORS)
     multi_objective_aggregation: str = _f("sum_then_normalize", "With several rewards: weight-sum then normalise (TRL), or normalise each then sum.", REWARD_AGGREGATIONS)
@@ -133,6 +150,8 @@ class GRPOConfig:
         if self.vllm_max_model_length is None and self.max_prompt_length is not None:
             self.vllm_max_model_length = self.max_prompt_length + self.max_completion_length
         _validate(self)
+        for message in option_warnings(LossOptions.from_config(self)):
+            warnings.warn(message, stacklevel=3)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -271,6 +290,26 @@ def _validate(c: GRPOConfig) -> None:
             _fail("reward_weights", c.reward_weights, "finite numbers")
     if not c.reward_funcs:
         _fail("reward_funcs", c.reward_funcs, "at least one reward function name")
+    if not 0 < c.top_entropy_quantile <= 1:
+        _fail("top_entropy_quantile", c.top_entropy_quantile, "a number in (0, 1]")
+    if c.off_policy_mask_threshold is not None and not c.off_policy_mask_threshold >= 0:
+        _fail("off_policy_mask_threshold", c.off_policy_mask_threshold, "None or a number >= 0")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if not (getattr(c, name) > 0 and math.isfinite(getattr(c, name))):
+            _fail(name, getattr(c, name), "a positive finite number")
+    if not math.isfinite(c.entropy_coef):
+        _fail("entropy_coef", c.entropy_coef, "a finite number")
+    for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef_min",
+                 "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
+        if not (getattr(c, name) >= 0 and math.isfinite(getattr(c, name))):
+            _fail(name, getattr(c, name), "a finite number >= 0")
+    if c.entropy_coef_min > c.entropy_coef_max:
+        _fail("entropy_coef_min", c.entropy_coef_min, f"<= entropy_coef_max ({c.entropy_coef_max})")
+    if c.loss_type == "vespo" and c.vllm_importance_sampling_correction is not False \
+            and c.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
+        _fail("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode,
+              "'token_truncate' or 'token_mask' with loss_type='vespo' (it folds the per-token IS ratios into its "
+              "sequence weight, as TRL requires), or vllm_importance_sampling_correction=False")
     if c.bf16 and c.dtype not in ("auto", "bfloat16"):
         _fail("bf16", c.bf16, f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'")
 

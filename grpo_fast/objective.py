@@ -394,6 +394,31 @@ def entropy_bonus_weights(mask: torch.Tensor, entropy_mask: Optional[torch.Tenso
     return m / normaliser.clamp(min=1.0)
 
 
+@torch.no_grad()
+def off_policy_mask(advantages, logp, sampling_logp, mask, threshold: float) -> torch.Tensor:
+    """TRL's off-policy sequence mask (DeepSeek-V3.2) `[B, 1]` (or like `advantages` when `[B, T]`):
+    1 keeps a sequence, 0 drops it when its advantage is < 0 and its mean log-prob gap
+    `sampling_logp - logp` over the mask is > threshold. A NaN gap (a token the sampler could not
+    score) counts as 0."""
+    m = mask.to(torch.float32)
+    gap = torch.nan_to_num(sampling_logp.float() - logp.detach().float(), nan=0.0)
+    mean_gap = (gap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    adv = advantages.unsqueeze(-1) if advantages.dim() < logp.dim() else advantages
+    return ((adv >= 0) | (mean_gap <= threshold)).to(torch.float32)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropy, mask, quantile: float) -> torch.Tensor:
+    """TRL's high-entropy token mask `[B, T]`: 1 where a masked token's entropy is >= the `quantile`
+    of the masked tokens' entropies (quantile = 1 - top_entropy_quantile), else 0."""
+    active = mask.bool()
+    values = entropy.detach().float()[active]
+    if values.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.float32)
+    threshold = torch.quantile(values, quantile)
+    return ((entropy.detach().float() >= threshold) & active).to(torch.float32)
+
+
 def grpo_loss_from_logprobs(
     logp: torch.Tensor,
     advantages: torch.Tensor,

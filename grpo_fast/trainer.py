@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import os
 import time
 import warnings
@@ -26,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import checkpoint, run_folder
+from . import checkpoint, objective, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
 from .train import setup
@@ -58,6 +59,8 @@ class TrainState:
     signal_free_steps: int = 0  # steps in a row with no finite reward or a skipped update
     eval_history: list = field(default_factory=list)  # (step, accuracy)
     eval_metric_history: dict = field(default_factory=dict)  # name -> [(step, value)] of the eval_metrics
+    entropy_coef: Optional[float] = None  # the entropy bonus's coefficient now (adaptive: it moves); None: config's
+    last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
 
 
 class GRPOTrainer:
@@ -249,8 +252,24 @@ class GRPOTrainer:
         return (parts * self.config.num_iterations)[: self.config.max_steps - self.state.step]
 
     def _optimizer_step(self, part: Rollouts, num_items: float, bar) -> dict:
-        metrics = train_step(self.model, self.optimizer, self.packer, part, self.loss_options, self.config.max_grad_norm,
-                             num_items_in_batch=max(num_items, 1.0))
+        c, state = self.config, self.state
+        coef = c.entropy_coef if state.entropy_coef is None else state.entropy_coef
+        applied = objective.applied_entropy_coef(coef, state.last_entropy, adaptive=c.use_adaptive_entropy,
+                                                 target=c.entropy_target)
+        options = dataclasses.replace(self.loss_options, entropy_coef=applied)
+        metrics = train_step(self.model, self.optimizer, self.packer, part, options, c.max_grad_norm,
+                             num_items_in_batch=max(num_items, 1.0), top_entropy_quantile=c.top_entropy_quantile,
+                             off_policy_mask_threshold=c.off_policy_mask_threshold)
+        bonus_entropy = metrics.pop("bonus_entropy")
+        if c.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
+            state.entropy_coef = objective.adaptive_entropy_coef(
+                coef, bonus_entropy, target=c.entropy_target, delta=c.entropy_coef_delta, coef_min=c.entropy_coef_min,
+                coef_max=c.entropy_coef_max)
+            state.last_entropy = bonus_entropy
+        if c.entropy_coef != 0.0 or c.use_adaptive_entropy:
+            metrics["entropy_coef"] = coef if state.entropy_coef is None else state.entropy_coef
+        else:
+            metrics.pop("policy_loss")  # = loss without a bonus (TRL logs it only with one)
         with warnings.catch_warnings():  # a skipped step still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_fast import group_advantages, grpo_loss_reference
+from grpo_fast import objective
 from grpo_fast.objective import LossOptions
 from tests.helpers import assert_close, scaled
 
@@ -99,36 +100,58 @@ def test_group_of_two_warns():
 
 
 def independent_loss(logits, target, adv, mask, old, ref, isw, *, beta, eps_low, eps_high, delta, temperature,
-                     loss_type, level, max_len):
-    """Plain loops in float64, written from docs/design.md without looking at objective.py."""
+                     loss_type, level, max_len, bias_kl=False, entropy_coef=0.0, sapo=(1.0, 1.05),
+                     vespo=(2.0, 3.0, 3.0, 2.0)):
+    """Plain loops in float64, written from docs/design.md and TRL's _compute_loss without looking at
+    objective.py."""
     B, T, V = logits.shape
     lp = [[None] * T for _ in range(B)]
+    ent = [[None] * T for _ in range(B)]
     for b in range(B):
         for t in range(T):
             z = logits[b, t] / temperature
-            lp[b][t] = z[target[b, t]] - torch.logsumexp(z, 0)
+            logp = z - torch.logsumexp(z, 0)
+            lp[b][t] = logp[target[b, t]]
+            ent[b][t] = -(logp.exp() * logp).sum()
     terms = [[0.0] * T for _ in range(B)]
     for b in range(B):
         n = sum(float(mask[b, t]) for t in range(T))
         seq = sum((lp[b][t] - old[b, t]) * mask[b, t] for t in range(T)) / max(n, 1.0)
+        log_w_seq = sum(torch.clamp(lp[b][t] - old[b, t], -20, 20) * mask[b, t] for t in range(T)).detach()
+        log_w_seq = torch.clamp(log_w_seq, math.log(1e-8), 20.0)
         for t in range(T):
             a = adv[b, t] if adv.dim() == 2 else adv[b]
             w = torch.exp(seq if level == "sequence" else lp[b][t] - old[b, t])
-            if delta is not None:
-                w = torch.clamp(w, max=delta)
-            tok_loss = -torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
+            raw_w = w
+            if loss_type == "cispo":
+                tok_loss = -torch.clamp(w, max=eps_high).detach() * a * lp[b][t]
+            elif loss_type == "sapo":
+                tau = sapo[0] if a > 0 else sapo[1]
+                tok_loss = -torch.sigmoid(tau * (w - 1)) * 4 / tau * a
+            elif loss_type == "vespo":
+                k, lam = (vespo[0], vespo[1]) if a >= 0 else (vespo[2], vespo[3])
+                phi = torch.exp(lam + k * log_w_seq - lam * torch.exp(log_w_seq))
+                tok_loss = -phi * a * lp[b][t]
+            else:
+                if delta is not None:
+                    w = torch.clamp(w, max=delta)
+                tok_loss = -torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
             tok_loss = tok_loss * isw[b, t]
             d = ref[b, t] - lp[b][t]
-            tok_loss = tok_loss + beta * (torch.exp(d) - d - 1)
+            kl = torch.exp(d) - d - 1
+            tok_loss = tok_loss + beta * (kl * raw_w if bias_kl else kl)
             terms[b][t] = tok_loss * mask[b, t]
     total = sum(sum(row) for row in terms)
-    if loss_type == "grpo":
-        return sum(sum(terms[b]) / max(float(mask[b].sum()), 1.0) for b in range(B)) / B
+    bonus = entropy_coef * sum(ent[b][t] * mask[b, t] for b in range(B) for t in range(T)) / max(float(mask.sum()), 1.0)
+    if loss_type in ("grpo", "sapo"):
+        return sum(sum(terms[b]) / max(float(mask[b].sum()), 1.0) for b in range(B)) / B - bonus
     if loss_type == "bnpo":
-        return total / max(float(mask.sum()), 1.0)
+        return total / max(float(mask.sum()), 1.0) - bonus
     if loss_type == "dr_grpo":
-        return total / (B * max_len)
-    return total / max(float(mask.sum()), 1.0)
+        return total / (B * max_len) - bonus
+    if loss_type == "luspo":
+        return total / B - bonus
+    return total / max(float(mask.sum()), 1.0) - bonus
 
 
 def make_case(seed=0, B=3, T=4, V=11, token_adv=False):
@@ -147,6 +170,80 @@ def make_case(seed=0, B=3, T=4, V=11, token_adv=False):
 
 
 CASES = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [0.0, 0.04], [0.2, 0.28], [None, 1.5], ["token", "sequence"]))
+# TRL's other loss types, the bias-corrected KL and the entropy bonus (fewer combinations: the
+# clip options above do not act on cispo's, sapo's or vespo's token loss)
+NEW_CASES = [(lt, beta, eps_high, None, level, bias_kl, coef)
+             for lt in ("cispo", "sapo", "vespo", "luspo") for beta in (0.0, 0.04) for eps_high in (0.28, 5.0)
+             for level in ("token", "sequence") for bias_kl, coef in ((False, 0.0), (True, 0.3))]
+
+
+@pytest.mark.parametrize("loss_type, beta, eps_high, delta, level, bias_kl, entropy_coef", NEW_CASES + [
+    ("dapo", 0.04, 0.28, 1.5, "token", True, 0.3), ("grpo", 0.04, 0.2, None, "sequence", True, -0.1)])
+def test_trl_loss_types_match_independent_float64(loss_type, beta, eps_high, delta, level, bias_kl, entropy_coef):
+    logits, target, adv, mask, old, ref, isw = make_case(seed=len(loss_type) + int(beta * 100) + int(eps_high) + 7 * (level == "sequence"))
+    logits.requires_grad_(True)
+    kw = dict(beta=beta, eps_low=0.2, eps_high=eps_high, delta=delta, temperature=0.7, loss_type=loss_type, level=level,
+              max_len=6, bias_kl=bias_kl, entropy_coef=entropy_coef)
+    expected = independent_loss(logits, target, adv, mask, old, ref, isw, **kw)
+    (grad_expected,) = torch.autograd.grad(expected, logits)
+    logits64 = logits.detach().clone().requires_grad_(True)
+    options = LossOptions(beta=beta, epsilon_low=0.2, epsilon_high=eps_high, delta=delta, temperature=0.7,
+                          loss_type=loss_type, importance_sampling_level=level, use_bias_correction_kl=bias_kl,
+                          entropy_coef=entropy_coef)
+    loss, metrics = grpo_loss_reference(logits64, target, adv, mask, options, old_logp=old, ref_logp=ref, is_weights=isw)
+    (grad,) = torch.autograd.grad(loss, logits64)
+    assert_close(loss, expected, atol=scaled(1e-5, expected), rtol=1e-5, name="loss")
+    assert_close(grad, grad_expected, atol=scaled(1e-5, grad_expected), rtol=1e-4, name="grad logits")
+    assert grad.abs().sum() > 0, "the case must exercise a non-zero gradient"
+    assert_close(grad[2], torch.zeros_like(grad[2]), atol=0, name="grad of the fully masked sequence")
+    assert set(metrics) == set(objective.metric_names(options))
+
+
+def test_cispo_and_vespo_metrics_match_independent_counts():
+    logits, target, adv, mask, old, ref, isw = make_case(seed=5)
+    lp = torch.log_softmax(logits / 0.7, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    w = torch.exp(lp - old)
+    _, m = grpo_loss_reference(logits, target, adv, mask, LossOptions(loss_type="cispo", epsilon_high=1.0,
+                                                                      temperature=0.7), old_logp=old)
+    clipped = ((w > 1.0) & (adv[:, None] > 0)).double()
+    assert_close(m["cispo_clip_ratio"], ((clipped * mask).sum() / mask.sum()).float(), atol=1e-7, name="cispo clip")
+    assert 0 < float(m["cispo_clip_ratio"]) < 1, "the case must clip some tokens and not others"
+    _, m = grpo_loss_reference(logits, target, adv, mask, LossOptions(loss_type="vespo", temperature=0.7), old_logp=old)
+    log_w = ((lp - old) * mask).sum(-1)
+    k = torch.where(adv >= 0, 2.0, 3.0)
+    lam = torch.where(adv >= 0, 3.0, 2.0)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    expected = (phi[:, None] * mask).sum() / mask.sum()
+    assert_close(m["vespo/phi_seq_mean"], expected.float(), atol=scaled(1e-6, expected), name="vespo phi")
+
+
+def test_vespo_folds_the_is_ratio_into_its_weight():
+    """vespo multiplies its sequence ratio by the vLLM IS ratios (a product over the sequence),
+    instead of multiplying the token losses by them."""
+    logits, target, adv, mask, old, _, isw = make_case(seed=4)
+    options = LossOptions(loss_type="vespo", temperature=0.7)
+    lp = torch.log_softmax(logits / 0.7, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    shifted_old = old - torch.log(isw)  # log(w * is) = lp - old + log is
+    folded, _ = grpo_loss_reference(logits, target, adv, mask, options, old_logp=old, is_ratio=isw)
+    by_old, _ = grpo_loss_reference(logits, target, adv, mask, options, old_logp=shifted_old)
+    assert_close(folded, by_old, atol=scaled(1e-6, by_old), name="vespo loss with is_ratio")
+    multiplied, _ = grpo_loss_reference(logits, target, adv, mask, options, old_logp=old, is_weights=isw)
+    assert abs(float(multiplied - folded)) > 1e-3 * abs(float(folded)), "folding must differ from multiplying"
+    with pytest.raises(ValueError, match="is_ratio is vespo's"):
+        grpo_loss_reference(logits, target, adv, mask, LossOptions(), old_logp=old, is_ratio=isw)
+
+
+def test_adaptive_entropy_controller_follows_trl():
+    from grpo_fast.objective import adaptive_entropy_coef, applied_entropy_coef
+
+    assert applied_entropy_coef(0.1, math.inf, adaptive=True, target=0.2) == 0.0  # the first step applies none
+    assert applied_entropy_coef(0.1, 0.15, adaptive=True, target=0.2) == 0.1
+    assert applied_entropy_coef(0.1, 0.25, adaptive=True, target=0.2) == 0.0
+    assert applied_entropy_coef(0.1, 9.0, adaptive=False, target=0.2) == 0.1
+    kw = dict(target=0.2, delta=0.005, coef_min=0.0, coef_max=0.012)
+    assert adaptive_entropy_coef(0.01, 0.2, **kw) == 0.012  # up, capped
+    assert adaptive_entropy_coef(0.003, 0.21, **kw) == 0.0  # down, floored
+    assert adaptive_entropy_coef(0.008, 0.1, **dict(kw, coef_max=1.0)) == pytest.approx(0.013)
 
 
 @pytest.mark.parametrize("loss_type, beta, eps_high, delta, level", CASES)
@@ -246,7 +343,12 @@ def test_loss_is_finite_for_extreme_but_valid_inputs():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("loss_type", "ppo", r"loss_type='ppo' is not supported; expected one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'\]"),
+        ("loss_type", "ppo", r"loss_type='ppo' is not supported; expected one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', "
+                             r"'cispo', 'sapo', 'vespo', 'luspo'\]"),
+        ("sapo_temperature_pos", 0.0, r"sapo_temperature_pos must be a positive finite number, got 0.0"),
+        ("vespo_lambda_neg", -1.0, r"vespo_lambda_neg must be a finite number >= 0, got -1.0"),
+        ("use_bias_correction_kl", "yes", r"use_bias_correction_kl must be True or False, got 'yes'"),
+        ("entropy_coef", float("inf"), r"entropy_coef must be a finite number, got inf"),
         ("beta", -0.1, r"beta must be a finite number >= 0, got -0.1"),
         ("epsilon_low", "0.2", r"epsilon_low must be a finite number >= 0, got '0.2'"),
         ("epsilon_high", float("nan"), r"epsilon_high must be a finite number >= 0 or None, got nan"),
@@ -268,10 +370,12 @@ def test_loss_options_from_grpo_config():
 
     config = GRPOConfig(loss_type="grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, delta=1.5, temperature=0.9,
                         importance_sampling_level="sequence", max_completion_length=32, mask_truncated_completions=True,
-                        loss_backend="torch")
+                        loss_backend="torch", sapo_temperature_pos=0.9, sapo_temperature_neg=1.2, vespo_k_pos=1.0,
+                        vespo_lambda_pos=2.0, vespo_k_neg=4.0, vespo_lambda_neg=1.0, entropy_coef=0.01)
     assert LossOptions.from_config(config) == LossOptions(
         loss_type="grpo", beta=0.04, epsilon_low=0.1, epsilon_high=0.3, delta=1.5, temperature=0.9,
         importance_sampling_level="sequence", max_completion_length=32, mask_truncated_completions=True,
-        backend="torch",
+        backend="torch", sapo_temperature_pos=0.9, sapo_temperature_neg=1.2, vespo_k_pos=1.0, vespo_lambda_pos=2.0,
+        vespo_k_neg=4.0, vespo_lambda_neg=1.0, use_bias_correction_kl=True, entropy_coef=0.01,
     )
     assert LossOptions(epsilon_low=0.1).clip_range == (0.1, 0.1) and LossOptions(epsilon_high=0.3).clip_range == (0.2, 0.3)

@@ -9,6 +9,15 @@ Gradient accumulation keeps every aggregation global over the step, whatever the
     dr_grpo   Σ ℓM / (b · L_max) scaled by b / B_step  ->  Σ ℓM / (B_step · L_max)
     bnpo      each micro-batch's token mean / number of micro-batches (TRL's accumulation)
 
+The entropy bonus (TRL's): each micro-batch subtracts `entropy_coef x` its masked mean token entropy
+divided by the number of micro-batches, whatever the loss type. cispo and vespo aggregate like
+dapo, sapo like grpo, luspo like grpo's sequence mean of token sums.
+
+TRL's token masks: `top_entropy_quantile < 1` (train on a micro-batch's highest-entropy tokens) and
+`off_policy_mask_threshold` (drop negative-advantage sequences far from the sampler) need the
+current policy's log-probs and entropies before the loss: one extra no-grad lm_head pass per
+micro-batch (`masked_linear_logprobs`), then the masks multiply the policy-gradient term as TRL's do.
+
 A non-finite loss or gradient norm skips the step: gradients are dropped, the weights and the
 optimizer state stay as they were, and `skipped` is reported.
 """
@@ -20,8 +29,9 @@ from typing import Optional
 
 import torch
 
+from .. import objective
 from ..objective import LossOptions
-from ..ops import fused_linear_grpo_loss
+from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
 from .forward import Packer, completion_hidden, policy_parts
 from .rollouts import Rollouts
 
@@ -40,10 +50,13 @@ def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
 
 
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
-               num_items_in_batch: Optional[float] = None) -> dict:
+               num_items_in_batch: Optional[float] = None, *, top_entropy_quantile: float = 1.0,
+               off_policy_mask_threshold: Optional[float] = None) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
-    (loss, kl, entropy, clip_ratio/*, grad_norm, skipped, num_tokens). num_items_in_batch: the
-    dapo normaliser (default: this step's trainable tokens)."""
+    (loss, kl, entropy, the loss type's metrics, policy_loss, grad_norm, skipped, num_tokens) and
+    `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
+    TRL's adaptive controller reads). num_items_in_batch: the normaliser of dapo, cispo and vespo
+    (default: this step's trainable tokens). options.entropy_coef: the bonus applied in this step."""
     base, weight, bias = policy_parts(model)
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
@@ -51,22 +64,57 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include))
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
+    policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
     for mb in micro_batches:
+        hidden = completion_hidden(base, mb, packer.amp_dtype)
+        mask = mb.completion_mask
+        advantages = batch.advantages[mb.rows].to(weight.device)
+        old_logp = None if batch.old_logp is None else mb.pad(batch.old_logp)
+        is_weights = None if batch.is_weights is None else mb.pad(batch.is_weights)
+        is_ratio = None
+        if options.loss_type == "vespo":  # vespo folds the IS ratio into its sequence weight
+            is_ratio, is_weights = is_weights, None
+        entropy_mask = entropy = None
+        if top_entropy_quantile < 1.0 or off_policy_mask_threshold is not None:
+            with torch.no_grad():
+                logp, entropy = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mask, bias=bias,
+                                                       temperature=options.temperature, backend=options.backend,
+                                                       return_entropy=True)
+            factors = [] if is_weights is None else [is_weights]
+            if off_policy_mask_threshold is not None:
+                sampling = mb.pad(batch.sampling_logp)
+                factors.append(objective.off_policy_mask(advantages, logp, sampling, mask, off_policy_mask_threshold)
+                               .expand_as(mask))
+            if top_entropy_quantile < 1.0:
+                entropy_mask = objective.high_entropy_mask(entropy, mask, 1.0 - top_entropy_quantile)
+                factors.append(entropy_mask)
+            is_weights = torch.stack(factors).prod(0)
+        scale = _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
+        entropy_weights = None
+        if options.entropy_coef != 0.0:  # the micro-batch's mean / the micro-batches, after `scale` below
+            covered = mask if entropy_mask is None else mask * entropy_mask
+            entropy_weights = objective.entropy_bonus_weights(
+                mask, entropy_mask, normaliser=covered.sum().clamp(min=1.0) * len(micro_batches) * scale)
         loss, metrics = fused_linear_grpo_loss(
-            completion_hidden(base, mb, packer.amp_dtype), weight, mb.target_ids,
-            batch.advantages[mb.rows].to(weight.device), mb.completion_mask,
-            old_logp=None if batch.old_logp is None else mb.pad(batch.old_logp),
+            hidden, weight, mb.target_ids, advantages, mask, old_logp=old_logp,
             ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
-            is_weights=None if batch.is_weights is None else mb.pad(batch.is_weights),
+            is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights,
             bias=bias, num_items_in_batch=max(num_items, 1), options=options,
         )
-        loss = loss * _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
+        tokens = int(mask.sum())
+        if entropy_mask is None:
+            bonus_entropy[0] += float(metrics["entropy"]) * tokens
+            bonus_entropy[1] += tokens
+        else:
+            bonus_entropy[0] += float((entropy * entropy_mask).sum())
+            bonus_entropy[1] += float(entropy_mask.sum())
+        loss = loss * scale
         if not torch.isfinite(loss):
             skipped = True
             break
         loss.backward()
         loss_sum += float(loss.detach())
-        tokens = int(mb.completion_mask.sum())
+        policy_sum += float(metrics.pop("policy_loss")) * scale  # summed like `loss`
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * tokens
     params = [p for p in model.parameters() if p.requires_grad]
@@ -81,14 +129,16 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     out = {name: total / max(step_tokens, 1) for name, total in totals.items()}
+    out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
+    out["policy_loss"] = policy_sum if not skipped else float("nan")
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
                num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
     return out
 
 
 def _accumulation_scale(loss_type: str, rows: int, step_rows: int, num_micro_batches: int) -> float:
-    if loss_type in ("grpo", "dr_grpo"):
+    if loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):  # means over the micro-batch's sequences
         return rows / step_rows
     if loss_type == "bnpo":
         return 1.0 / num_micro_batches
-    return 1.0  # dapo: the global normaliser is num_items_in_batch
+    return 1.0  # dapo, cispo, vespo: the global normaliser is num_items_in_batch

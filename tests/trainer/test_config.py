@@ -13,7 +13,10 @@ def test_every_field_has_help():
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("loss_type", "ppo", "one of \\['grpo', 'bnpo', 'dr_grpo', 'dapo'\\]"),
+    ("loss_type", "ppo", "one of \\['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'vespo', 'luspo'\\]"),
+    ("top_entropy_quantile", 0.0, "a number in \\(0, 1\\]"),
+    ("sapo_temperature_neg", -1.0, "a positive finite number"),
+    ("entropy_coef_min", 2.0, "<= entropy_coef_max"),
     ("num_generations", 1, "a baseline"),
     ("temperature", 0.0, "positive finite"),
     ("engine", "sglang", "one of"),
