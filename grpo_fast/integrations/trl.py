@@ -10,10 +10,12 @@ runs to its final hidden states and grpo_fast's fused ops take them with the lm_
 `[tokens x vocab]` logits tensor is ever materialised. Data, generation (transformers or vLLM),
 rewards, advantages, logging and callbacks stay TRL's, and so do the logged metric names and values.
 
-Supported: loss_type grpo | bnpo | dr_grpo | dapo, token and sequence importance sampling, beta with
-a reference model (or PEFT's disabled adapter), num_iterations >= 1, epsilon / epsilon_high, delta
+Supported: every loss_type of TRL 1.16 (grpo, bnpo, dr_grpo, dapo, cispo, sapo, vespo, luspo) with
+their options, token and sequence importance sampling, beta with a reference model (or PEFT's
+disabled adapter) and use_bias_correction_kl, num_iterations >= 1, epsilon / epsilon_high, delta
 (when delta >= 1 + epsilon_high), vLLM importance-sampling correction (all modes),
-top_entropy_quantile, off_policy_mask_threshold, tool masks, tied embeddings, lm_head bias,
+top_entropy_quantile, off_policy_mask_threshold, the entropy bonus (entropy_coef,
+use_adaptive_entropy: its gradient from the fused pass), tool masks, tied embeddings, lm_head bias,
 cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulation, DDP.
 Anything else raises a ValueError naming the option when the trainer is built.
 """
@@ -55,7 +57,7 @@ from ..models.adapter import causal_lm_of, check_fusable, completion_hidden_stat
 from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
 
-SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # grpo, bnpo, dr_grpo, dapo: the aggregations the fused loss implements
+SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # TRL 1.16's eight
 # Model inputs of vision-language models: the decoder-only path here does not feed them
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                    "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles", "num_images")
@@ -74,11 +76,6 @@ def check_supported_args(args) -> None:
         raise ValueError(
             f"loss_type={args.loss_type!r} is not supported by grpo_fast's fused loss; expected one of "
             f"{list(SUPPORTED_LOSS_TYPES)} (use trl.GRPOTrainer for {args.loss_type!r})"
-        )
-    if getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
-        raise ValueError(
-            f"an entropy bonus (entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}) "
-            "is not supported: the fused ops' entropy carries no gradient; set entropy_coef=0.0, use_adaptive_entropy=False"
         )
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.delta is not None and args.delta < 1 + epsilon_high:
@@ -109,16 +106,24 @@ def check_supported_trainer(trainer) -> None:
 
 def loss_options(trainer) -> LossOptions:
     """grpo_fast's loss options from a TRL trainer: the values GRPOTrainer.__init__ took from its GRPOConfig
-    (`epsilon` -> epsilon_low, `epsilon_high` resolved; `delta`, `mask_truncated_completions` from the args)
-    and that TRL's own _compute_loss reads. Built at each loss call, as TRL reads them, so a callback that
+    (`epsilon` -> epsilon_low, `epsilon_high` resolved; the rest from the args) and that TRL's own
+    _compute_loss reads, with the entropy bonus's coefficient as TRL applies it in this step (the adaptive
+    gate: `objective.applied_entropy_coef`). Built at each loss call, as TRL reads them, so a callback that
     changes `trainer.beta` acts as it does in TRL."""
     args = trainer.args
+    bonus = getattr(trainer, "_entropy_bonus_enabled", False)
+    coef = objective.applied_entropy_coef(trainer.entropy_coef, trainer._last_world_entropy,
+                                          adaptive=trainer.use_adaptive_entropy, target=args.entropy_target) if bonus else 0.0
     return LossOptions(
         loss_type=trainer.loss_type, beta=trainer.beta, epsilon_low=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high, delta=args.delta, temperature=trainer.temperature,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length,
         mask_truncated_completions=args.mask_truncated_completions, backend=trainer.fused_backend,
+        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg, use_bias_correction_kl=bool(args.use_bias_correction_kl),
+        entropy_coef=coef,
     )
 
 
@@ -189,68 +194,84 @@ class FastGRPOMixin:
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
         options = loss_options(self)
-        tensors = dict(old_logp=old, ref_logp=inputs["ref_per_token_logps"] if options.beta != 0.0 else None,
-                       num_items_in_batch=self._dapo_normaliser(inputs, mode) if options.loss_type == "dapo" else None)
-        count = mask.sum().float()
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        tensors = dict(
+            old_logp=old, ref_logp=inputs["ref_per_token_logps"] if options.beta != 0.0 else None,
+            is_ratio=self._vllm_is_ratio(inputs) if options.loss_type == "vespo" else None,
+            num_items_in_batch=self._dapo_normaliser(inputs, mode) if options.loss_type in objective.TOKEN_NORMALISED else None,
+        )
         if self._needs_current_logprobs(old):
-            loss, ratio, kl_sum, entropy_sum = self._loss_from_logprobs(
-                hidden, weight, bias, inputs, mask, advantages, options, **tensors)
+            loss, metrics, ratio, entropy, entropy_mask = self._loss_from_logprobs(
+                hidden, weight, bias, inputs, mask, advantages, options, accumulation, **tensors)
         else:  # on-policy: one fused pass, loss and gradients together; the ratio is exactly 1
             loss, metrics = fused_linear_grpo_loss(
-                hidden, weight, completion_ids, advantages, mask, bias=bias,
-                is_weights=self._policy_token_weights(inputs, advantages, mask, None, None), options=options, **tensors,
+                hidden, weight, completion_ids, advantages, mask, bias=bias, options=options,
+                is_weights=self._policy_token_weights(inputs, advantages, mask, None, None),
+                entropy_weights=self._entropy_weights(mask, None, options, accumulation), **tensors,
             )
-            ratio = self._ones_ratio(mask)
-            kl_sum, entropy_sum = metrics["kl"] * count, metrics["entropy"] * count  # local means -> sums
-        if options.loss_type != "dapo" and mode == "train":  # TRL scales for gradient accumulation itself
+            ratio, entropy, entropy_mask = self._ones_ratio(mask), None, None
+        if options.loss_type not in objective.TOKEN_NORMALISED and mode == "train":  # TRL's accumulation scaling
             loss = loss / self.current_gradient_accumulation_steps
-        self._log_loss_metrics(mode, mask, advantages, ratio, kl_sum, entropy_sum)
+        self._entropy_controller(mode, mask, metrics, entropy, entropy_mask)
+        self._log_loss_metrics(mode, mask, advantages, ratio, metrics)
         return loss
 
     # -- pieces of _compute_loss ----------------------------------------------------------------
 
-    def _bias_corrected_kl(self) -> bool:
-        return self.beta != 0.0 and bool(getattr(self.args, "use_bias_correction_kl", False))
-
     def _needs_current_logprobs(self, old) -> bool:
-        """Whether anything needs the current log-probs as a tensor: the importance ratio (old given),
-        the entropy / off-policy masks, or TRL's bias-corrected KL (kl times the ratio)."""
+        """Whether anything needs the current log-probs (or entropies) as tensors: the clip metrics'
+        per-sequence extremes (old given: the ratio is not 1), the entropy / off-policy masks, vespo's
+        weight (logged per sequence, as TRL does)."""
         return (old is not None or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
-                or self._bias_corrected_kl())
+                or self.loss_type == "vespo")
 
-    def _loss_from_logprobs(self, hidden, weight, bias, inputs, mask, advantages, options, *, old_logp, ref_logp,
-                            num_items_in_batch):
-        """Loss through differentiable fused log-probs (no logits either; the backward recomputes logit
-        chunks: 4 lm_head matmuls instead of 3) and the objective's token math. Returns
-        (loss, ratio for the clip metrics, local kl sum, local entropy sum)."""
+    def _loss_from_logprobs(self, hidden, weight, bias, inputs, mask, advantages, options, accumulation, **tensors):
+        """Loss through differentiable fused log-probs (and entropies, for the entropy bonus; no logits
+        either; the backward recomputes logit chunks: 4 lm_head matmuls instead of 3) and the objective.
+        Returns (loss, metrics, ratio for the clip metrics, entropy, high-entropy mask)."""
         logp, entropy = masked_logprobs(hidden, weight, bias, inputs["completion_ids"], inputs["completion_mask"],
-                                        temperature=options.temperature, backend=options.backend)
-        is_weights = self._policy_token_weights(inputs, advantages, mask, logp.detach(), entropy)
-        bias_kl = self._bias_corrected_kl()
-        tensors = dict(old_logp=old_logp, ref_logp=ref_logp)
-        per_token, ratio, kl = objective.per_token_loss(
-            logp, advantages, mask, dataclasses.replace(options, beta=0.0) if bias_kl else options,
-            is_weights=is_weights, **tensors)
-        if bias_kl:  # TRL: kl times the (differentiable) ratio before delta capping
-            raw_ratio = ratio
-            if options.delta is not None:
-                _, raw_ratio, _ = objective.per_token_loss(logp, advantages, mask, dataclasses.replace(options, delta=None),
-                                                           **tensors)
-            kl = kl * raw_ratio
-            per_token = per_token + options.beta * kl
-        loss = (per_token * objective.loss_weights(mask, options, num_items_in_batch)).sum()
-        ratio = ratio.detach()
+                                        temperature=options.temperature, backend=options.backend,
+                                        differentiable_entropy=options.entropy_coef != 0.0)
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropy.detach(), mask, 1 - self.top_entropy_quantile)
+        is_weights = self._policy_token_weights(inputs, advantages, mask, logp.detach(), entropy_mask)
+        num_items = tensors.pop("num_items_in_batch")
+        loss, metrics = objective.grpo_loss_from_logprobs(
+            logp, advantages, mask, options, entropy=entropy, is_weights=is_weights,
+            entropy_weights=self._entropy_weights(mask, entropy_mask, options, accumulation),
+            num_items_in_batch=num_items, **tensors)
+        with torch.no_grad():  # the ratio as TRL's clip metrics read it: [B, 1] at sequence level
+            _, ratio, _ = objective.per_token_loss(logp, advantages, mask, dataclasses.replace(options, beta=0.0),
+                                                   old_logp=tensors["old_logp"], is_ratio=tensors["is_ratio"])
         ratio = ratio[:, :1] if options.importance_sampling_level == "sequence" else ratio
-        kl_sum = (kl.detach() * mask).sum() if kl is not None else None
-        return loss, ratio, kl_sum, (entropy * mask).sum()
+        if options.loss_type == "vespo":
+            old = logp.detach() if tensors["old_logp"] is None else tensors["old_logp"]
+            metrics["vespo_phi"] = objective.vespo_weights(logp, old, advantages, mask, options, tensors["is_ratio"])
+        return loss, metrics, ratio, entropy.detach(), entropy_mask
+
+    def _entropy_weights(self, mask, entropy_mask, options, accumulation):
+        """TRL's entropy bonus weights: the mean over mask and entropy_mask, divided by the accumulation
+        steps; for the loss types TRL does not divide by them afterwards (dapo, cispo, vespo), here."""
+        if options.entropy_coef == 0.0:
+            return None
+        covered = mask if entropy_mask is None else mask * entropy_mask
+        divisor = accumulation if options.loss_type in objective.TOKEN_NORMALISED else 1
+        return objective.entropy_bonus_weights(mask, entropy_mask, normaliser=covered.sum().clamp(min=1.0) * divisor)
+
+    def _vllm_is_ratio(self, inputs):
+        """vespo folds TRL's vLLM importance ratio into its sequence weight (None without vLLM IS)."""
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            return inputs["importance_sampling_ratio"].expand_as(inputs["completion_mask"]).float()
+        return None
 
     def _ones_ratio(self, mask):
         sequence = self.importance_sampling_level == "sequence"
         return torch.ones((mask.shape[0], 1 if sequence else mask.shape[1]), device=mask.device)
 
-    def _policy_token_weights(self, inputs, advantages, mask, logp, entropy):
+    def _policy_token_weights(self, inputs, advantages, mask, logp, entropy_mask):
         """Product `[B, T]` of what TRL multiplies the policy-gradient term by before adding the KL term
-        (off-policy sequence mask, high-entropy token mask, vLLM importance ratio), or None."""
+        (off-policy sequence mask, high-entropy token mask, vLLM importance ratio but for vespo), or None."""
         factors = []
         if self.off_policy_mask_threshold is not None:
             old = inputs.get("old_per_token_logps")
@@ -260,9 +281,9 @@ class FastGRPOMixin:
                 sampling_per_token_logps=inputs.get("sampling_per_token_logps", logp if old is None else old),
                 mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
             ))
-        if self.top_entropy_quantile < 1.0:
-            factors.append(self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile))
-        if self.use_vllm and self.vllm_importance_sampling_correction:
+        if entropy_mask is not None:
+            factors.append(entropy_mask)
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
             factors.append(inputs["importance_sampling_ratio"])  # (B, T) token modes, (B, 1) sequence modes
         if not factors:
             return None
@@ -278,9 +299,36 @@ class FastGRPOMixin:
             normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return normaliser
 
-    def _log_loss_metrics(self, mode, mask, advantages, ratio, kl_sum, entropy_sum):
-        """Append kl, entropy and clip_ratio/* exactly as TRL's _compute_loss logs them.
-        ratio: `[B, T]` or `[B, 1]` (sequence level); kl_sum, entropy_sum: local masked sums."""
+    def _entropy_controller(self, mode, mask, metrics, entropy, entropy_mask):
+        """TRL's adaptive entropy controller, on TRL's own attributes (so its checkpoints save and restore
+        it): sum the window's entropy over the bonus's tokens; at the optimizer step's end update
+        `entropy_coef` from the all-rank token mean (`objective.adaptive_entropy_coef`)."""
+        if not self._entropy_bonus_enabled:
+            return
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(metrics["policy_loss"]).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            if entropy is None:  # the fused route (no token masks): the mask's mean entropy
+                stats = torch.stack([metrics["entropy"] * mask.sum(), mask.sum().float()])
+            else:
+                covered = mask if entropy_mask is None else mask * entropy_mask
+                stats = torch.stack([(entropy * covered).sum(), covered.sum().float()])
+            stats = stats.detach()
+            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            if self.accelerator.sync_gradients:
+                window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                args = self.args
+                self.entropy_coef = objective.adaptive_entropy_coef(
+                    self.entropy_coef, world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+                    coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+    def _log_loss_metrics(self, mode, mask, advantages, ratio, metrics):
+        """Append kl, entropy and the loss type's metrics exactly as TRL's _compute_loss logs them.
+        ratio: `[B, T]` or `[B, 1]` (sequence level); metrics: the loss's local masked means."""
         count = mask.sum().float()
 
         def global_mean(local_sum, local_count):  # over all processes, weighted by their counts
@@ -297,17 +345,22 @@ class FastGRPOMixin:
 
         logged = self._metrics[mode]
         if self.beta != 0.0:
-            logged["kl"].append(global_mean(kl_sum, count))
-        logged["entropy"].append(global_mean(entropy_sum, count))
+            logged["kl"].append(global_mean(metrics["kl"] * count, count))
+        logged["entropy"].append(global_mean(metrics["entropy"] * count, count))
 
         adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
-        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
-        logged["clip_ratio/low_mean"].append(global_masked_mean(low))
-        logged["clip_ratio/high_mean"].append(global_masked_mean(high))
-        logged["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
-        logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
-        logged["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+        if self.loss_type in objective.CLIPPED_SURROGATES:
+            low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
+            high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+            logged["clip_ratio/low_mean"].append(global_masked_mean(low))
+            logged["clip_ratio/high_mean"].append(global_masked_mean(high))
+            logged["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+            logged["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+        elif self.loss_type == "cispo":
+            logged["cispo_clip_ratio"].append(global_masked_mean(((ratio > self.epsilon_high) & (adv > 0)).float()))
+        elif self.loss_type == "vespo":
+            logged["vespo/phi_seq_mean"].append(global_masked_mean(metrics["vespo_phi"]))
 
 
 class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer):

@@ -85,9 +85,11 @@ def completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to
     return hidden[:, -logits_to_keep - 1 : -1]
 
 
-def masked_logprobs(hidden, weight, bias, target_ids, mask, *, temperature: float, backend: str = "auto"):
+def masked_logprobs(hidden, weight, bias, target_ids, mask, *, temperature: float, backend: str = "auto",
+                    differentiable_entropy: bool = False):
     """Log-probs and entropies `[B, T]` (float32) of `target_ids [B, T]` from `hidden [B, T, H]`,
-    computed only where `mask` is set and 0 elsewhere (as TRL returns them). Differentiable in logp."""
+    computed only where `mask` is set and 0 elsewhere (as TRL returns them). Differentiable in logp
+    (and in the entropy with `differentiable_entropy=True`: the entropy bonus)."""
     hidden = hidden.to(weight.dtype)  # autocast may hand back another dtype; the op wants one
     return masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias, temperature=temperature,
-                                  backend=backend, return_entropy=True)
+                                  backend=backend, return_entropy=True, differentiable_entropy=differentiable_entropy)

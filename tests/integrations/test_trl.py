@@ -22,9 +22,9 @@ from trl import GRPOTrainer  # noqa: E402
 
 from grpo_fast.integrations.trl import FastGRPOTrainer, accelerate  # noqa: E402
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+ARGS_FIELDS = ("delta", "use_bias_correction_kl", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+               "entropy_coef_max", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_neg", "vespo_lambda_neg")
 
 
 def _perturb(model, seed=1, scale=0.03):
@@ -72,7 +72,7 @@ def _loss_grads_metrics(trainer, inputs, ga_steps=2):
 def _configure(trainers, **attrs):
     for trainer in trainers:
         for name, value in attrs.items():
-            target = trainer.args if name in ("delta", "use_bias_correction_kl") else trainer
+            target = trainer.args if name in ARGS_FIELDS else trainer
             setattr(target, name, value)
 
 
@@ -85,12 +85,12 @@ def _assert_same(stock, fast, inputs, expect_clipping=False):
     assert scale > 0, "the reference gradient is zero: the comparison would prove nothing"
     for name in grads_s:
         assert_close(grads_f[name], grads_s[name], atol=1e-5 * scale, rtol=1e-4, name=f"grad {name}")
-    for key in ("kl", "entropy", *CLIP_METRICS):
-        assert (key in metrics_f) == (key in metrics_s), f"metric {key}: logged by one trainer only"
-        if key in metrics_s:
-            assert_close(metrics_f[key], metrics_s[key], atol=1e-5, rtol=1e-5, name=f"metric {key}")
+    assert metrics_f.keys() == metrics_s.keys(), "the trainers logged different metrics"
+    for key in metrics_s:
+        assert_close(metrics_f[key], metrics_s[key], atol=1e-5, rtol=1e-5, name=f"metric {key}")
     if expect_clipping:
-        assert metrics_s["clip_ratio/region_mean"] > 0, "the batch clips nothing: clip metrics untested"
+        clipped = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(stock.loss_type, "clip_ratio/region_mean")
+        assert clipped is None or metrics_s[clipped] > 0, "the batch clips nothing: clip metrics untested"
     return metrics_s
 
 
@@ -167,6 +167,78 @@ def test_options_match_trl(pair, option):
                    vllm_importance_sampling_correction=True)
 
 
+# TRL's newer loss types with their options, and the entropy bonus (static, adaptive, with TRL's token
+# masks), on the log-prob route (old log-probs given) and the one-pass fused route (on-policy)
+NEW_OPTIONS = {  # name: (trainer attributes, inputs: "off" old log-probs or "on"-policy, IS ratio)
+    "entropy-dapo": (dict(loss_type="dapo", entropy_coef=0.05), "off", None),
+    "entropy-dapo-on-policy": (dict(loss_type="dapo", entropy_coef=0.05), "on", None),
+    "entropy-grpo-sequence": (dict(loss_type="grpo", entropy_coef=-0.05, importance_sampling_level="sequence"), "off", None),
+    "entropy-sapo-on-policy": (dict(loss_type="sapo", entropy_coef=0.05), "on", None),
+    "entropy-luspo-on-policy": (dict(loss_type="luspo", entropy_coef=0.05), "on", None),
+    "entropy-cispo-top-entropy": (dict(loss_type="cispo", epsilon_high=1.05, entropy_coef=0.05,
+                                       top_entropy_quantile=0.5), "off", None),
+    "adaptive-entropy-bnpo": (dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=50.0,
+                                   entropy_coef_delta=0.01, _last_world_entropy=0.0), "off", None),
+    "adaptive-entropy-vespo-gate-closed": (dict(loss_type="vespo", use_adaptive_entropy=True, entropy_coef=0.02,
+                                                entropy_target=1e-3, entropy_coef_delta=0.01), "on", None),
+    "vespo-vllm-is-token": (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=True,
+                                 vespo_k_neg=2.0, vespo_lambda_neg=1.5), "off", "token"),
+    "sapo-vllm-is-sequence": (dict(loss_type="sapo", sapo_temperature_neg=2.0, use_vllm=True,
+                                   vllm_importance_sampling_correction=True), "off", "sequence"),
+    "cispo-off-policy-mask": (dict(loss_type="cispo", epsilon_high=1.05, off_policy_mask_threshold=0.02), "off", None),
+    "luspo-sequence-top-entropy": (dict(loss_type="luspo", importance_sampling_level="sequence",
+                                        top_entropy_quantile=0.5), "off", None),
+}
+
+
+@pytest.mark.parametrize("option", list(NEW_OPTIONS))
+def test_trl_loss_types_and_entropy_bonus_match_trl(pair, option):
+    stock, fast, inputs = pair
+    attrs, policy, is_ratio = NEW_OPTIONS[option]
+    enabled = attrs.get("entropy_coef", 0.0) != 0.0 or attrs.get("use_adaptive_entropy", False)
+    _configure((stock, fast), **{**dict(beta=0.1, use_bias_correction_kl=True, importance_sampling_level="token",
+                                        delta=None, epsilon_high=0.2, _entropy_bonus_enabled=enabled,
+                                        _last_world_entropy=float("inf"), _entropy_window_stats=None), **attrs})
+    if policy == "on":
+        inputs = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
+    mask = inputs["completion_mask"].float()
+    gen = torch.Generator().manual_seed(5)
+    if is_ratio == "token":  # as TRL builds it: exactly 1 where the completion has no token
+        inputs = {**inputs, "importance_sampling_ratio": torch.where(mask > 0, 0.5 + torch.rand(mask.shape, generator=gen), 1.0)}
+    if is_ratio == "sequence":
+        inputs = {**inputs, "importance_sampling_ratio": 0.5 + torch.rand(mask.shape[0], 1, generator=gen)}
+    try:
+        metrics = _assert_same(stock, fast, inputs, expect_clipping=policy == "off")
+        if enabled:
+            assert "policy_loss" in metrics and "entropy_coef" in metrics
+            assert stock.entropy_coef == pytest.approx(fast.entropy_coef, rel=1e-12)
+            assert stock._last_world_entropy == pytest.approx(fast._last_world_entropy, rel=1e-5)
+        if attrs.get("use_adaptive_entropy"):
+            moved = attrs["entropy_coef"] + (0.01 if attrs["entropy_target"] > 1 else -0.01)
+            assert fast.entropy_coef == pytest.approx(moved), "the adaptive controller did not move as TRL's"
+    finally:  # the trainers are shared by the module: restore TRL's defaults
+        _configure((stock, fast), loss_type="dapo", entropy_coef=0.0, use_adaptive_entropy=False, top_entropy_quantile=1.0,
+                   off_policy_mask_threshold=None, use_vllm=False, _entropy_bonus_enabled=False, epsilon_high=0.2,
+                   sapo_temperature_neg=1.05, vespo_k_neg=3.0, vespo_lambda_neg=2.0, entropy_target=0.2,
+                   entropy_coef_delta=0.005, importance_sampling_level="token")
+
+
+def test_entropy_bonus_changes_the_gradient(pair):
+    """The bonus is not a no-op: with entropy_coef the fused route's gradient moves (and matches TRL's,
+    above); the gradient difference is coef x the entropy's gradient."""
+    stock, fast, inputs = pair
+    inputs = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
+    _configure((fast,), loss_type="dapo", beta=0.0, entropy_coef=0.0, _entropy_bonus_enabled=False)
+    _, plain, _ = _loss_grads_metrics(fast, inputs)
+    _configure((fast,), entropy_coef=0.5, _entropy_bonus_enabled=True, _last_world_entropy=float("inf"))
+    try:
+        _, bonus, _ = _loss_grads_metrics(fast, inputs)
+    finally:
+        _configure((fast,), entropy_coef=0.0, _entropy_bonus_enabled=False)
+    diff = max((bonus[n] - plain[n]).abs().max().item() for n in plain)
+    assert diff > 1e-3 * max(g.abs().max().item() for g in plain.values())
+
+
 def test_lm_head_bias_untied(tiny_path, build):
     """An untied lm_head with a bias: the bias gets its gradient, the head its own."""
     from transformers import AutoModelForCausalLM
@@ -207,12 +279,6 @@ def test_accelerate_switches_a_built_trainer(pair, build):
 
 
 @pytest.mark.parametrize("option, config", [
-    ("loss_type='cispo'", dict(loss_type="cispo")),
-    ("loss_type='sapo'", dict(loss_type="sapo")),
-    ("loss_type='vespo'", dict(loss_type="vespo")),
-    ("loss_type='luspo'", dict(loss_type="luspo", importance_sampling_level="sequence")),
-    ("entropy_coef", dict(entropy_coef=0.01)),
-    ("use_adaptive_entropy", dict(use_adaptive_entropy=True)),
     ("delta=1.1", dict(delta=1.1)),
 ])
 def test_unsupported_options_refused_at_construction(build, option, config):
@@ -221,10 +287,20 @@ def test_unsupported_options_refused_at_construction(build, option, config):
     assert option.split("=")[-1].strip("'") in str(info.value)
 
 
-def test_accelerate_refuses_unsupported_loss(build):
-    """The known failure elsewhere: an unsupported loss type silently trained as GRPO."""
-    trainer = build(GRPOTrainer, loss_type="cispo")
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
+@pytest.mark.parametrize("config", [dict(loss_type="cispo", epsilon_high=5.0), dict(loss_type="sapo"),
+                                    dict(loss_type="vespo"), dict(loss_type="luspo", importance_sampling_level="sequence"),
+                                    dict(entropy_coef=0.01), dict(use_adaptive_entropy=True)],
+                         ids=["cispo", "sapo", "vespo", "luspo", "entropy_coef", "adaptive_entropy"])
+def test_every_trl_loss_option_is_accepted(build, config):
+    """Nothing of TRL 1.16's loss types and entropy bonus is refused any more (built and accelerated)."""
+    assert isinstance(build(FastGRPOTrainer, **config), FastGRPOTrainer)
+    assert type(accelerate(build(GRPOTrainer, **config))) is FastGRPOTrainer
+
+
+def test_accelerate_refuses_unsupported_options(build):
+    """What the fused loss would get wrong is refused before the trainer is switched."""
+    trainer = build(GRPOTrainer, delta=1.1)
+    with pytest.raises(ValueError, match="delta=1.1"):
         accelerate(trainer)
     assert type(trainer) is GRPOTrainer
 
