@@ -26,7 +26,10 @@ from trl import GRPOTrainer  # noqa: E402
 
 from grpo_fast.integrations.trl import FastGRPOTrainer  # noqa: E402
 
-LOGGED = ("loss", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_max", "reward")
+LOGGED = ("loss", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_max", "reward",
+          "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss", "entropy_coef")
+# the adaptive entropy bonus: a target above the tiny model's entropy (~5 nats) opens the gate from the second step
+ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0, entropy_coef_delta=0.05)
 
 
 def _train(cls, tiny_path, prompts, out, **config):
@@ -47,7 +50,13 @@ def _train(cls, tiny_path, prompts, out, **config):
 @pytest.mark.parametrize("config", [
     dict(num_iterations=1, beta=0.0),  # on-policy: the single fused loss pass
     dict(num_iterations=2, beta=0.05),  # old log-probs, reference, bias-corrected KL: the log-prob route
-], ids=["on-policy", "iterations2-kl"])
+    dict(num_iterations=2, beta=0.0, loss_type="cispo", epsilon_high=1.05),
+    dict(num_iterations=2, beta=0.05, loss_type="sapo"),
+    dict(num_iterations=2, beta=0.0, loss_type="vespo"),
+    dict(num_iterations=2, beta=0.0, loss_type="luspo", importance_sampling_level="sequence"),
+    dict(num_iterations=1, beta=0.0, entropy_coef=0.05),  # static bonus, on-policy: its gradient from the fused pass
+    dict(num_iterations=2, beta=0.0, loss_type="grpo", **ADAPTIVE),
+], ids=["on-policy", "iterations2-kl", "cispo", "sapo-kl", "vespo", "luspo-sequence", "entropy-bonus", "adaptive-entropy"])
 def test_training_steps_match_trl(tiny_path, prompts, tmp_path, config):
     from transformers import AutoModelForCausalLM
 
@@ -67,8 +76,21 @@ def test_training_steps_match_trl(tiny_path, prompts, tmp_path, config):
     logs_stock = [h for h in stock.state.log_history if "loss" in h]
     logs_fast = [h for h in fast.state.log_history if "loss" in h]
     assert len(logs_fast) == len(logs_stock) == 3
+    if config.get("use_adaptive_entropy"):
+        assert fast.entropy_coef == pytest.approx(stock.entropy_coef) and fast.entropy_coef > config["entropy_coef"]
     for step, (h_fast, h_stock) in enumerate(zip(logs_fast, logs_stock, strict=True)):
         for key in LOGGED:
             assert (key in h_fast) == (key in h_stock), f"step {step}: {key} logged by one trainer only"
             if key in h_stock:
                 assert_close(h_fast[key], h_stock[key], atol=1e-5, rtol=1e-4, name=f"step {step} {key}")
+
+
+def test_adaptive_entropy_bonus_changes_the_update(tiny_path, prompts, tmp_path):
+    """With the gate open (entropy_target above the model's entropy) the bonus moves the weights away
+    from the run without it: the fused entropy gradient is applied, not only logged."""
+    plain, _ = _train(FastGRPOTrainer, tiny_path, prompts, tmp_path / "plain", num_iterations=2, beta=0.0, loss_type="grpo")
+    bonus, _ = _train(FastGRPOTrainer, tiny_path, prompts, tmp_path / "bonus", num_iterations=2, beta=0.0,
+                      loss_type="grpo", **ADAPTIVE)
+    gap = max((p.detach() - dict(plain.model.named_parameters())[n].detach()).abs().max().item()
+              for n, p in bonus.model.named_parameters())
+    assert gap > 1e-4, f"the entropy bonus did not change the update (max weight gap {gap:.2g})"
