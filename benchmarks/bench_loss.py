@@ -3,6 +3,7 @@
     python benchmarks/bench_loss.py                       # CPU preset (fp32), writes results/loss_cpu.*
     python benchmarks/bench_loss.py --device cuda --out DIR   # GPU preset (bf16, Qwen2.5 heads)
     python benchmarks/bench_loss.py --sizes 4x512x512x32768 --impls plain,cpu --rounds 3
+    python benchmarks/bench_loss.py --preset cpu-loss-types     # TRL's loss types beside dapo, results/loss_types_cpu.*
 
 Implementations, each run in its own subprocess (so peak memory is its own):
   floor    the three unavoidable matmuls of the same shapes (logits, grad_hidden, grad_weight),
@@ -13,6 +14,10 @@ Implementations, each run in its own subprocess (so peak memory is its own):
   liger    liger_kernel's LigerFusedLinearGRPOLoss (compiled=False on CPU)
   torch, cpu, triton   grpo_fast.ops.fused_linear_grpo_loss with that backend
 All compute the dapo loss, beta=0, temperature 1, every token active, same seeded inputs.
+  BACKEND:VARIANT  grpo_fast with that backend and loss variant (VARIANTS below: dapo, cispo, sapo,
+           vespo, luspo, gspo = grpo at sequence level, entropy = dapo with the entropy bonus), all
+           off-policy (old log-probs = the true ones + noise, so ratios spread around 1): the
+           `*-loss-types` presets time TRL's loss types and the entropy bonus beside dapo.
 
 Time: best and median of `--repeats` runs after `--warmup`, over `--rounds` interleaved rounds
 (the CPU is shared with other jobs: the best is the least disturbed run). Memory: extra peak over
@@ -41,12 +46,26 @@ sys.path.insert(0, str(ROOT))  # a plain checkout works too
 PRESETS = {
     # B x T x H x V. The first CPU size is issue 3's target; the others are SmolLM2 and a
     # Qwen2.5-0.5B head.
-    "cpu": dict(sizes=["4x512x512x32768", "2x512x576x49152", "1x1024x896x151936"], dtype="float32",
+    "cpu": dict(device="cpu", sizes=["4x512x512x32768", "2x512x576x49152", "1x1024x896x151936"], dtype="float32",
                 impls=["floor", "plain", "liger", "torch", "cpu"], warmup=1, repeats=3, rounds=2, budget=None),
     # Qwen2.5-0.5B and 7B heads (H 896 / 3584, V 151936), N up to 32k tokens.
-    "cuda": dict(sizes=["8x512x896x151936", "16x1024x896x151936", "32x1024x896x151936",
+    "cuda": dict(device="cuda", sizes=["8x512x896x151936", "16x1024x896x151936", "32x1024x896x151936",
                         "16x1024x3584x151936", "32x1024x3584x151936"], dtype="bfloat16",
                  impls=["floor", "triton", "plain", "liger", "torch"], warmup=2, repeats=5, rounds=1, budget=150),
+    # TRL's loss types and the entropy bonus beside dapo (issue 13's targets: cispo, sapo <= 1.05x dapo;
+    # vespo, luspo <= the sequence-level (GSPO) path; the entropy bonus <= 1.15x dapo; the same extra peak)
+    "cpu-loss-types": dict(device="cpu", sizes=["4x512x512x32768"], dtype="float32",
+                           impls=["floor", "cpu:dapo", "cpu:cispo", "cpu:sapo", "cpu:entropy", "cpu:gspo", "cpu:vespo",
+                                  "cpu:luspo"], warmup=1, repeats=3, rounds=3, budget=None, refs=["cpu:dapo", "cpu:gspo"]),
+    "cuda-loss-types": dict(device="cuda", sizes=["16x1024x896x151936"], dtype="bfloat16",
+                            impls=["floor", "triton:dapo", "triton:cispo", "triton:sapo", "triton:entropy",
+                                   "triton:gspo", "triton:vespo", "triton:luspo"], warmup=2, repeats=5, rounds=1,
+                            budget=100, refs=["triton:dapo", "triton:gspo"]),
+}
+VARIANTS = {  # BACKEND:VARIANT -> the loss options beside the backend
+    "dapo": {}, "cispo": dict(loss_type="cispo", epsilon_high=5.0), "sapo": dict(loss_type="sapo"),
+    "vespo": dict(loss_type="vespo"), "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence"), "entropy": dict(entropy_coef=0.01),
 }
 GRPO_FAST = ("torch", "cpu", "triton")
 
@@ -122,7 +141,31 @@ def make_step(impl, inputs, device):
             loss.backward()
 
         return fused
+    if impl.partition(":")[0] in GRPO_FAST:
+        return _variant_step(impl, inputs)
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _variant_step(impl, inputs):
+    """grpo_fast's BACKEND:VARIANT, off-policy: old log-probs = the true ones + noise (ratios ~ 1 +- 0.3)."""
+    import torch
+
+    from grpo_fast.objective import LossOptions
+    from grpo_fast.ops import fused_linear_grpo_loss, fused_linear_logprobs
+
+    backend, variant = impl.split(":")
+    hidden, weight, target, advantages, mask = inputs
+    with torch.no_grad():
+        g = torch.Generator(device=hidden.device).manual_seed(1)
+        noise = torch.randn(target.shape, generator=g, device=hidden.device)
+        old = fused_linear_logprobs(hidden, weight, target, backend=backend) + 0.3 * noise
+    options = LossOptions(backend=backend, **VARIANTS[variant])
+
+    def fused():
+        loss, _ = fused_linear_grpo_loss(hidden, weight, target, advantages, mask, old_logp=old, options=options)
+        loss.backward()
+
+    return fused
 
 
 NOTES = {}  # impl -> what differs from its intended configuration, reported with the results
@@ -224,7 +267,7 @@ def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
 
 
 def run_worker(args, impls, sizes, mode, timeout, warmup, repeats):
-    cmd = [sys.executable, __file__, "--worker", ",".join(impls), "--mode", mode, "--device", args.device,
+    cmd = [sys.executable, __file__, "--worker", ",".join(impls), "--mode", mode, "--preset", args.preset,
            "--dtype", args.dtype, "--sizes", ",".join(sizes), "--warmup", str(warmup), "--repeats", str(repeats)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
@@ -280,20 +323,23 @@ def markdown(summary, args, command, env) -> str:
              "implementation (it includes the gradients every implementation returns). TFLOP/s counts the "
              "3 matmuls (6 N H V); `% floor` = floor time / time, the fraction of the measured matmul rate "
              "achieved.", ""]
+    refs = PRESETS[args.preset].get("refs", [])
     for size, impls in summary.items():
         floor, plain, liger = (impls.get(k, {}).get("best_s") for k in ("floor", "plain", "liger"))
         plain_mem = impls.get("plain", {}).get("extra_peak_mb")
-        lines += [f"## B x T x H x V = {size.replace('x', ' x ')}", "",
-                  "| impl | best s | median s | x plain | x liger | x floor | TFLOP/s | % floor | extra peak MB | x plain mem |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        ref_cells = [(impls.get(r, {}).get("best_s"), impls.get(r, {}).get("extra_peak_mb")) for r in refs]
+        head = ["impl", "best s", "median s", "x plain", "x liger", "x floor", "TFLOP/s", "% floor", "extra peak MB",
+                "x plain mem"] + [f"x {r}" for r in refs] + [f"x {r} mem" for r in refs]
+        lines += [f"## B x T x H x V = {size.replace('x', ' x ')}", "", "| " + " | ".join(head) + " |",
+                  "|" + " --- |" * len(head)]
         for impl, c in impls.items():
             if "best_s" not in c:
-                lines.append(f"| {impl} | {c['note']} | | | | | | | | |")
+                lines.append(f"| {impl} | {c['note']} |" + " |" * (len(head) - 2))
                 continue
             t, mem = c["best_s"], c["extra_peak_mb"]
             cells = [impl, f"{t:.3f}", f"{c['median_s']:.3f}", _ratio(t, plain), _ratio(t, liger), _ratio(t, floor),
                      f"{flops(size) / t / 1e12:.3f}", f"{100 * floor / t:.0f}%" if floor else "-", f"{mem:.0f}",
-                     _ratio(mem, plain_mem)]
+                     _ratio(mem, plain_mem)] + [_ratio(t, rt) for rt, _ in ref_cells] + [_ratio(mem, rm) for _, rm in ref_cells]
             lines.append("| " + " | ".join(cells) + " |")
         notes = [f"{impl}: {c['note']}" for impl, c in impls.items() if "best_s" in c and c["note"]]
         lines += [""] + notes + ([""] if notes else [])
@@ -341,7 +387,9 @@ def plot(summary, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=list(PRESETS), default="cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="picks the preset of that name")
+    parser.add_argument("--preset", choices=list(PRESETS), help="device, sizes, implementations and repeats "
+                        "(default: --device's)")
     parser.add_argument("--sizes", help="comma-separated BxTxHxV (default: the device preset)")
     parser.add_argument("--impls", help=f"comma-separated, from floor,plain,liger,{','.join(GRPO_FAST)} (default: the preset)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu, bfloat16 on cuda")
@@ -355,7 +403,9 @@ def main(argv=None):
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="memory", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    preset = PRESETS[args.device]
+    args.preset = args.preset or args.device
+    preset = PRESETS[args.preset]
+    args.device = preset["device"]
     for key in ("dtype", "warmup", "repeats", "rounds", "budget"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
@@ -368,7 +418,8 @@ def main(argv=None):
     env = harness.environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (f"loss_{args.device}" + ("" if args.dtype == preset["dtype"] else f"_{args.dtype}"))
+    name = f"loss_types_{args.device}" if args.preset.endswith("loss-types") else f"loss_{args.device}"
+    stem = out / (name + ("" if args.dtype == preset["dtype"] else f"_{args.dtype}"))
     rows = []
     deadline = time.monotonic() + (args.budget or float("inf"))
 

@@ -111,18 +111,21 @@ def loss_options(trainer) -> LossOptions:
     gate: `objective.applied_entropy_coef`). Built at each loss call, as TRL reads them, so a callback that
     changes `trainer.beta` acts as it does in TRL."""
     args = trainer.args
-    bonus = getattr(trainer, "_entropy_bonus_enabled", False)
-    coef = objective.applied_entropy_coef(trainer.entropy_coef, trainer._last_world_entropy,
-                                          adaptive=trainer.use_adaptive_entropy, target=args.entropy_target) if bonus else 0.0
+    defaults = LossOptions()  # for the fields an older TRL (1.14, 1.15) does not have
+    arg = lambda name: getattr(args, name, getattr(defaults, name))  # noqa: E731
+    coef = 0.0
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        coef = objective.applied_entropy_coef(trainer.entropy_coef, trainer._last_world_entropy,
+                                              adaptive=trainer.use_adaptive_entropy, target=args.entropy_target)
     return LossOptions(
         loss_type=trainer.loss_type, beta=trainer.beta, epsilon_low=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high, delta=args.delta, temperature=trainer.temperature,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length,
         mask_truncated_completions=args.mask_truncated_completions, backend=trainer.fused_backend,
-        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
-        vespo_lambda_neg=args.vespo_lambda_neg, use_bias_correction_kl=bool(args.use_bias_correction_kl),
+        sapo_temperature_pos=arg("sapo_temperature_pos"), sapo_temperature_neg=arg("sapo_temperature_neg"),
+        vespo_k_pos=arg("vespo_k_pos"), vespo_lambda_pos=arg("vespo_lambda_pos"), vespo_k_neg=arg("vespo_k_neg"),
+        vespo_lambda_neg=arg("vespo_lambda_neg"), use_bias_correction_kl=bool(getattr(args, "use_bias_correction_kl", False)),
         entropy_coef=coef,
     )
 
@@ -303,7 +306,7 @@ class FastGRPOMixin:
         """TRL's adaptive entropy controller, on TRL's own attributes (so its checkpoints save and restore
         it): sum the window's entropy over the bonus's tokens; at the optimizer step's end update
         `entropy_coef` from the all-rank token mean (`objective.adaptive_entropy_coef`)."""
-        if not self._entropy_bonus_enabled:
+        if not getattr(self, "_entropy_bonus_enabled", False):
             return
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(metrics["policy_loss"]).nanmean().item())
         if self.use_adaptive_entropy and mode == "train":
