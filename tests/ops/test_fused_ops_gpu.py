@@ -22,6 +22,17 @@ GPU_CASES = {
     "bf16_seq": dataclasses.replace(BASE, dtype=torch.bfloat16, old_logp=False, options=loss_options(importance_sampling_level="sequence")),
     "bf16_big_vocab": dataclasses.replace(BASE, B=2, T=64, H=128, V=151936, dtype=torch.bfloat16,
                                        options=loss_options(temperature=1.0)),
+    # TRL's loss types and the entropy bonus (its gradient from the fused kernels' pass)
+    "fp32_cispo_entropy": dataclasses.replace(BASE, bias=True, options=loss_options(loss_type="cispo", epsilon_high=1.2,
+                                                                                      entropy_coef=0.3)),
+    "bf16_sapo_entropy": dataclasses.replace(BASE, dtype=torch.bfloat16, ref_logp=True, options=loss_options(
+        loss_type="sapo", beta=0.04, use_bias_correction_kl=True, entropy_coef=0.3)),
+    "bf16_vespo_entropy": dataclasses.replace(BASE, dtype=torch.bfloat16, mask="empty_row", is_ratio=True,
+                                              options=loss_options(loss_type="vespo", entropy_coef=0.3)),
+    "bf16_luspo_seq": dataclasses.replace(BASE, dtype=torch.bfloat16, options=loss_options(
+        loss_type="luspo", importance_sampling_level="sequence")),
+    "bf16_big_vocab_entropy": dataclasses.replace(BASE, B=2, T=64, H=128, V=151936, dtype=torch.bfloat16,
+                                               options=loss_options(temperature=1.0, entropy_coef=0.3)),
 }
 
 

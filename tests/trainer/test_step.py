@@ -4,6 +4,9 @@ whole step computed the plain way (padded batch, materialised logits, grpo_fast.
 import pytest
 import torch
 
+import dataclasses
+
+from grpo_fast import objective
 from grpo_fast.objective import grpo_loss_reference
 from grpo_fast.train.forward import Packer, attention_mode
 from grpo_fast.train.rollouts import Rollouts
@@ -38,8 +41,9 @@ def _batch(n=6, seed=0):
     return batch
 
 
-def _reference_grads(model, batch, options, num_items_in_batch=None):
-    """Padded right-aligned batch, logits materialised, loss from the objective, autograd."""
+def _reference_grads(model, batch, options, num_items_in_batch=None, masks=None):
+    """Padded right-aligned batch, logits materialised, loss from the objective, autograd.
+    masks: (top_entropy_quantile, off_policy_mask_threshold) as train_step takes them (one micro-batch)."""
     rows = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
     width, tc = max(map(len, rows)), max(max(len(c) for c in batch.completion_ids), 1)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -56,9 +60,20 @@ def _reference_grads(model, batch, options, num_items_in_batch=None):
         target[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         mask[i, : len(c)] = float(bool(keep))
     chosen = logits[torch.arange(len(rows))[:, None], pick]  # (B, Tc, V)
+    is_weights, is_ratio = pad(batch.is_weights), None
+    if options.loss_type == "vespo":
+        is_weights, is_ratio = None, is_weights
+    entropy_weights = None
+    if masks is not None:
+        quantile, threshold = masks
+        lp, entropy = objective.token_logprobs(chosen.detach(), target, options.temperature)
+        entropy_mask = objective.high_entropy_mask(entropy, mask, 1 - quantile)
+        opsm = objective.off_policy_mask(batch.advantages, lp, pad(batch.sampling_logp), mask, threshold)
+        is_weights = is_weights * entropy_mask * opsm
+        entropy_weights = objective.entropy_bonus_weights(mask, entropy_mask)
     loss, _ = grpo_loss_reference(
         chosen, target, batch.advantages, mask, options, old_logp=pad(batch.old_logp), ref_logp=pad(batch.ref_logp),
-        is_weights=pad(batch.is_weights), num_items_in_batch=num_items_in_batch,
+        is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights, num_items_in_batch=num_items_in_batch,
     )
     model.zero_grad()
     loss.backward()
@@ -82,6 +97,48 @@ def test_micro_batched_step_matches_whole_batch_reference(tiny, loss_type, level
     assert metrics["num_micro_batches"] >= 2 and metrics["skipped"] == 0
     for name, grad in expected.items():
         assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"{loss_type}/{level} grad {name}")
+
+
+# TRL's other loss types, over several micro-batches (each aggregation's accumulation rule)
+@pytest.mark.parametrize("loss_type, level, extra", [
+    ("cispo", "token", dict(epsilon_high=1.2)), ("sapo", "token", dict(use_bias_correction_kl=True)),
+    ("vespo", "token", {}), ("luspo", "sequence", dict(use_bias_correction_kl=True)),
+])
+def test_trl_loss_types_micro_batched_match_whole_batch_reference(tiny, loss_type, level, extra):
+    model, _ = tiny
+    model.train()
+    options = LossOptions(loss_type=loss_type, beta=0.05, temperature=0.8, importance_sampling_level=level,
+                          backend="torch", **extra)
+    batch = _batch(seed=2)
+    expected = _reference_grads(model, batch, options)
+    optimizer = CaptureGrads(model)
+    metrics = train_step(model, optimizer, Packer(model, max_tokens=24), batch, options, max_grad_norm=0.0)
+    assert metrics["num_micro_batches"] >= 2 and metrics["skipped"] == 0
+    for name, grad in expected.items():
+        assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"{loss_type} grad {name}")
+
+
+# The entropy bonus is each micro-batch's masked mean / the number of micro-batches (TRL's rule), so the
+# whole-batch reference holds with one micro-batch; TRL's token masks come from the same pass.
+@pytest.mark.parametrize("loss_type, masks", [("dapo", None), ("grpo", None), ("cispo", (0.5, 0.05)),
+                                              ("bnpo", (0.6, 0.0))])
+def test_entropy_bonus_and_token_masks_step_match_reference(tiny, loss_type, masks):
+    model, _ = tiny
+    model.train()
+    options = LossOptions(loss_type=loss_type, beta=0.05, temperature=0.8, entropy_coef=0.2, backend="torch",
+                          epsilon_high=1.2 if loss_type == "cispo" else None)
+    batch = _batch(seed=3)
+    g = torch.Generator().manual_seed(4)
+    batch.sampling_logp = [o + 0.5 * torch.randn(len(o), generator=g) for o in batch.old_logp]
+    expected = _reference_grads(model, batch, options, masks=masks)
+    optimizer = CaptureGrads(model)
+    kw = {} if masks is None else dict(top_entropy_quantile=masks[0], off_policy_mask_threshold=masks[1])
+    metrics = train_step(model, optimizer, Packer(model, max_tokens=4096), batch, options, max_grad_norm=0.0, **kw)
+    assert metrics["num_micro_batches"] == 1
+    without = _reference_grads(model, batch, dataclasses.replace(options, entropy_coef=0.0), masks=masks)
+    assert max((expected[n] - without[n]).abs().max().item() for n in expected) > 1e-4, "the bonus must move the gradient"
+    for name, grad in expected.items():
+        assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"{loss_type} grad {name}")
 
 
 def test_dapo_normaliser_from_the_generation_batch(tiny):
