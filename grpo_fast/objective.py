@@ -556,3 +556,109 @@ def adaptive_entropy_coef(coef: float, step_entropy: float, *, target: float, de
     if step_entropy <= target:
         return min(coef + delta, coef_max)
     return max(coef - delta, coef_min)
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO variants: reward shaping and advantages (GRPO-LEAD, Stable GRPO, S-GRPO, GRPO-MA, SGPO)
+# ----------------------------------------------------------------------------------------------
+# "correct" is a boolean tensor: the verifier's (the first reward function's) value > 0.
+
+
+def _groups(name: str, x: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """`x [n]` as `[n / G, G]` float64, or a ValueError naming the function."""
+    x = torch.as_tensor(x)
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor [n], got shape {list(x.shape)}")
+    if not isinstance(num_generations, int) or num_generations < 1 or x.numel() % num_generations:
+        raise ValueError(f"{name}: the number of values ({x.numel()}) must be a multiple of num_generations "
+                         f"({num_generations!r})")
+    return x.to(torch.float64).view(-1, num_generations)
+
+
+def lead_length_rewards(correct, lengths, num_generations: int, *, alpha: float = 0.05,
+                        wrong_reward: float = -1.0) -> torch.Tensor:
+    """GRPO-LEAD's length-dependent accuracy reward `[n]` (float32): a correct answer gets
+    `exp(-alpha (len - mu) / (sigma + 1e-6))`, with mu, sigma the mean and sample std of the token
+    lengths of its group's correct answers (sigma = 1 with fewer than two); a wrong one `wrong_reward`.
+    Shorter correct answers earn more than longer ones; every correct answer earns more than a wrong one
+    as long as wrong_reward <= 0."""
+    ok = _groups("lead_length_rewards", correct, num_generations).bool()
+    length = _groups("lead_length_rewards", lengths, num_generations)
+    count = ok.sum(1, keepdim=True)
+    mu = torch.where(ok, length, 0.0).sum(1, keepdim=True) / count.clamp(min=1)
+    var = torch.where(ok, (length - mu) ** 2, 0.0).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+    sigma = torch.where(count >= 2, var.sqrt(), 1.0)
+    reward = torch.where(ok, torch.exp(-alpha * (length - mu) / (sigma + 1e-6)), wrong_reward)
+    return reward.reshape(-1).float()
+
+
+def difficulty_weights(advantages, correct, num_generations: int, *, A: float = 0.4, B: float = 1.5,
+                       rho0: float = 0.75, k: float = 10.0) -> torch.Tensor:
+    """GRPO-LEAD's difficulty-aware advantages `[n]` (float32): with rho the group's share of correct
+    answers and `w(x) = A + (B - A) / (1 + exp(k (x - rho0)))`, a positive advantage is multiplied by
+    w(rho) (hard prompts, few correct: larger), the others by w(1 - rho)."""
+    adv = _groups("difficulty_weights", advantages, num_generations)
+    rho = _groups("difficulty_weights", correct, num_generations).bool().double().mean(1, keepdim=True)
+    w = lambda x: A + (B - A) / (1 + torch.exp(k * (x - rho0)))  # noqa: E731
+    return torch.where(adv > 0, adv * w(rho), adv * w(1 - rho)).reshape(-1).float()
+
+
+def noise_aware_weights(rewards, num_generations: int, *, p: float) -> torch.Tensor:
+    """Stable GRPO's per-sample weight `w* [n]` (float32) for rewards in [0, 1] flipped at rate p in
+    [0, 0.5): with r the group's mean reward and t = clip((r - p) / (1 - 2p), 0, 1) its de-noised
+    estimate, `w* = (1 - 2p) t(1 - t) / (sqrt(r(1 - r) + 1e-8) sqrt(t(1 - t) + 1e-8))`; the advantage is
+    `w* (r_i - r) / (std + eps)`. Groups whose mean is within the noise (t = 0 or 1) get 0."""
+    if not (isinstance(p, (int, float)) and 0 <= p < 0.5):
+        raise ValueError(f"noise_aware_weights: p (the reward flip rate) must be in [0, 0.5), got {p!r}")
+    r = _groups("noise_aware_weights", rewards, num_generations)
+    if bool(((r < 0) | (r > 1) | r.isnan()).any()):
+        raise ValueError("noise_aware_weights: rewards must lie in [0, 1] (a verifier's 0/1 or a probability), "
+                         f"got values in [{float(r.min())}, {float(r.max())}]")
+    mean = r.mean(1, keepdim=True)
+    t = ((mean - p) / (1 - 2 * p)).clamp(0.0, 1.0)
+    w = (1 - 2 * p) * t * (1 - t) / (torch.sqrt(mean * (1 - mean) + 1e-8) * torch.sqrt(t * (1 - t) + 1e-8))
+    return w.expand_as(r).reshape(-1).float()
+
+
+def decaying_serial_rewards(correct) -> torch.Tensor:
+    """S-GRPO's serial-group rewards `[m + 1]` (float32), members in exit order (shortest first, the
+    full completion last): the i-th correct member gets 1 / 2^(i - 1), a wrong one 0. Its advantages
+    are `r - mean(r)` (no std)."""
+    ok = torch.as_tensor(correct)
+    if ok.dim() != 1 or ok.numel() == 0:
+        raise ValueError(f"decaying_serial_rewards: expected a non-empty 1-D tensor [m + 1], got shape {list(ok.shape)}")
+    ok = ok.bool()
+    rank = torch.cumsum(ok.long(), 0) - 1  # 0 for the first correct one
+    return torch.where(ok, 0.5 ** rank.double(), 0.0).float()
+
+
+def thought_answer_advantages(rewards, *, eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO-MA's advantages from `rewards [P, K, M]` (P prompts, K thoughts, M answers per thought):
+    `(thought [P, K], answer [P, K, M])` float32. V_k = the mean of thought k's answer rewards; thought
+    advantage (V_k - mean_k V) / (std_k V + eps); answer advantage (R - mean R) / (std R + eps) over the
+    prompt's K M answers; population std in both."""
+    r = torch.as_tensor(rewards)
+    if r.dim() != 3:
+        raise ValueError(f"thought_answer_advantages: rewards must be [P, K, M], got shape {list(r.shape)}")
+    r = r.to(torch.float64)
+    value = r.mean(-1)  # (P, K)
+    thought = (value - value.mean(-1, keepdim=True)) / (value.std(-1, correction=0, keepdim=True) + eps)
+    flat = r.flatten(1)
+    answer = (flat - flat.mean(-1, keepdim=True)) / (flat.std(-1, correction=0, keepdim=True) + eps)
+    return thought.float(), answer.view_as(r).float()
+
+
+def partial_credit_rewards(rewards, correct, step_scores, num_generations: int, *, beta: float = 5.0,
+                           gamma: float = 0.5) -> torch.Tensor:
+    """SGPO's partial credit `[n]` (float32): in a group with no correct answer, each answer's reward
+    becomes `sigmoid(beta (step_score - gamma))`, step_score in [0, 1] the share of its reasoning right
+    before the first wrong step (more right -> more reward, still below 1); other groups keep theirs,
+    so an all-wrong group still carries a signal."""
+    r = _groups("partial_credit_rewards", rewards, num_generations)
+    ok = _groups("partial_credit_rewards", correct, num_generations).bool()
+    s = _groups("partial_credit_rewards", step_scores, num_generations)
+    if bool(((s < 0) | (s > 1) | s.isnan()).any()):
+        raise ValueError("partial_credit_rewards: step_scores must lie in [0, 1], got values in "
+                         f"[{float(s.min())}, {float(s.max())}]")
+    none_correct = ~ok.any(1, keepdim=True)
+    return torch.where(none_correct, torch.sigmoid(beta * (s - gamma)), r).reshape(-1).float()
