@@ -115,6 +115,16 @@ GRPO_CLONES void grad_row(float* x, int64_t vocab, float inv_t, float lse, float
     for (int64_t j = 0; j < vocab; ++j) x[j] = -scale * exp_approx(x[j] * inv_t - lse);
 }
 
+// The same with the entropy's gradient (the entropy bonus): dH/dz_j = -p_j (log p_j + H) / T, so
+// x <- -p (g + g_h (log p + H)) / T with log p = x / T - lse. A separate loop: the plain one stays as it was.
+GRPO_CLONES void grad_row_entropy(float* x, int64_t vocab, float inv_t, float lse, float g, float g_h, float h) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) {
+        const float logp = x[j] * inv_t - lse;
+        x[j] = -inv_t * exp_approx(logp) * (g + g_h * (logp + h));
+    }
+}
+
 // Row r of the slab as float32: the row itself, or its widened copy in `buf` for bf16.
 inline const float* row_f32(const float* logits, int64_t r, int64_t vocab, float*) { return logits + r * vocab; }
 inline const float* row_f32(const bf16_t* logits, int64_t r, int64_t vocab, float* buf) {
@@ -143,7 +153,7 @@ void row_stats_impl(const T* logits, const int64_t* target, int64_t rows, int64_
 
 template <typename T>
 void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab, float inv_t, const float* lse,
-                   const float* g) {
+                   const float* g, const float* g_entropy, const float* entropy) {
 #pragma omp parallel
     {
         std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab);
@@ -152,9 +162,16 @@ void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab
             float* x = const_cast<float*>(row_f32(logits, r, vocab, buf.data()));
             const float scale = g[r] * inv_t;
             // onehot - p at the target as 1 - p in fp32, before any rounding to bf16
-            const float p_target = exp_approx(x[target[r]] * inv_t - lse[r]);
-            grad_row(x, vocab, inv_t, lse[r], scale);
-            x[target[r]] = scale * (1.0f - p_target);
+            const float logp_target = x[target[r]] * inv_t - lse[r];
+            const float p_target = exp_approx(logp_target);
+            if (g_entropy == nullptr) {
+                grad_row(x, vocab, inv_t, lse[r], scale);
+                x[target[r]] = scale * (1.0f - p_target);
+            } else {
+                grad_row_entropy(x, vocab, inv_t, lse[r], g[r], g_entropy[r], entropy[r]);
+                x[target[r]] = scale * (1.0f - p_target) -
+                               inv_t * g_entropy[r] * p_target * (logp_target + entropy[r]);
+            }
             if (!std::is_same<T, float>::value) narrow(x, reinterpret_cast<bf16_t*>(logits) + r * vocab, vocab);
         }
     }
@@ -179,18 +196,24 @@ void row_stats(std::uintptr_t logits_p, int dtype_bits, std::uintptr_t target_p,
         row_stats_impl(reinterpret_cast<const bf16_t*>(logits_p), target, rows, vocab, inv_t, logp, entropy, lse);
 }
 
+// g_entropy_p, entropy_p: the entropy's incoming gradient and the entropy per row, or both 0 (none)
 void row_grad_(std::uintptr_t logits_p, int dtype_bits, std::uintptr_t target_p, int64_t rows, int64_t vocab,
-               double temperature, std::uintptr_t lse_p, std::uintptr_t g_p) {
+               double temperature, std::uintptr_t lse_p, std::uintptr_t g_p, std::uintptr_t g_entropy_p,
+               std::uintptr_t entropy_p) {
     check_dtype(dtype_bits);
+    if ((g_entropy_p == 0) != (entropy_p == 0))
+        throw std::invalid_argument("row_grad_: g_entropy and entropy come together (both pointers or both 0)");
     const auto* target = reinterpret_cast<const int64_t*>(target_p);
     const auto* lse = reinterpret_cast<const float*>(lse_p);
     const auto* g = reinterpret_cast<const float*>(g_p);
+    const auto* g_entropy = reinterpret_cast<const float*>(g_entropy_p);
+    const auto* entropy = reinterpret_cast<const float*>(entropy_p);
     const float inv_t = static_cast<float>(1.0 / temperature);
     pybind11::gil_scoped_release release;
     if (dtype_bits == 32)
-        row_grad_impl(reinterpret_cast<float*>(logits_p), target, rows, vocab, inv_t, lse, g);
+        row_grad_impl(reinterpret_cast<float*>(logits_p), target, rows, vocab, inv_t, lse, g, g_entropy, entropy);
     else
-        row_grad_impl(reinterpret_cast<bf16_t*>(logits_p), target, rows, vocab, inv_t, lse, g);
+        row_grad_impl(reinterpret_cast<bf16_t*>(logits_p), target, rows, vocab, inv_t, lse, g, g_entropy, entropy);
 }
 
 // exp_approx over a float32 buffer, so the tests can measure its error against exp in float64.
@@ -204,6 +227,8 @@ void exp_approx_(std::uintptr_t x_p, int64_t n) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "grpo_fast C++ CPU kernels (row passes over logit chunks)";
     m.def("row_stats", &row_stats, "lse, target log-prob and entropy per row of logits / T (f32 or bf16 logits)");
-    m.def("row_grad_", &row_grad_, "in place: logits <- g (onehot - softmax(logits / T)) / T (f32 or bf16 logits)");
+    m.def("row_grad_", &row_grad_,
+          "in place: logits <- [g (onehot - p) - g_entropy p (log p + H)] / T, p = softmax(logits / T) (f32 or bf16 "
+          "logits; g_entropy, entropy pointers 0: no entropy term)");
     m.def("exp_approx_", &exp_approx_, "in place: x <- exp_approx(x), the vectorised exp of the row passes");
 }

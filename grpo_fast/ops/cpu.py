@@ -45,14 +45,20 @@ def _stats(logits, target, temperature):
     return logp, entropy, lse
 
 
-def _grad_(logits, target, lse, g, temperature):
-    """In place: `logits [C, V] <- g * (onehot(target) - softmax(logits / T)) / T`; returns logits."""
+def _grad_(logits, target, lse, g, temperature, g_entropy=None, entropy=None):
+    """In place: `logits [C, V] <- [g (onehot(target) - p) - g_entropy p (log p + H)] / T`,
+    p = softmax(logits / T), H = entropy (g_entropy and entropy [C] or both None); returns logits."""
     assert logits.is_contiguous() and logits.dtype in _DTYPE_BITS, (logits.dtype, logits.stride())
+    assert (g_entropy is None) == (entropy is None), "g_entropy and entropy come together"
     c, v = logits.shape
     target = target.to(torch.int64).contiguous()
     lse, g = lse.float().contiguous(), g.float().contiguous()
+    pointers = (0, 0)
+    if g_entropy is not None:
+        g_entropy, entropy = g_entropy.float().contiguous(), entropy.float().contiguous()
+        pointers = (g_entropy.data_ptr(), entropy.data_ptr())
     _native().row_grad_(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, float(temperature),
-                        lse.data_ptr(), g.data_ptr())
+                        lse.data_ptr(), g.data_ptr(), *pointers)
     return logits
 
 

@@ -74,3 +74,32 @@ def test_bf16_target_entry_is_one_minus_p_in_fp32(top):
     one_minus_p = 1 - torch.softmax(logits.double(), -1)[0, 0]
     # one bf16 rounding of the result (2^-9 relative), plus float32's own absolute error on 1 - p
     assert_close(grad[0, 0], one_minus_p, atol=1.2e-7, rtol=2**-9, name="g (1 - p) at the target")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 37, 1007])
+def test_grad_with_entropy_term(dtype, vocab):
+    """The entropy bonus's row pass: d(sum g logp + g_h H)/d(logits) against float64 autograd, with
+    rows where g or g_h is 0, temperature != 1 and a vocab that is no multiple of the SIMD width."""
+    g = torch.Generator().manual_seed(vocab + 1)
+    rows, temperature = 7, 0.7
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    upstream, g_entropy = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    upstream[1], g_entropy[2] = 0.0, 0.0
+    _, entropy, lse = cpu._stats(logits, target, temperature)
+    grad = cpu._grad_(logits.clone(), target, lse, upstream, temperature, g_entropy, entropy)
+
+    x = logits.double().requires_grad_(True)
+    logp_ref, entropy_ref, _ = _reference_stats(x, target, temperature)
+    (expected,) = torch.autograd.grad((upstream.double() * logp_ref + g_entropy.double() * entropy_ref).sum(), x)
+    # as test_stats_and_grad: a few ulps of |z| times the gradients' size (here also |log p| ~ up to
+    # 10 in the entropy term), bf16 output rounded once
+    z_ulp = torch.finfo(torch.float32).eps * max(1.0, float((logits.double() / temperature).abs().max()))
+    assert_close(grad, expected, atol=16 * z_ulp * magnitude(expected),
+                 rtol=2 ** -8 if dtype == torch.bfloat16 else 1e-5, name="grad with entropy")
+    plain = cpu._grad_(logits.clone(), target, lse, upstream, temperature)
+    zero_h = cpu._grad_(logits.clone(), target, lse, upstream, temperature, torch.zeros(rows), entropy)
+    assert_close(zero_h, plain, atol=2 * z_ulp * magnitude(plain), rtol=1e-6, name="g_h = 0 is the plain pass")
+    if vocab > 1:
+        assert (grad.float() - plain.float()).abs().max() > 1e-3, "the entropy term must change the gradient"

@@ -108,7 +108,7 @@ def test_trl_loss_types_micro_batched_match_whole_batch_reference(tiny, loss_typ
     model, _ = tiny
     model.train()
     options = LossOptions(loss_type=loss_type, beta=0.05, temperature=0.8, importance_sampling_level=level,
-                          backend="torch", **extra)
+                          backend="cpu", **extra)
     batch = _batch(seed=2)
     expected = _reference_grads(model, batch, options)
     optimizer = CaptureGrads(model)
@@ -125,7 +125,7 @@ def test_trl_loss_types_micro_batched_match_whole_batch_reference(tiny, loss_typ
 def test_entropy_bonus_and_token_masks_step_match_reference(tiny, loss_type, masks):
     model, _ = tiny
     model.train()
-    options = LossOptions(loss_type=loss_type, beta=0.05, temperature=0.8, entropy_coef=0.2, backend="torch",
+    options = LossOptions(loss_type=loss_type, beta=0.05, temperature=0.8, entropy_coef=0.2, backend="cpu",
                           epsilon_high=1.2 if loss_type == "cispo" else None)
     batch = _batch(seed=3)
     g = torch.Generator().manual_seed(4)
