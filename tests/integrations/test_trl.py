@@ -197,7 +197,7 @@ def test_trl_loss_types_and_entropy_bonus_match_trl(pair, option):
     attrs, policy, is_ratio = NEW_OPTIONS[option]
     enabled = attrs.get("entropy_coef", 0.0) != 0.0 or attrs.get("use_adaptive_entropy", False)
     _configure((stock, fast), **{**dict(beta=0.1, use_bias_correction_kl=True, importance_sampling_level="token",
-                                        delta=None, epsilon_high=0.2, _entropy_bonus_enabled=enabled,
+                                        delta=None, epsilon_high=0.28, _entropy_bonus_enabled=enabled,
                                         _last_world_entropy=float("inf"), _entropy_window_stats=None), **attrs})
     if policy == "on":
         inputs = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
@@ -218,7 +218,7 @@ def test_trl_loss_types_and_entropy_bonus_match_trl(pair, option):
             assert fast.entropy_coef == pytest.approx(moved), "the adaptive controller did not move as TRL's"
     finally:  # the trainers are shared by the module: restore TRL's defaults
         _configure((stock, fast), loss_type="dapo", entropy_coef=0.0, use_adaptive_entropy=False, top_entropy_quantile=1.0,
-                   off_policy_mask_threshold=None, use_vllm=False, _entropy_bonus_enabled=False, epsilon_high=0.2,
+                   off_policy_mask_threshold=None, use_vllm=False, _entropy_bonus_enabled=False, epsilon_high=0.28,
                    sapo_temperature_neg=1.05, vespo_k_neg=3.0, vespo_lambda_neg=2.0, entropy_target=0.2,
                    entropy_coef_delta=0.005, importance_sampling_level="token")
 
