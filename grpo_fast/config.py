@@ -22,8 +22,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .objective import (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, REWARD_AGGREGATIONS, SCALE_REWARDS, STD_ESTIMATORS,
-                        LossOptions, option_warnings)
+from .objective import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    REWARD_AGGREGATIONS,
+    SCALE_REWARDS,
+    STD_ESTIMATORS,
+    LossOptions,
+    option_warnings,
+)
 
 ENGINES = ("auto", "vllm", "hf")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")

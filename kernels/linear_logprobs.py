@@ -11,7 +11,8 @@ forward  One kernel. Each program owns BLOCK_N rows and a contiguous range of vo
          are merged in PyTorch (O(N * splits)). Splits exist to fill the GPU when N is small.
          entropy = log s - t / s (the shifted t avoids the cancellation of lse - sum p z).
 backward Per chunk of C rows: one kernel recomputes each [BLOCK_N, BLOCK_V] tile of `z` and writes
-         `g * (onehot - softmax(z)) / temperature` (computed in fp32, stored in the input dtype)
+         `g * (onehot - softmax(z)) / temperature` (computed in fp32, stored in the input dtype;
+         with the entropy bonus also `- g_h p (log p + H) / temperature`, HAS_ENTROPY_GRAD)
          into a bounded [C, V] slab; cuBLAS then does grad_hidden = slab @ W and
          grad_weight += slab.T @ hidden (fp32 accumulation across chunks). 3 matmuls. The chunks
          and the gradient matmuls are the chunk driver's, shared with the CPU backends
@@ -197,11 +198,16 @@ def _logits_tile(h_base, w_base, b_base, row_ok, col_ok, H, stride_h, stride_w, 
 
 
 @triton.jit
-def _dlogits(z, is_target, lse, g, inv_temp):
-    """d(sum_rows g * logp[target]) / d(pre-temperature logits) = g (onehot - softmax(z)) / T, in
-    fp32 (1 - p is never formed in bf16, where it cancels for confident tokens)."""
-    p = tl.exp(z - lse[:, None])
-    return (g * inv_temp)[:, None] * (is_target.to(tl.float32) - p)
+def _dlogits(z, is_target, lse, g, g_h, h, inv_temp, HAS_ENTROPY_GRAD: tl.constexpr):
+    """d(sum_rows g * logp[target] [+ g_h * H]) / d(pre-temperature logits) = g (onehot - p) / T
+    [- g_h p (log p + H) / T: the entropy's gradient], p = softmax(z), in fp32 (1 - p is never
+    formed in bf16, where it cancels for confident tokens)."""
+    logp = z - lse[:, None]
+    p = tl.exp(logp)
+    dz = (g * inv_temp)[:, None] * (is_target.to(tl.float32) - p)
+    if HAS_ENTROPY_GRAD:
+        dz -= (g_h * inv_temp)[:, None] * p * (logp + h[:, None])
+    return dz
 
 
 @triton.jit
@@ -275,32 +281,39 @@ def _grouped_tile(pid, n_row_blocks, n_col_tiles, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _row_inputs(target_ptr, lse_ptr, g_ptr, row0, rn, row_ok):
-    """target (int32), lse, g of the block's rows."""
+def _row_inputs(target_ptr, lse_ptr, g_ptr, g_h_ptr, h_ptr, row0, rn, row_ok, HAS_ENTROPY_GRAD: tl.constexpr):
+    """target (int32), lse, g of the block's rows; with the entropy's gradient also g_h and the
+    entropy H (else g again, unused)."""
     target = tl.load(target_ptr + row0 + rn, mask=row_ok, other=-1).to(tl.int32)
     lse = tl.load(lse_ptr + row0 + rn, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + row0 + rn, mask=row_ok, other=0.0)
-    return target, lse, g
+    g_h, h = g, g
+    if HAS_ENTROPY_GRAD:
+        g_h = tl.load(g_h_ptr + row0 + rn, mask=row_ok, other=0.0)
+        h = tl.load(h_ptr + row0 + rn, mask=row_ok, other=0.0)
+    return target, lse, g, g_h, h
 
 
 @triton.jit
 def _linear_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, g_ptr,  # [C, H], [V, H], [V], [C], [C], [C]
-    grad_ptr,  # [C, V] out, input dtype: g (onehot - p) / T
+    g_h_ptr, h_ptr,  # [C], [C] f32 when HAS_ENTROPY_GRAD: d(loss)/d(entropy), the entropy; else dummies
+    grad_ptr,  # [C, V] out, input dtype: g (onehot - p) / T [- g_h p (log p + H) / T]
     N, V, H, inv_temp,
     stride_h, stride_w, stride_g,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rb, ct = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
     row0, col0 = rb * BLOCK_N, ct * BLOCK_V
     rn, rv = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_V)
     row_ok, col_ok = row0 + rn < N, col0 + rv < V
-    target, lse, g = _row_inputs(target_ptr, lse_ptr, g_ptr, row0, rn, row_ok)
+    target, lse, g, g_h, h = _row_inputs(target_ptr, lse_ptr, g_ptr, g_h_ptr, h_ptr, row0, rn, row_ok,
+                                         HAS_ENTROPY_GRAD)
     z = _logits_tile(hidden_ptr + row0.to(tl.int64) * stride_h, weight_ptr + col0.to(tl.int64) * stride_w,
                      bias_ptr + col0, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
                      HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
-    dz = _dlogits(z, rv[None, :] == (target - col0)[:, None], lse, g, inv_temp)
+    dz = _dlogits(z, rv[None, :] == (target - col0)[:, None], lse, g, g_h, h, inv_temp, HAS_ENTROPY_GRAD)
     g_base = grad_ptr + row0.to(tl.int64) * stride_g + col0  # int64: C * V may pass 2**31
     tl.store(g_base + (rn[:, None] * stride_g + rv[None, :]), dz.to(grad_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -310,8 +323,9 @@ def _linear_logprobs_bwd_kernel(
 def _logits_to_grad_kernel(
     logits_ptr,  # [C, V] in/out, input dtype: d = z - tile max (forward's STORE_LOGITS) -> gradient
     tile_max_ptr, target_ptr, lse_ptr, g_ptr,  # [C, n_tiles] f32, [C], [C], [C]
+    g_h_ptr, h_ptr,  # [C], [C] f32 when HAS_ENTROPY_GRAD, else dummies
     N, V, inv_temp, stride_l, stride_m,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(V, BLOCK_V)
@@ -319,12 +333,14 @@ def _logits_to_grad_kernel(
     rn, rv = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_V)
     row_ok, col_ok = row0 + rn < N, col0 + rv < V
     mask = row_ok[:, None] & col_ok[None, :]
-    target, lse, g = _row_inputs(target_ptr, lse_ptr, g_ptr, row0, rn, row_ok)
+    target, lse, g, g_h, h = _row_inputs(target_ptr, lse_ptr, g_ptr, g_h_ptr, h_ptr, row0, rn, row_ok,
+                                         HAS_ENTROPY_GRAD)
     tile_max = tl.load(tile_max_ptr + row0.to(tl.int64) * stride_m + (pid % n_col_tiles) + rn * stride_m,
                        mask=row_ok, other=0.0)
     ptrs = logits_ptr + row0.to(tl.int64) * stride_l + col0 + (rn[:, None] * stride_l + rv[None, :])
     d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    dz = _dlogits(d + tile_max[:, None], rv[None, :] == (target - col0)[:, None], lse, g, inv_temp)
+    dz = _dlogits(d + tile_max[:, None], rv[None, :] == (target - col0)[:, None], lse, g, g_h, h, inv_temp,
+                  HAS_ENTROPY_GRAD)
     tl.store(ptrs, dz.to(logits_ptr.dtype.element_ty), mask=mask)  # in place: each element read, then written
 
 
@@ -399,24 +415,28 @@ def _merge_splits(stats):
     return z_target.sum(0) - lse, log_s - t_all / s_all, lse
 
 
-def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits):
-    """grad_logits [C, V] <- g (onehot - softmax) / T, recomputing the logits tile by tile."""
-    (n, h), vocab = hidden.shape, weight.shape[0]
+def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits, g_h=None, h=None):
+    """grad_logits [C, V] <- g (onehot - softmax) / T [- g_h p (log p + H) / T with g_h, h [C] f32],
+    recomputing the logits tile by tile."""
+    (n, hdim), vocab = hidden.shape, weight.shape[0]
     cfg, consts, bias_arg = _common(hidden, weight, bias, "backward")
     _linear_logprobs_bwd_kernel[tile_grid(n, vocab, cfg)](
-        hidden, weight, bias_arg, target, lse, g, grad_logits, n, vocab, h, 1.0 / temperature,
-        hidden.stride(0), weight.stride(0), grad_logits.stride(0), GROUP=GROUP_N, **consts,
+        hidden, weight, bias_arg, target, lse, g, g if g_h is None else g_h, g if h is None else h, grad_logits,
+        n, vocab, hdim, 1.0 / temperature, hidden.stride(0), weight.stride(0), grad_logits.stride(0), GROUP=GROUP_N,
+        HAS_ENTROPY_GRAD=g_h is not None, **consts,
     )
 
 
-def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature):
-    """In place: logits [C, V] (z - tile max, from the forward) <- g (onehot - softmax) / T."""
+def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature, g_h=None, h=None):
+    """In place: logits [C, V] (z - tile max, from the forward) <- g (onehot - softmax) / T
+    [- g_h p (log p + H) / T with g_h, h [C] f32]."""
     n, vocab = logits.shape
     cfg = launch_config(logits.dtype, "fused")  # the tiles of the forward that wrote the slab
     assert tile_max.shape == (n, triton.cdiv(vocab, cfg.block_v))
     rows = to_grad_rows(cfg)
     _logits_to_grad_kernel[(triton.cdiv(n, rows) * triton.cdiv(vocab, cfg.block_v),)](
-        logits, tile_max, target, lse, g, n, vocab, 1.0 / temperature, logits.stride(0), tile_max.stride(0),
+        logits, tile_max, target, lse, g, g if g_h is None else g_h, g if h is None else h, n, vocab,
+        1.0 / temperature, logits.stride(0), tile_max.stride(0), HAS_ENTROPY_GRAD=g_h is not None,
         BLOCK_N=rows, BLOCK_V=cfg.block_v, num_warps=TO_GRAD_WARPS,
     )
 
@@ -448,9 +468,11 @@ def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int],
     return chunks.plan(n, vocab, bytes_per_logit, budget=budget, balanced=True, chunk_size=chunk_size)
 
 
-def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None):
+def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None,
+             grad_entropy=None, entropy=None):
     """Gradients (grad_hidden [N, H], grad_weight [V, H], grad_bias [V] | None) of
-    sum(grad_logp * logp), given the forward's lse [N]; None where `needs` says not wanted.
+    sum(grad_logp * logp [+ grad_entropy * entropy]), given the forward's lse [N] (and entropy [N]
+    with grad_entropy [N]); None where `needs` says not wanted.
 
     Per chunk of C rows: one kernel recomputes the logits tiles into the gradient slab [C, V]
     (input dtype), then two cuBLAS matmuls. `chunk_size` overrides the workspace budget (tests)."""
@@ -460,20 +482,26 @@ def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(T
     step, spans = _chunks(n, vocab, hidden.element_size(), chunk_size, workspace_bytes(hidden.device))
     slab = torch.empty(step, vocab, dtype=hidden.dtype, device=hidden.device) if n else None
     g, lse, target = grad_logp.float().contiguous(), lse.float().contiguous(), target.contiguous()
+    g_h = h = None
+    if grad_entropy is not None:
+        g_h, h = grad_entropy.float().contiguous(), entropy.float().contiguous()
 
     def chunk_grad(s, e):
         grad_logits = slab[: e - s]
-        _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], temperature, grad_logits)
+        _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], temperature, grad_logits,
+                    None if g_h is None else g_h[s:e], None if h is None else h[s:e])
         return grad_logits
 
     return chunks.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad)
 
 
-def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None):
+def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None,
+          grad_entropy=None):
     """(logp [N] f32, entropy [N] f32, grad_hidden, grad_weight, grad_bias) in one pass.
 
     `dloss_dlogp(start, end, logp_chunk [C]) -> g [C]` gives the loss gradient of the chunk's tokens
-    once their log-probs are known. Per chunk: the forward kernel also keeps its logit tiles (relative
+    once their log-probs are known; grad_entropy [N] f32 (or None): the loss's gradient w.r.t. each
+    token's entropy (the entropy bonus), applied with the entropy the same pass computes. Per chunk: the forward kernel also keeps its logit tiles (relative
     to the running max) in a [C, V] slab, the slab becomes the gradient in place, then two cuBLAS
     matmuls: 3 matmuls in all, against 4 for forward + backward."""
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -493,7 +521,9 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
         logp[s:e], entropy[s:e], lse = _merge_splits(stats)
         g = dloss_dlogp(s, e, logp[s:e])
         assert tuple(g.shape) == (e - s,), f"dloss_dlogp returned shape {tuple(g.shape)}, expected ({e - s},)"
-        _launch_logits_to_grad(logits, tile_max[: e - s], target[s:e], lse, g.float().contiguous(), temperature)
+        g_h = None if grad_entropy is None else grad_entropy[s:e].float().contiguous()
+        _launch_logits_to_grad(logits, tile_max[: e - s], target[s:e], lse, g.float().contiguous(), temperature,
+                               g_h, None if g_h is None else entropy[s:e].contiguous())
         return logits
 
     return (logp, entropy, *chunks.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))

@@ -7,8 +7,7 @@ import warnings
 import pytest
 import torch
 
-from grpo_fast import group_advantages, grpo_loss_reference
-from grpo_fast import objective
+from grpo_fast import group_advantages, grpo_loss_reference, objective
 from grpo_fast.objective import LossOptions
 from tests.helpers import assert_close, scaled
 
@@ -222,7 +221,6 @@ def test_vespo_folds_the_is_ratio_into_its_weight():
     instead of multiplying the token losses by them."""
     logits, target, adv, mask, old, _, isw = make_case(seed=4)
     options = LossOptions(loss_type="vespo", temperature=0.7)
-    lp = torch.log_softmax(logits / 0.7, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     shifted_old = old - torch.log(isw)  # log(w * is) = lp - old + log is
     folded, _ = grpo_loss_reference(logits, target, adv, mask, options, old_logp=old, is_ratio=isw)
     by_old, _ = grpo_loss_reference(logits, target, adv, mask, options, old_logp=shifted_old)

@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from grpo_fast import (decaying_serial_rewards, difficulty_weights, lead_length_rewards, noise_aware_weights,
-                       partial_credit_rewards, thought_answer_advantages)
+from grpo_fast import (
+    decaying_serial_rewards,
+    difficulty_weights,
+    lead_length_rewards,
+    noise_aware_weights,
+    partial_credit_rewards,
+    thought_answer_advantages,
+)
 from tests.helpers import assert_close, scaled
 
 

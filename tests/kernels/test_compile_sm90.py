@@ -60,15 +60,20 @@ for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path an
                        stride_h="i32", stride_w="i32", stride_l="i32", stride_m="i32")
             consts = dict(STORE_LOGITS=store, TMA_STORE=tma, **({} if tma else dict(logits_desc=None)), **one, **common(cfg))
             out.append(compile_(K._linear_logprobs_fwd_kernel, sig, consts, cfg))
-        sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32", grad_ptr=t,
-                   **ints, inv_temp="fp32", stride_h="i32", stride_w="i32", stride_g="i32")
-        out.append(compile_(K._linear_logprobs_bwd_kernel, sig, dict(GROUP=K.GROUP_N, **one, **common(roles.backward)),
-                            roles.backward))
-        sig = dict(logits_ptr=t, tile_max_ptr="*fp32", target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
-                   **{a: "i32" for a in ("N", "V") if a not in one}, inv_temp="fp32", stride_l="i32", stride_m="i32")
-        cfg = roles.fused
-        out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=K.to_grad_rows(cfg), BLOCK_V=cfg.block_v, **one),
-                            K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, K.TO_GRAD_WARPS, cfg.num_stages)))
+        for entropy in (False, True):  # the entropy bonus's gradient term (HAS_ENTROPY_GRAD)
+            sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
+                       g_h_ptr="*fp32", h_ptr="*fp32", grad_ptr=t, **ints, inv_temp="fp32", stride_h="i32",
+                       stride_w="i32", stride_g="i32")
+            out.append(compile_(K._linear_logprobs_bwd_kernel, sig, dict(GROUP=K.GROUP_N, HAS_ENTROPY_GRAD=entropy,
+                                                                         **one, **common(roles.backward)),
+                                roles.backward))
+            sig = dict(logits_ptr=t, tile_max_ptr="*fp32", target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
+                       g_h_ptr="*fp32", h_ptr="*fp32", **{a: "i32" for a in ("N", "V") if a not in one},
+                       inv_temp="fp32", stride_l="i32", stride_m="i32")
+            cfg = roles.fused
+            out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=K.to_grad_rows(cfg), BLOCK_V=cfg.block_v,
+                                                                    HAS_ENTROPY_GRAD=entropy, **one),
+                                K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, K.TO_GRAD_WARPS, cfg.num_stages)))
     for r in out:
         r.setdefault("dtype", str(dtype))
 print(json.dumps(out))
@@ -90,7 +95,8 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stderr[-4000:]}"
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * 2 * 4
+    assert len(results) == 2 * 2 * 6
+    assert {r["consts"].get("HAS_ENTROPY_GRAD") for r in results} == {None, "False", "True"}
     for r in results:
         assert r["shared"] <= 227 * 1024, f"{r['kernel']} {r['dtype']}: {r['shared']} bytes of shared memory"
         if r["kernel"] != "_logits_to_grad_kernel":

@@ -31,6 +31,16 @@ class Case:
     bias: bool = True
     temperature: float = 1.0
     chunk_size: Optional[int] = None  # None: the workspace budget decides
+    entropy_grad: bool = False  # the entropy bonus: also d(loss)/d(entropy) per token into the gradient passes
+
+
+def entropy_grad_of(case: Case, n: int, device) -> Optional[torch.Tensor]:
+    """d(loss)/d(entropy) per token (None unless case.entropy_grad), some rows 0."""
+    if not case.entropy_grad:
+        return None
+    gh = torch.randn(n, generator=torch.Generator().manual_seed(7)) * 0.7
+    gh[::3] = 0.0
+    return gh.to(device)
 
 
 def make_inputs(case: Case, device: str, seed: int = 0):
@@ -44,24 +54,27 @@ def make_inputs(case: Case, device: str, seed: int = 0):
     return to(h), to(w), to(b), target.to(device), g.to(device)
 
 
-def reference(h, w, b, target, temperature, g):
-    """The spec on float64 logits: (logp, entropy, lse) and grads of sum(g * logp) w.r.t. h, w, b."""
+def reference(h, w, b, target, temperature, g, gh=None):
+    """The spec on float64 logits: (logp, entropy, lse) and grads of sum(g * logp [+ gh * entropy])
+    w.r.t. h, w, b."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (h, w, b)]
     h64, w64, b64 = leaves
     logits = h64 @ w64.t() + (b64 if b64 is not None else 0.0)
     logp, entropy = objective.token_logprobs(logits, target, temperature)
     lse = torch.logsumexp(logits.detach() / temperature, dim=-1)
-    grads = torch.autograd.grad((logp * g.double()).sum(), [t for t in leaves if t is not None])
+    objective_ = (logp * g.double()).sum() + (0.0 if gh is None else (entropy * gh.double()).sum())
+    grads = torch.autograd.grad(objective_, [t for t in leaves if t is not None])
     grads = list(grads) + [None] * (3 - len(grads))
     return logp.detach(), entropy.detach(), lse, grads
 
 
-def plain_pytorch(h, w, b, target, temperature, g):
+def plain_pytorch(h, w, b, target, temperature, g, gh=None):
     """Plain PyTorch in the inputs' dtype (materialised logits): the yardstick for tolerances."""
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (h, w, b)]
     logits = leaves[0] @ leaves[1].t() + (leaves[2] if leaves[2] is not None else 0.0)
     logp, entropy = objective.token_logprobs(logits, target, temperature)
-    grads = torch.autograd.grad((logp * g).sum(), [t for t in leaves if t is not None])
+    objective_ = (logp * g).sum() + (0.0 if gh is None else (entropy * gh).sum())
+    grads = torch.autograd.grad(objective_, [t for t in leaves if t is not None])
     return logp.detach(), entropy.detach(), list(grads) + [None] * (3 - len(grads))
 
 
@@ -75,9 +88,10 @@ def tolerance(name, case, plain, expected):
 
 def check_case(case: Case, device: str):
     h, w, b, target, g = make_inputs(case, device)
+    gh = entropy_grad_of(case, case.n, device)
     T = case.temperature
-    ref_logp, ref_entropy, ref_lse, ref_grads = reference(h, w, b, target, T, g)
-    plain_logp, plain_entropy, plain_grads = plain_pytorch(h, w, b, target, T, g)
+    ref_logp, ref_entropy, ref_lse, ref_grads = reference(h, w, b, target, T, g, gh)
+    plain_logp, plain_entropy, plain_grads = plain_pytorch(h, w, b, target, T, g, gh)
 
     logp, entropy, lse = K.forward(h, w, b, target, T)
     for name, got, exp, pl in [("logp", logp, ref_logp, plain_logp), ("entropy", entropy, ref_entropy, plain_entropy),
@@ -92,11 +106,13 @@ def check_case(case: Case, device: str):
         return g[start:end] + 0.25 * logp_chunk
 
     g_fused = g + 0.25 * ref_logp.to(g.device).float()
-    _, _, _, ref_grads_fused = reference(h, w, b, target, T, g_fused)
-    _, _, plain_grads_fused = plain_pytorch(h, w, b, target, T, g_fused)
+    _, _, _, ref_grads_fused = reference(h, w, b, target, T, g_fused, gh)
+    _, _, plain_grads_fused = plain_pytorch(h, w, b, target, T, g_fused, gh)
 
-    grads_bwd = K.backward(h, w, b, target, lse, g, T, chunk_size=case.chunk_size)
-    f_logp, f_entropy, *grads_fused = K.fused(h, w, b, target, T, dloss_dlogp, chunk_size=case.chunk_size)
+    with_entropy = {} if gh is None else dict(grad_entropy=gh, entropy=entropy)
+    grads_bwd = K.backward(h, w, b, target, lse, g, T, chunk_size=case.chunk_size, **with_entropy)
+    f_logp, f_entropy, *grads_fused = K.fused(h, w, b, target, T, dloss_dlogp, chunk_size=case.chunk_size,
+                                              **({} if gh is None else dict(grad_entropy=gh)))
     assert_close(f_logp, ref_logp, atol=tolerance("logp", case, plain_logp, ref_logp), name="fused logp")
     assert_close(f_entropy, ref_entropy, atol=tolerance("entropy", case, plain_entropy, ref_entropy), name="fused entropy")
     # the callback saw every chunk once, in order
@@ -116,7 +132,8 @@ def check_case(case: Case, device: str):
         t_logp, t_entropy, t_lse = backends.get("torch").forward(h, w, b, target, T)
         assert_close(logp, t_logp, atol=scaled(2e-5, t_logp), name="logp vs torch backend")
         assert_close(entropy, t_entropy, atol=scaled(2e-5, t_entropy), name="entropy vs torch backend")
-        t_grads = backends.get("torch").backward(h, w, b, target, t_lse, g, T)
+        t_grads = backends.get("torch").backward(h, w, b, target, t_lse, g, T,
+                                                 **({} if gh is None else dict(grad_entropy=gh, entropy=t_entropy)))
         for name, got, exp in zip(("grad_hidden", "grad_weight", "grad_bias"), grads_bwd, t_grads, strict=True):
             if exp is not None:
                 assert_close(got, exp, atol=scaled(2e-5, exp), name=f"{name} vs torch backend")
@@ -132,6 +149,10 @@ CPU_CASES = {
     "fp32-one-token-V5": Case(n=1, vocab=5, hidden=16, bias=False),
     # bf16 with H a multiple of the block (the unmasked-H path), N=19 spans two row blocks
     "bf16-bias-temp": Case(n=19, vocab=50, hidden=32, dtype=torch.bfloat16, bias=True, temperature=1.3, chunk_size=8),
+    # the entropy bonus's gradient term in the backward and in the fused gradient kernel, over chunks
+    "fp32-entropy-grad": Case(n=7, vocab=37, hidden=40, bias=True, temperature=0.7, chunk_size=3, entropy_grad=True),
+    "bf16-entropy-grad": Case(n=19, vocab=50, hidden=32, dtype=torch.bfloat16, bias=False, chunk_size=8,
+                              entropy_grad=True),
 }
 
 
@@ -227,6 +248,8 @@ GPU_CASES = {
                               chunk_size=384),
     "bf16-qwen-vocab": Case(n=2048, vocab=151936, hidden=896, dtype=torch.bfloat16, bias=False),
     "fp16-odd-hidden": Case(n=257, vocab=4099, hidden=136, dtype=torch.float16, bias=True, temperature=0.9),
+    "bf16-entropy-grad": Case(n=1000, vocab=32017, hidden=512, dtype=torch.bfloat16, bias=True, temperature=0.9,
+                              chunk_size=384, entropy_grad=True),
 }
 
 

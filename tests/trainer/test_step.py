@@ -1,10 +1,10 @@
 """One optimizer step over packed token-budget micro-batches gives the gradient of the loss over the
 whole step computed the plain way (padded batch, materialised logits, grpo_fast.objective)."""
 
+import dataclasses
+
 import pytest
 import torch
-
-import dataclasses
 
 from grpo_fast import objective
 from grpo_fast.objective import grpo_loss_reference
