@@ -92,7 +92,8 @@ def test_unknown_backend(op):
 
 
 def test_unknown_loss_type():
-    with pytest.raises(ValueError, match=r"loss_type='ppo' is not supported; expected one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'\]"):
+    with pytest.raises(ValueError, match=r"loss_type='ppo' is not supported; expected one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', "
+                                         r"'sapo', 'vespo', 'luspo'\]"):
         _loss(loss_type="ppo")
 
 

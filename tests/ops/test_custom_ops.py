@@ -154,7 +154,7 @@ def test_eager_backward_scales_the_forward_gradients_in_place():
     x = _inputs()
     options = LossOptions(temperature=0.7, backend="cpu")
     loss, _, grad_hidden, grad_weight, grad_bias = torch.ops.grpo_fast.fused_linear_grpo_loss(
-        x["hidden"], x["weight"], x["bias"], x["target_ids"], x["advantages"], x["mask"], x["old_logp"], None, None,
+        x["hidden"], x["weight"], x["bias"], x["target_ids"], x["advantages"], x["mask"], x["old_logp"], None, None, None,
         None, [True, True, True], True, *_option_values(options))
     unscaled = grad_weight.clone()
     (loss * -2.5).backward()
