@@ -45,3 +45,17 @@ def test_yaml_round_trip(tmp_path):
     c = GRPOConfig.from_yaml(path, max_steps=3)
     assert (c.learning_rate, c.reward_funcs, c.beta, c.max_steps) == (2e-6, ["math"], 0.1, 3)
     assert len(field_names()) > 50
+
+
+def test_vespo_needs_a_token_level_is_mode_and_trl_warnings_are_kept():
+    """As TRL: vespo folds per-token IS ratios into its weight, so the default sequence_mask mode is an
+    error naming both options; luspo without sequence level warns."""
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='sequence_mask'.*loss_type='vespo'.*"
+                                         r"vllm_importance_sampling_correction=False"):
+        GRPOConfig(loss_type="vespo")
+    GRPOConfig(loss_type="vespo", vllm_importance_sampling_mode="token_truncate")
+    GRPOConfig(loss_type="vespo", vllm_importance_sampling_correction=False)
+    with pytest.warns(UserWarning, match="luspo.*sequence"):
+        GRPOConfig(loss_type="luspo")
+    with pytest.warns(UserWarning, match="sequence.*dapo.*length"):
+        GRPOConfig(loss_type="dapo", importance_sampling_level="sequence")

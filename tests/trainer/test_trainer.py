@@ -135,3 +135,23 @@ def test_mixed_precision_bf16_runs_decoder_in_bf16_keeps_weights_fp32(tmp_path, 
     assert max((p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()) > 0
     record = [r for r in _records(c.output_dir) if "reward" in r][-1]
     assert record["skipped_steps"] == 0 and math.isfinite(record["loss"])
+
+
+def test_adaptive_entropy_bonus_state_is_logged_and_checkpointed(tmp_path, tiny):
+    """TRL's adaptive controller in the native trainer: no bonus in the first step (previous entropy
+    +inf), the coefficient moves each step, and coefficient and last entropy are in the checkpoint."""
+    from grpo_fast import checkpoint
+
+    model, tokenizer = tiny
+    c = config(tmp_path, max_steps=2, loss_type="cispo", epsilon_high=5.0, use_adaptive_entropy=True,
+               entropy_coef=0.05, entropy_coef_delta=0.01, entropy_target=100.0, top_entropy_quantile=0.8,
+               save_steps=2, eval_before_train=False, save_final=False)
+    trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
+    trainer.train()
+    steps = [r for r in _records(c.output_dir) if "reward" in r]
+    assert [r["entropy_coef"] for r in steps] == pytest.approx([0.06, 0.07])  # entropy < target: up each step
+    assert steps[0]["policy_loss"] == pytest.approx(steps[0]["loss"], rel=1e-5)  # first step: no bonus applied
+    assert "cispo_clip_ratio" in steps[-1] and "clip_ratio/region_mean" not in steps[-1]
+    saved = checkpoint.load_trainer_state(os.path.join(c.output_dir, "checkpoint-2"))["state"]
+    assert saved["entropy_coef"] == pytest.approx(0.07)
+    assert 0 < saved["last_entropy"] < 100.0 and saved["last_entropy"] == trainer.state.last_entropy
