@@ -179,18 +179,27 @@ NEW_CASES = [(lt, beta, eps_high, None, level, bias_kl, coef)
 @pytest.mark.parametrize("loss_type, beta, eps_high, delta, level, bias_kl, entropy_coef", NEW_CASES + [
     ("dapo", 0.04, 0.28, 1.5, "token", True, 0.3), ("grpo", 0.04, 0.2, None, "sequence", True, -0.1)])
 def test_trl_loss_types_match_independent_float64(loss_type, beta, eps_high, delta, level, bias_kl, entropy_coef):
-    logits, target, adv, mask, old, ref, isw = make_case(seed=len(loss_type) + int(beta * 100) + int(eps_high) + 7 * (level == "sequence"))
-    logits.requires_grad_(True)
-    kw = dict(beta=beta, eps_low=0.2, eps_high=eps_high, delta=delta, temperature=0.7, loss_type=loss_type, level=level,
-              max_len=6, bias_kl=bias_kl, entropy_coef=entropy_coef)
-    expected = independent_loss(logits, target, adv, mask, old, ref, isw, **kw)
-    (grad_expected,) = torch.autograd.grad(expected, logits)
-    logits64 = logits.detach().clone().requires_grad_(True)
     options = LossOptions(beta=beta, epsilon_low=0.2, epsilon_high=eps_high, delta=delta, temperature=0.7,
                           loss_type=loss_type, importance_sampling_level=level, use_bias_correction_kl=bias_kl,
                           entropy_coef=entropy_coef)
+    _check_spec_against_independent(options, seed=len(loss_type) + int(beta * 100) + int(eps_high) + 7 * (level == "sequence"))
+
+
+def _check_spec_against_independent(options, seed, token_adv=False):
+    """grpo_loss_reference (options) against independent_loss on make_case(seed): loss and logit gradients."""
+    logits, target, adv, mask, old, ref, isw = make_case(seed=seed, token_adv=token_adv)
+    logits.requires_grad_(True)
+    eps_low, eps_high = options.clip_range
+    expected = independent_loss(
+        logits, target, adv, mask, old, ref, isw, beta=options.beta, eps_low=eps_low, eps_high=eps_high,
+        delta=options.delta, temperature=options.temperature, loss_type=options.loss_type,
+        level=options.importance_sampling_level, max_len=options.max_completion_length,
+        bias_kl=options.use_bias_correction_kl, entropy_coef=options.entropy_coef)
+    (grad_expected,) = torch.autograd.grad(expected, logits)
+    logits64 = logits.detach().clone().requires_grad_(True)
     loss, metrics = grpo_loss_reference(logits64, target, adv, mask, options, old_logp=old, ref_logp=ref, is_weights=isw)
     (grad,) = torch.autograd.grad(loss, logits64)
+    # objective computes log-probs in float32 (as every backend does): the tolerance is fp32's
     assert_close(loss, expected, atol=scaled(1e-5, expected), rtol=1e-5, name="loss")
     assert_close(grad, grad_expected, atol=scaled(1e-5, grad_expected), rtol=1e-4, name="grad logits")
     assert grad.abs().sum() > 0, "the case must exercise a non-zero gradient"
@@ -246,22 +255,9 @@ def test_adaptive_entropy_controller_follows_trl():
 
 @pytest.mark.parametrize("loss_type, beta, eps_high, delta, level", CASES)
 def test_loss_and_gradients_match_independent_float64(loss_type, beta, eps_high, delta, level):
-    logits, target, adv, mask, old, ref, isw = make_case(seed=len(loss_type) + int(beta * 100), token_adv=delta is None)
-    logits.requires_grad_(True)
-    kw = dict(beta=beta, eps_low=0.2, eps_high=eps_high, delta=delta, temperature=0.7, loss_type=loss_type, level=level, max_len=6)
-    expected = independent_loss(logits, target, adv, mask, old, ref, isw, **kw)
-    (grad_expected,) = torch.autograd.grad(expected, logits)
-
-    logits64 = logits.detach().clone().requires_grad_(True)
     options = LossOptions(beta=beta, epsilon_low=0.2, epsilon_high=eps_high, delta=delta, temperature=0.7,
                           loss_type=loss_type, importance_sampling_level=level, max_completion_length=6)
-    loss, metrics = grpo_loss_reference(logits64, target, adv, mask, options, old_logp=old, ref_logp=ref, is_weights=isw)
-    (grad,) = torch.autograd.grad(loss, logits64)
-    # objective computes log-probs in float32 (as every backend does): the tolerance is fp32's
-    assert_close(loss, expected, atol=scaled(1e-5, expected), rtol=1e-5, name="loss")
-    assert_close(grad, grad_expected, atol=scaled(1e-5, grad_expected), rtol=1e-4, name="grad logits")
-    assert grad.abs().sum() > 0, "the case must exercise a non-zero gradient"
-    assert_close(grad[2], torch.zeros_like(grad[2]), atol=0, name="grad of the fully masked sequence")
+    _check_spec_against_independent(options, seed=len(loss_type) + int(beta * 100), token_adv=delta is None)
 
 
 def test_metrics_match_independent_counts():
