@@ -74,21 +74,10 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
         is_ratio = None
         if options.loss_type == "vespo":  # vespo folds the IS ratio into its sequence weight
             is_ratio, is_weights = is_weights, None
-        entropy_mask = entropy = None
+        entropy = entropy_mask = None
         if top_entropy_quantile < 1.0 or off_policy_mask_threshold is not None:
-            with torch.no_grad():
-                logp, entropy = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mask, bias=bias,
-                                                       temperature=options.temperature, backend=options.backend,
-                                                       return_entropy=True)
-            factors = [] if is_weights is None else [is_weights]
-            if off_policy_mask_threshold is not None:
-                sampling = mb.pad(batch.sampling_logp)
-                factors.append(objective.off_policy_mask(advantages, logp, sampling, mask, off_policy_mask_threshold)
-                               .expand_as(mask))
-            if top_entropy_quantile < 1.0:
-                entropy_mask = objective.high_entropy_mask(entropy, mask, 1.0 - top_entropy_quantile)
-                factors.append(entropy_mask)
-            is_weights = torch.stack(factors).prod(0)
+            is_weights, entropy, entropy_mask = _trl_token_masks(hidden, weight, bias, mb, batch, advantages, is_weights,
+                                                                 options, top_entropy_quantile, off_policy_mask_threshold)
         scale = _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
         entropy_weights = None
         if options.entropy_coef != 0.0:  # the micro-batch's mean / the micro-batches, after `scale` below
@@ -134,6 +123,27 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
                num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
     return out
+
+
+def _trl_token_masks(hidden, weight, bias, mb, batch: Rollouts, advantages, is_weights, options: LossOptions,
+                     top_entropy_quantile: float, off_policy_mask_threshold: Optional[float]):
+    """TRL's off-policy sequence mask and high-entropy token mask of a micro-batch, from a no-grad
+    pass of the current policy: (is_weights times the masks, entropy, the high-entropy mask or None)."""
+    mask = mb.completion_mask
+    with torch.no_grad():
+        logp, entropy = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mask, bias=bias,
+                                               temperature=options.temperature, backend=options.backend,
+                                               return_entropy=True)
+    factors = [] if is_weights is None else [is_weights]
+    if off_policy_mask_threshold is not None:
+        sampling = mb.pad(batch.sampling_logp)
+        factors.append(objective.off_policy_mask(advantages, logp, sampling, mask, off_policy_mask_threshold)
+                       .expand_as(mask))
+    entropy_mask = None
+    if top_entropy_quantile < 1.0:
+        entropy_mask = objective.high_entropy_mask(entropy, mask, 1.0 - top_entropy_quantile)
+        factors.append(entropy_mask)
+    return torch.stack(factors).prod(0), entropy, entropy_mask
 
 
 def _accumulation_scale(loss_type: str, rows: int, step_rows: int, num_micro_batches: int) -> float:
