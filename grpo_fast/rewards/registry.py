@@ -8,7 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from .verifiable import LengthAwareMathReward, boxed_math_reward, format_reward, math_reward
+from .steps import chain_steps
+from .verifiable import LeadReward, LengthAwareMathReward, boxed_math_reward, format_reward, math_reward
 
 # name -> a reward function, or a factory (class) that builds one from keyword options.
 BUILTIN_REWARDS: dict[str, Callable] = {
@@ -16,6 +17,8 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "format": format_reward,
     "math_boxed": boxed_math_reward,
     "math_length": LengthAwareMathReward,
+    "lead": LeadReward,
+    "chain_steps": chain_steps,  # a step judge (partial_credit_judge), in [0, 1]
 }
 
 

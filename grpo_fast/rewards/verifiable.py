@@ -194,3 +194,51 @@ class LengthAwareMathReward:
             None if c is None else c + overlong_penalty(len(ids), self.max_completion_length, self.buffer)
             for c, ids in zip(correct, completion_ids, strict=True)
         ]
+
+
+class LeadReward:
+    """GRPO-LEAD's length-dependent accuracy reward (`objective.lead_length_rewards`): math-verify
+    correctness, then a correct answer earns ``exp(-lead_alpha * z)`` with ``z`` its token length's
+    z-score among the correct answers of its group, a wrong one ``lead_wrong_reward``; so, within a
+    group, shorter right answers earn more and every right answer more than a wrong one.
+
+    A group is a run of consecutive completions of the same prompt (the trainer's groups; a single
+    held-out completion is a group of one and earns 1 when right). Its first-reward value is > 0
+    exactly when the answer is right, so ``eval/accuracy`` stays the share of right answers.
+    """
+
+    __name__ = "lead"
+    required_columns = ("answer",)
+
+    def __init__(self, lead_alpha: float = 0.05, lead_wrong_reward: float = -1.0):
+        if not (isinstance(lead_alpha, (int, float)) and lead_alpha >= 0):
+            raise ValueError(f"lead_alpha: expected a number >= 0, got {lead_alpha!r}")
+        self.alpha, self.wrong_reward = float(lead_alpha), float(lead_wrong_reward)
+
+    def __repr__(self) -> str:
+        return f"LeadReward(lead_alpha={self.alpha}, lead_wrong_reward={self.wrong_reward})"
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, answer=None, **kwargs):
+        import torch
+
+        from ..objective import lead_length_rewards
+
+        completions = list(completions or [])
+        if completion_ids is None:
+            raise ValueError("lead reward: needs completion_ids (token ids per completion) to measure lengths")
+        completion_ids = _column("completion_ids", completion_ids, len(completions))
+        prompts = list(prompts) if prompts is not None else [None] * len(completions)
+        correct = math_reward(prompts, completions, completion_ids, answer=answer)
+        out: list[float | None] = []
+        start = 0
+        while start < len(completions):  # one run of equal prompts at a time
+            end = start + 1
+            while end < len(completions) and prompts[end] == prompts[start]:
+                end += 1
+            run = range(start, end)
+            ok = torch.tensor([bool(correct[i]) for i in run])
+            lengths = torch.tensor([float(len(completion_ids[i])) for i in run])
+            shaped = lead_length_rewards(ok, lengths, len(run), alpha=self.alpha, wrong_reward=self.wrong_reward)
+            out += [None if correct[i] is None else float(v) for i, v in zip(run, shaped, strict=True)]
+            start = end
+        return out

@@ -3,7 +3,9 @@
 `Rollouts` holds one entry per completion (groups of `num_generations` consecutive entries share a
 prompt). Stages fill it in order: generate (ids, sampling log-probs), score (rewards `[n, k]`),
 advantages `[n]`, then the optional per-token inputs of the loss (old / reference log-probs, IS
-weights), each a list of `[C_i]` tensors.
+weights), each a list of `[C_i]` tensors. A rollout mode of the GRPO variants may mask tokens out
+of the loss (`loss_mask`: text it injected, or a thought an answer continues); the sampling
+log-probs of such tokens are NaN.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class Rollouts:
     finish_reason: list[str]
     completion_texts: list[str]
     rows: list[dict]  # the dataset row of each completion's prompt
+    # The rollout modes of the GRPO variants (train/rollout_modes.py): which completion tokens enter
+    # the loss ([C_i] bool each; None: all) and what each entry is ("full", "cut", "thought", "answer").
+    loss_mask: Optional[list[torch.Tensor]] = None
+    kind: Optional[list[str]] = None
     rewards: Optional[torch.Tensor] = None  # (n, k) float64, NaN = missing
     advantages: Optional[torch.Tensor] = None  # (n,) float32
     old_logp: Optional[list[torch.Tensor]] = None
@@ -62,6 +68,10 @@ class Rollouts:
     def completion_lengths(self) -> torch.Tensor:
         return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.float32)
 
+    def trained_tokens(self, i: int) -> int:
+        """Completion tokens of entry i that enter the loss."""
+        return len(self.completion_ids[i]) if self.loss_mask is None else int(self.loss_mask[i].sum())
+
 
 def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollouts:
     """Flatten the engine's groups (one list of n Completion per prompt) into a Rollouts."""
@@ -88,7 +98,13 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
     **columns)` with every other dataset column as a list of one entry per completion. A function
     that raises, or returns the wrong number of values or a non-number, is an error naming it.
     The count is of values that were NaN/inf (not None): a reward function's bug, worth a metric.
+    Thoughts (multi_answer) are not graded: their rows stay NaN.
     """
+    if batch.kind is not None and "thought" in batch.kind:  # multi_answer: its answers are graded, not thoughts
+        graded = [i for i, kind in enumerate(batch.kind) if kind != "thought"]
+        rewards = torch.full((len(batch), len(reward_funcs)), math.nan, dtype=torch.float64)
+        rewards[graded], non_finite = score(reward_funcs, batch.select(graded), prompt_column, conversational)
+        return rewards, non_finite
     n = len(batch)
     prompts = [r[prompt_column] for r in batch.rows]
     completions = ([[{"role": "assistant", "content": t}] for t in batch.completion_texts]
@@ -142,7 +158,8 @@ def zero_std_groups(rewards: torch.Tensor, weights, num_generations: int) -> tor
 def importance_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, *, mode: str, cap: float,
                        clip_min: Optional[float]) -> torch.Tensor:
     """IS weights `[C]` of one completion: exp(trainer - sampler) per token (token_*) or per sequence
-    (sequence_*, the summed difference, broadcast), truncated into [clip_min, cap] or zeroed outside."""
+    (sequence_*, the summed difference, broadcast), truncated into [clip_min, cap] or zeroed outside.
+    Tokens without a sampling log-prob (NaN: not trained) add nothing to a sequence's sum."""
     diff = torch.nan_to_num(old_logp.float() - sampling_logp.float(), nan=0.0)
     if mode.startswith("sequence"):
         diff = diff.sum().expand_as(diff)

@@ -1,5 +1,5 @@
-"""Building a run once: inputs checked, policy loaded, engine, optimizer, schedule; and the
-per-batch arithmetic the loop reads as one call (advantages, reward metrics)."""
+"""Building a run once: inputs checked, policy loaded, engine, optimizer, schedule, the variants'
+judge and thought end; and the reward metrics the loop logs per step."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..objective import group_advantages
 from ..rewards.registry import reward_name
 from .rollouts import Rollouts, weighted_rewards, zero_std_groups
+from .shaping import group_size
 
 # ---- inputs ----------------------------------------------------------------------------------
 
@@ -73,10 +73,11 @@ def check_context(config, model_config, where: str) -> None:
     limit = _context_limit(model_config)
     if not limit:
         return
-    budget = (config.max_prompt_length or 0) + max(config.max_completion_length, config.eval_max_completion_length or 0)
+    after = max(config.max_sequence_completion, config.eval_max_completion_length or 0)
+    budget = (config.max_prompt_length or 0) + after
     if config.max_prompt_length is not None and budget > limit:
-        raise ValueError(f"max_prompt_length ({config.max_prompt_length}) + max_completion_length "
-                         f"({max(config.max_completion_length, config.eval_max_completion_length or 0)}) = {budget} tokens "
+        what = "max_completion_length" if config.rollout_mode == "parallel" else f"the longest {config.rollout_mode} sequence"
+        raise ValueError(f"max_prompt_length ({config.max_prompt_length}) + {what} ({after}) = {budget} tokens "
                          f"exceeds the model's context of {limit} (max_position_embeddings of {where}); lower them")
     if config.vllm_max_model_length is not None and config.vllm_max_model_length > limit:
         raise ValueError(f"vllm_max_model_length ({config.vllm_max_model_length}) exceeds the model's context of {limit} "
@@ -241,10 +242,28 @@ def build_scheduler(optimizer, config):
 # ---- per-batch arithmetic ----------------------------------------------------------------------
 
 
-def advantages(rewards: torch.Tensor, config) -> torch.Tensor:
-    """(n,) float32 group advantages: the objective's `group_advantages` with the config's options."""
-    return group_advantages(rewards, config.num_generations, scale_rewards=config.scale_rewards, std=config.advantage_std,
-                            reward_weights=config.reward_weights, aggregation=config.multi_objective_aggregation)
+def partial_credit_judge(config, rows: list[dict]) -> Optional[Callable]:
+    """The partial-credit judge named by config.partial_credit_judge (a built-in reward name or
+    'module:function'), its dataset columns checked; None when off."""
+    if config.partial_credit_judge is None:
+        return None
+    from ..rewards import get_reward_funcs
+
+    try:
+        (judge,) = get_reward_funcs([config.partial_credit_judge])
+    except ValueError as err:
+        raise ValueError(f"partial_credit_judge={config.partial_credit_judge!r}: {err}") from None
+    check_reward_columns([judge], rows, "train_dataset")
+    return judge
+
+
+def thought_end(config) -> str:
+    """The text that ends a thought in multi_answer: the config's, else the built-in task's, else '</think>'."""
+    from ..data.tasks import TASK_THOUGHT_END
+
+    if config.thought_end is not None:
+        return config.thought_end
+    return TASK_THOUGHT_END.get(config.task, "</think>") if config.dataset is None else "</think>"
 
 
 def weighted_mean(rewards: torch.Tensor, weights) -> float:
@@ -255,7 +274,7 @@ def weighted_mean(rewards: torch.Tensor, weights) -> float:
 
 def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], config) -> dict:
     """TRL's per-step reward and completion metrics for the completions of one step."""
-    G = config.num_generations
+    G = group_size(config)
     total = weighted_rewards(batch.rewards, config.reward_weights).view(-1, G)
     group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in total])
     lengths = batch.completion_lengths()

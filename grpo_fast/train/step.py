@@ -39,14 +39,14 @@ __all__ = ["LossOptions", "train_step", "trainable_mask", "trainable_tokens"]  #
 
 
 def trainable_mask(batch: Rollouts, options: LossOptions) -> list[bool]:
-    """Which completions enter the loss: non-empty ones, minus truncated ones when masked (DAPO)."""
-    return [bool(ids) and not (options.mask_truncated_completions and reason == "length")
-            for ids, reason in zip(batch.completion_ids, batch.finish_reason, strict=True)]
+    """Which completions enter the loss: those with a trained token, minus truncated ones when masked (DAPO)."""
+    return [batch.trained_tokens(i) > 0 and not (options.mask_truncated_completions and reason == "length")
+            for i, reason in enumerate(batch.finish_reason)]
 
 
 def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
     """Completion tokens that enter the loss."""
-    return sum(len(c) for c, keep in zip(batch.completion_ids, trainable_mask(batch, options), strict=True) if keep)
+    return sum(batch.trained_tokens(i) for i, keep in enumerate(trainable_mask(batch, options)) if keep)
 
 
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
@@ -67,7 +67,9 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
     for mb in micro_batches:
         hidden = completion_hidden(base, mb, packer.amp_dtype)
-        mask = mb.completion_mask
+        mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
+        if batch.loss_mask is not None:
+            mask = mask & (mb.pad(batch.loss_mask) > 0)
         advantages = batch.advantages[mb.rows].to(weight.device)
         old_logp = None if batch.old_logp is None else mb.pad(batch.old_logp)
         is_weights = None if batch.is_weights is None else mb.pad(batch.is_weights)
@@ -76,8 +78,9 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
             is_ratio, is_weights = is_weights, None
         entropy = entropy_mask = None
         if top_entropy_quantile < 1.0 or off_policy_mask_threshold is not None:
-            is_weights, entropy, entropy_mask = _trl_token_masks(hidden, weight, bias, mb, batch, advantages, is_weights,
-                                                                 options, top_entropy_quantile, off_policy_mask_threshold)
+            is_weights, entropy, entropy_mask = _trl_token_masks(hidden, weight, bias, mb, mask, batch, advantages,
+                                                                 is_weights, options, top_entropy_quantile,
+                                                                 off_policy_mask_threshold)
         scale = _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
         entropy_weights = None
         if options.entropy_coef != 0.0:  # the micro-batch's mean / the micro-batches, after `scale` below
@@ -125,11 +128,10 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     return out
 
 
-def _trl_token_masks(hidden, weight, bias, mb, batch: Rollouts, advantages, is_weights, options: LossOptions,
+def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages, is_weights, options: LossOptions,
                      top_entropy_quantile: float, off_policy_mask_threshold: Optional[float]):
     """TRL's off-policy sequence mask and high-entropy token mask of a micro-batch, from a no-grad
     pass of the current policy: (is_weights times the masks, entropy, the high-entropy mask or None)."""
-    mask = mb.completion_mask
     with torch.no_grad():
         logp, entropy = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mask, bias=bias,
                                                temperature=options.temperature, backend=options.backend,

@@ -1,0 +1,96 @@
+"""From scored rollouts to advantages, with the GRPO variants' reward shaping (the math is in
+`objective.py`; this applies it to a generation batch as `GRPOConfig` asks).
+
+"Correct" is the first reward function's value > 0 (the verifier's; missing counts as wrong).
+
+    rollout_mode=parallel      group advantages of the (weighted) rewards, after SGPO's partial
+                               credit (groups with no correct answer: the first reward becomes
+                               sigmoid(beta (judge score - gamma))); then GRPO-LEAD's difficulty
+                               weights and Stable GRPO's noise-aware weights multiply them
+    rollout_mode=early_exit    S-GRPO: decaying rewards over each serial group, advantage r - mean(r)
+    rollout_mode=multi_answer  GRPO-MA: answers get the group advantage over their prompt's K x M
+                               answers, thoughts the advantage of their mean answer reward over the
+                               prompt's K thoughts
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import objective
+from .rollouts import Rollouts, score, weighted_rewards
+
+
+def correct(rewards: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: the first reward function's value > 0."""
+    return torch.nan_to_num(rewards[:, 0], nan=0.0) > 0
+
+
+def group_size(c) -> int:
+    """Entries per prompt in a generation batch: a group, or with multi_answer its K thoughts and K x M answers."""
+    return c.num_generations * (1 + c.answers_per_thought) if c.rollout_mode == "multi_answer" else c.num_generations
+
+
+def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
+               conversational: bool = False) -> tuple[torch.Tensor, dict]:
+    """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge."""
+    if c.rollout_mode == "early_exit":
+        return _serial_advantages(batch, c)
+    if c.rollout_mode == "multi_answer":
+        return _thought_answer_advantages(batch, c)
+    G, rewards, stats = c.num_generations, batch.rewards, {}
+    ok = correct(rewards)
+    if judge is not None:
+        rewards, stats = _partial_credit(batch, ok, c, judge, prompt_column, conversational)
+    adv = objective.group_advantages(rewards, G, scale_rewards=c.scale_rewards, std=c.advantage_std,
+                                     reward_weights=c.reward_weights, aggregation=c.multi_objective_aggregation)
+    if c.difficulty_weighting:
+        adv = objective.difficulty_weights(adv, ok, G, A=c.difficulty_A, B=c.difficulty_B, rho0=c.difficulty_rho0,
+                                           k=c.difficulty_k)
+    if c.reward_noise_rate is not None:
+        first = torch.nan_to_num(rewards[:, 0], nan=0.0)
+        if bool(((first < 0) | (first > 1)).any()):
+            raise ValueError(f"reward_noise_rate={c.reward_noise_rate} needs the first reward function's values in "
+                             f"[0, 1] (a verifier's 0/1), got values in [{float(first.min())}, {float(first.max())}]")
+        weights = objective.noise_aware_weights(first, G, p=c.reward_noise_rate)
+        adv = adv * weights
+        stats["noise_aware/weight_mean"] = weights.mean().item()
+    return adv, stats
+
+
+def _partial_credit(batch: Rollouts, ok: torch.Tensor, c, judge, prompt_column: str, conversational: bool):
+    """The rewards with SGPO's partial credit in the groups that have no correct answer: the judge
+    runs on those completions only."""
+    G = c.num_generations
+    none_right = ~ok.view(-1, G).any(1)
+    rows = [g * G + j for g in range(len(none_right)) if none_right[g] for j in range(G)]
+    rewards = batch.rewards.clone()
+    if rows:
+        scores, _ = score([judge], batch.select(rows), prompt_column, conversational)
+        step_scores = torch.full((len(batch),), 0.0, dtype=torch.float64)
+        step_scores[rows] = torch.nan_to_num(scores[:, 0], nan=0.0).clamp(0.0, 1.0)
+        credit = objective.partial_credit_rewards(rewards[:, 0].nan_to_num(0.0), ok, step_scores, G,
+                                                  beta=c.partial_credit_beta, gamma=c.partial_credit_gamma)
+        rewards[rows, 0] = credit[rows].double()
+    return rewards, {"partial_credit/frac_groups": none_right.float().mean().item()}
+
+
+def _serial_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
+    ok = correct(batch.rewards).view(-1, c.num_generations)
+    serial = torch.stack([objective.decaying_serial_rewards(group) for group in ok])  # (P, m + 1)
+    adv = serial - serial.mean(1, keepdim=True)
+    first = [int(group.nonzero()[0]) if group.any() else None for group in ok]  # exit index of the first right one
+    found = [f for f in first if f is not None]
+    stats = {"early_exit/serial_reward_mean": serial.mean().item(),
+             "early_exit/first_correct_exit": sum(found) / len(found) if found else float("nan")}
+    return adv.reshape(-1).float(), stats
+
+
+def _thought_answer_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
+    K, M = c.num_generations, c.answers_per_thought
+    total = torch.nan_to_num(weighted_rewards(batch.rewards, c.reward_weights), nan=0.0).view(-1, K * (1 + M))
+    thought, answer = objective.thought_answer_advantages(total[:, K:].reshape(-1, K, M))
+    adv = torch.cat([thought, answer.flatten(1)], dim=1)
+    return adv.reshape(-1).float(), {"multi_answer/thought_advantage_abs_mean": thought.abs().mean().item()}
