@@ -53,3 +53,20 @@ def test_bad_arguments():
         arithmetic_rows(5, difficulty="insane")
     with pytest.raises(ValueError, match="n: expected"):
         arithmetic_rows(0)
+
+
+def test_chain_arithmetic_steps_answers_and_disjoint_splits():
+    from grpo_fast.data.tasks import chain_arithmetic_rows, task_rows
+
+    rows = chain_arithmetic_rows(300, seed=2)
+    for r in rows:  # the question, evaluated independently, gives the steps and the answer
+        expr = r["question"].replace("×", "*").replace("−", "-")
+        assert str(eval(expr)) == r["answer"] == r["steps"][-1]  # noqa: S307 (digits and + - * only)
+        inner = expr[expr.rindex("(") + 1 : expr.index(")")]
+        assert str(eval(inner)) == r["steps"][0]  # noqa: S307
+        assert len(r["steps"]) == 3 and all(int(s) >= 0 for s in r["steps"])
+        assert r["question"] in r["prompt"] and "\\boxed{}" in r["prompt"]
+    assert chain_arithmetic_rows(40, seed=2) == rows[:40] and chain_arithmetic_rows(40, seed=3) != rows[:40]
+    test = {r["question"] for r in chain_arithmetic_rows(500, seed=2, split="test")}
+    assert test and not test & {r["question"] for r in chain_arithmetic_rows(2000, seed=5)}
+    assert task_rows("chain_arithmetic:7") == chain_arithmetic_rows(7)

@@ -210,3 +210,33 @@ def test_boxed_math_reward_counts_only_boxed_correct_answers():
     assert boxed_math_reward(completions=completions, answer=["9"] * 4) == [1.0, 0.0, 0.0, 0.0]
     assert boxed_math_reward(completions=["\\boxed{9}"], answer=[None]) == [None]
     assert reward_name(get_reward_funcs("math_boxed")[0]) == "math_boxed"
+
+
+def test_chain_steps_counts_right_results_before_the_first_wrong_one():
+    from grpo_fast.rewards import chain_steps
+
+    steps = [["12", "36", "32"]] * 5
+    completions = ["7 + 5 = 12\n12 × 3 = 36\n36 − 4 = 32\n\\boxed{32}", "7 + 5 = 12\n12 × 3 = 35\n35 - 4 = 31",
+                   "7 + 5 = 13\n13 × 3 = 39 = 36", "no equations, \\boxed{32}", [{"role": "assistant", "content": "=12 =36"}]]
+    assert chain_steps(completions=completions, steps=steps) == pytest.approx([1.0, 1 / 3, 0.0, 0.0, 2 / 3])
+    assert chain_steps(completions=["= 1"], steps=None) == [None]
+
+
+def test_lead_reward_shorter_right_answers_earn_more_per_prompt_run():
+    import torch
+
+    from grpo_fast.objective import lead_length_rewards
+    from grpo_fast.rewards import LeadReward
+
+    f = get_reward_funcs(["lead"], lead_alpha=0.5, lead_wrong_reward=-2.0)[0]
+    assert isinstance(f, LeadReward) and f.__name__ == "lead"
+    prompts = ["p"] * 4 + ["q"] * 2
+    completions = ["\\boxed{7}", "so 7", "\\boxed{8}", "it is 7", "7", "\\boxed{9}"]
+    ids = [[1] * 3, [1] * 9, [1] * 2, [1] * 6, [1] * 4, [1] * 4]
+    got = f(prompts=prompts, completions=completions, completion_ids=ids, answer=["7"] * 6)
+    lengths, ok = torch.tensor([3.0, 9, 2, 6]), torch.tensor([True, True, False, True])
+    assert got[:4] == pytest.approx(lead_length_rewards(ok, lengths, 4, alpha=0.5, wrong_reward=-2.0).tolist())
+    assert got[0] > got[3] > got[1] > 0 > got[2] == -2.0
+    assert got[4:] == pytest.approx([1.0, -2.0])  # one right answer in its group: exp(0)
+    with pytest.raises(ValueError, match="lead_alpha"):
+        LeadReward(lead_alpha=-1)

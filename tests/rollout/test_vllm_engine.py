@@ -199,3 +199,15 @@ def test_bad_input(engine):
     with pytest.raises(ValueError, match=r"n \(completions per prompt\) must be an int >= 1, got 0"):
         engine.generate([[1]], n=0, max_new_tokens=2)
     assert engine.generate([], n=4, max_new_tokens=2) == []
+
+
+def test_rollout_modes_on_vllm(engine, tiny_policy):
+    """The GRPO variants' rollout modes continue prefixes through vLLM as through HFEngine
+    (tests/rollout/test_rollout_modes.py): serial groups with the injected text masked, thoughts
+    ended at thought_end, answers sharing their thought's prefix."""
+    from tests.rollout.test_rollout_modes import check_early_exit, check_multi_answer
+
+    model, tokenizer = tiny_policy
+    engine.update_weights(model)
+    check_early_exit(engine, tokenizer)
+    check_multi_answer(engine, tokenizer)

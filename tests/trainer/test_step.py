@@ -59,6 +59,8 @@ def _reference_grads(model, batch, options, num_items_in_batch=None, masks=None)
         pick[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
         target[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         mask[i, : len(c)] = float(bool(keep))
+        if batch.loss_mask is not None:  # a rollout mode's masked tokens (injected text, a continued thought)
+            mask[i, : len(c)] *= batch.loss_mask[i].float()
     chosen = logits[torch.arange(len(rows))[:, None], pick]  # (B, Tc, V)
     is_weights, is_ratio = pad(batch.is_weights), None
     if options.loss_type == "vespo":
@@ -137,6 +139,29 @@ def test_entropy_bonus_and_token_masks_step_match_reference(tiny, loss_type, mas
     assert metrics["num_micro_batches"] == 1
     without = _reference_grads(model, batch, dataclasses.replace(options, entropy_coef=0.0), masks=masks)
     assert max((expected[n] - without[n]).abs().max().item() for n in expected) > 1e-4, "the bonus must move the gradient"
+    for name, grad in expected.items():
+        assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"{loss_type} grad {name}")
+
+
+# The rollout modes of the GRPO variants train sequences whose injected text (early_exit) or
+# continued thought (multi_answer) is masked: per token, the sequence's advantage or nothing.
+@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dapo", "token"), ("dapo", "sequence"), ("dr_grpo", "token")])
+def test_loss_masked_tokens_step_matches_reference(tiny, loss_type, level):
+    model, _ = tiny
+    model.train()
+    options = LossOptions(loss_type=loss_type, beta=0.05, temperature=0.8, importance_sampling_level=level,
+                          max_completion_length=12, backend="cpu")
+    batch = _batch(seed=5)
+    batch.loss_mask = [torch.ones(len(c), dtype=torch.bool) for c in batch.completion_ids]
+    batch.loss_mask[0][1:-1] = False  # a cut: prefix, injected text, answer
+    batch.loss_mask[1][:] = False  # nothing of it trained: left out of the step
+    batch.loss_mask[3][: len(batch.loss_mask[3]) // 2] = False  # an answer after its thought
+    expected = _reference_grads(model, batch, options)
+    unmasked = _reference_grads(model, dataclasses.replace(batch, loss_mask=None), options)
+    assert max((expected[n] - unmasked[n]).abs().max().item() for n in expected) > 1e-4, "the mask must matter"
+    optimizer = CaptureGrads(model)
+    metrics = train_step(model, optimizer, Packer(model, max_tokens=24), batch, options, max_grad_norm=0.0)
+    assert metrics["num_micro_batches"] >= 2 and metrics["skipped"] == 0
     for name, grad in expected.items():
         assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"{loss_type} grad {name}")
 

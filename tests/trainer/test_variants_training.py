@@ -1,0 +1,116 @@
+"""The GRPO variants in the trainer: advantages from scored batches (grpo_fast/train/shaping.py)
+against hand-computed numbers, and runs of each rollout mode on the tiny model."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from grpo_fast import objective
+from grpo_fast.train import shaping
+from grpo_fast.train.rollouts import Rollouts
+from grpo_fast.trainer import GRPOTrainer
+from tests.trainer.common import config, rows, target_fraction
+
+
+def _scored(rewards, kind=None):
+    rewards = torch.tensor(rewards, dtype=torch.float64).reshape(len(rewards), -1)
+    n = rewards.shape[0]
+    return Rollouts(prompt_ids=[[1]] * n, completion_ids=[[2, 3]] * n, sampling_logp=[torch.zeros(2)] * n,
+                    finish_reason=["stop"] * n, completion_texts=[f"c{i}" for i in range(n)],
+                    rows=[{"prompt": "p", "i": i} for i in range(n)], rewards=rewards, kind=kind)
+
+
+def test_partial_credit_judges_only_all_wrong_groups(tmp_path):
+    seen = []
+
+    def judge(prompts, completions, completion_ids, i, **kw):
+        seen.extend(i)
+        return [{0: 1.0, 1: 0.0, 2: 0.5}[j] for j in i]
+
+    c = config(tmp_path, num_generations=3, per_device_train_batch_size=6, partial_credit_judge="x:y",
+               partial_credit_beta=5.0, partial_credit_gamma=0.5)
+    batch = _scored([0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    adv, stats = shaping.advantages(batch, c, judge)
+    assert seen == [0, 1, 2], "the judge sees the completions of groups with no right answer, and only those"
+    credit = [1 / (1 + math.exp(-2.5)), 1 / (1 + math.exp(2.5)), 0.5]
+    expected = objective.group_advantages(torch.tensor(credit + [1.0, 0.0, 1.0]), 3)
+    assert torch.allclose(adv, expected, rtol=1e-5, atol=1e-6) and stats["partial_credit/frac_groups"] == 0.5
+    assert batch.rewards[0, 0] == 0.0, "the scored rewards stay as they were (logged as scored)"
+
+
+def test_difficulty_and_noise_weights_multiply_group_advantages(tmp_path):
+    c = config(tmp_path, num_generations=4, difficulty_weighting=True, reward_noise_rate=0.1)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # a hard prompt (1/4 right), an easy one (3/4)
+    adv, stats = shaping.advantages(_scored(rewards), c)
+    plain = objective.group_advantages(torch.tensor(rewards), 4)
+    w = lambda x: 0.4 + 1.1 / (1 + math.exp(10 * (x - 0.75)))  # noqa: E731
+    # hard prompt: its success weighs w(1/4) ~ 1.49, its failures w(3/4) = 0.95; the easy one the reverse
+    difficulty = [w(0.25), w(0.75), w(0.75), w(0.75), w(0.75), w(0.75), w(0.75), w(0.25)]
+    noise = objective.noise_aware_weights(torch.tensor(rewards), 4, p=0.1)  # 0.72 for 1/4 and 3/4 right (G=8 table)
+    assert torch.allclose(adv, plain * torch.tensor(difficulty) * noise, rtol=1e-5, atol=1e-6)
+    assert 0.6 < stats["noise_aware/weight_mean"] < 0.8
+    bad = config(tmp_path, num_generations=4, reward_noise_rate=0.2)
+    with pytest.raises(ValueError, match=r"reward_noise_rate=0.2 needs the first reward function's values in \[0, 1\]"):
+        shaping.advantages(_scored([2.0, 0.0, 0.0, 0.0]), bad)
+
+
+def test_early_exit_advantages_are_decaying_rewards_minus_their_mean(tmp_path):
+    c = config(tmp_path, rollout_mode="early_exit", early_exit_points=3, num_generations=4)
+    adv, stats = shaping.advantages(_scored([0.0, 1.0, 1.0, 0.7, 0.0, 0.0, 0.0, 0.0]), c)
+    assert torch.allclose(adv, torch.tensor([-0.4375, 0.5625, 0.0625, -0.1875, 0, 0, 0, 0]))
+    assert stats["early_exit/first_correct_exit"] == 1.0
+
+
+def test_multi_answer_advantages_per_thought_and_per_answer(tmp_path):
+    c = config(tmp_path, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2)
+    nan = math.nan
+    batch = _scored([nan, nan, 1.0, 1.0, 0.0, 1.0], kind=["thought"] * 2 + ["answer"] * 4)
+    adv, _ = shaping.advantages(batch, c)
+    s = math.sqrt(0.75 * 0.25)
+    expected = [0.25 / (0.25 + 1e-4), -0.25 / (0.25 + 1e-4), 0.25 / (s + 1e-4), 0.25 / (s + 1e-4),
+                -0.75 / (s + 1e-4), 0.25 / (s + 1e-4)]
+    assert torch.allclose(adv, torch.tensor(expected), rtol=1e-5)
+    assert shaping.group_size(c) == 6
+
+
+def _train(tmp_path, tiny, **overrides):
+    model, tokenizer = tiny
+    c = config(tmp_path, max_steps=1, eval_before_train=False, **overrides)
+    trainer = GRPOTrainer(c, [target_fraction], rows(), rows(4), model=model, tokenizer=tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = trainer.train()
+    moved = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    return trainer, metrics, moved
+
+
+def _step_line(trainer) -> dict:
+    with open(trainer.metrics_logger.path) as f:
+        return next(line for line in map(json.loads, f) if "loss" in line)
+
+
+def test_early_exit_run_trains_on_serial_groups(tmp_path, tiny):
+    trainer, _, moved = _train(tmp_path, tiny, rollout_mode="early_exit", early_exit_points=3, num_generations=4,
+                               early_exit_text="ANSWER:", early_exit_answer_length=4)
+    assert moved and trainer.state.generation_calls == 2, "a full completion, then the answers of its cuts"
+    assert "early_exit/serial_reward_mean" in _step_line(trainer)
+
+
+def test_multi_answer_run_trains_thoughts_and_answers(tmp_path, tiny):
+    trainer, _, moved = _train(tmp_path, tiny, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2,
+                               per_device_train_batch_size=8, max_thought_length=4, max_completion_length=4)
+    assert moved and trainer.state.generation_calls == 2, "thoughts, then answers"
+    assert trainer.group_size == 6 and "multi_answer/thought_advantage_abs_mean" in _step_line(trainer)
+
+
+def test_eval_accuracy_is_the_share_of_right_answers_whatever_the_shaping(tmp_path, tiny):
+    model, tokenizer = tiny
+
+    def shaped(prompts, completions, completion_ids, **kw):  # a lead-like reward: wrong -1, right in (0, 2)
+        return [1.5 if i % 4 == 0 else -1.0 for i in range(len(completions))]
+
+    trainer = GRPOTrainer(config(tmp_path), [shaped], rows(), rows(8), model=model, tokenizer=tokenizer)
+    out = trainer.evaluate()
+    assert out["eval/accuracy"] == 0.25 and out["eval/reward"] < 0
+    assert out["eval/completions/mean_length_correct"] > 0
