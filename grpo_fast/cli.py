@@ -114,10 +114,11 @@ def cmd_train(config: GRPOConfig) -> dict:
         before, after = history[0][1], history[-1][1]
         summary.update(accuracy_before=before, accuracy_after=after, gain_points=round(100 * (after - before), 1))
         where = f"in {summary['wall_time_s'] / 60:.1f} min; metrics, plot and model in {config.output_dir}"
-        if 0 <= before <= 1 and 0 <= after <= 1:
+        means = [m for _, m in trainer.state.eval_reward_history]
+        if all(0 <= m <= 1 for m in means):  # a 0/1 correctness score: accuracy = share of first reward > 0
             print(f"held-out accuracy: {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) {where}")
-        else:  # the first reward is not a 0/1 correctness score: no percentage
-            print(f"held-out mean of the first reward ({config.reward_funcs[0]}): {before:.4g} -> {after:.4g} {where}")
+        else:  # the first reward is no 0/1 correctness score: its mean, no percentage
+            print(f"held-out mean of the first reward ({config.reward_funcs[0]}): {means[0]:.4g} -> {means[-1]:.4g} {where}")
     for name, values in trainer.state.eval_metric_history.items():  # the task's own metrics
         if len(values) >= 2:
             before, after = values[0][1], values[-1][1]

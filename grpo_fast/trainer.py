@@ -58,6 +58,7 @@ class TrainState:
     skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient
     signal_free_steps: int = 0  # steps in a row with no finite reward or a skipped update
     eval_history: list = field(default_factory=list)  # (step, accuracy)
+    eval_reward_history: list = field(default_factory=list)  # (step, held-out mean of the first reward)
     eval_metric_history: dict = field(default_factory=dict)  # name -> [(step, value)] of the eval_metrics
     entropy_coef: Optional[float] = None  # the entropy bonus's coefficient now (adaptive: it moves); None: config's
     last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
@@ -440,6 +441,8 @@ class GRPOTrainer:
         metrics = self.evaluate()
         metrics["time/eval"] = time.perf_counter() - start
         self.state.eval_history.append((self.state.step, metrics["eval/accuracy"]))
+        first = f"eval/rewards/{reward_name(self.reward_funcs[0])}/mean"
+        self.state.eval_reward_history.append((self.state.step, metrics[first]))
         for name in self.eval_metrics:
             self.state.eval_metric_history.setdefault(name, []).append((self.state.step, metrics[f"eval/{name}"]))
         extra = "".join(f", {name} {metrics[f'eval/{name}']:.3f}" for name in self.eval_metrics)
