@@ -328,7 +328,8 @@ class GRPOTrainer:
                                                setup.thought_end(c), self._next_seed)
         else:
             groups = self.engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
-                                          temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=self._next_seed())
+                                          temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                                          seed=_prompt_seeds(self._next_seed(), len(prompts)))
             batch = from_engine(groups, prompts, rows)
         if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
             self.engine.sleep()
@@ -508,10 +509,17 @@ class GRPOTrainer:
 # (a plain seed + counter would give run 42's step 1 the seed of run 43's step 0).
 _SAMPLING_SEED_PRIME = 100_003  # > the engine calls of any run
 _EPOCH_SEED_PRIME = 1_000_003  # > the epochs of any run
+_PROMPT_SEED_PRIME = 1_000_003  # > the prompts of any engine call
 
 
 def _sampling_seed(seed: int, generation_calls: int) -> int:
     return seed * _SAMPLING_SEED_PRIME + generation_calls
+
+
+def _prompt_seeds(call_seed: int, n: int, first: int = 0) -> list[int]:
+    """One seed per prompt of an engine call, from the call's seed and the prompt's position in the
+    generation batch: a prompt's group does not depend on which other prompts share its call (or rank)."""
+    return [(call_seed * _PROMPT_SEED_PRIME + first + i) % 2**63 for i in range(n)]
 
 
 def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional, Sequence
+from typing import Iterable, Literal, Optional, Sequence, Union
 
 FinishReason = Literal["stop", "length"]
 
@@ -42,7 +42,11 @@ class SamplingRequest:
     top_p: float
     top_k: int
     stop_token_ids: tuple[int, ...]
-    seed: Optional[int]
+    seed: Union[int, tuple[int, ...], None]  # one for the call, or one per prompt
+
+    @property
+    def per_prompt_seeds(self) -> bool:
+        return isinstance(self.seed, tuple)
 
     @property
     def greedy(self) -> bool:
@@ -82,8 +86,12 @@ def validate_request(
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not _is_int(top_k) or (top_k < 1 and top_k not in (0, -1)):
         raise ValueError(f"top_k must be -1 (or 0) for no top-k filtering, or an int >= 1, got {top_k!r}")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)):
+        if len(seed) != len(prompt_ids) or not all(_is_int(s) for s in seed):
+            raise ValueError(f"seed: a list of seeds needs one int per prompt ({len(prompt_ids)}), got {list(seed)!r}")
+        seed = tuple(int(s) for s in seed)
+    elif seed is not None and not _is_int(seed):
+        raise ValueError(f"seed must be an int, one int per prompt, or None, got {seed!r}")
     stops = tuple(int(t) for t in (stop_token_ids or ()))
     bad_stops = [t for t in stops if not 0 <= t < vocab_size]
     if bad_stops:
@@ -116,7 +124,7 @@ def validate_request(
         top_p=float(top_p),
         top_k=-1 if top_k in (0, -1) else int(top_k),
         stop_token_ids=stops,
-        seed=None if seed is None else int(seed),
+        seed=seed if seed is None or isinstance(seed, tuple) else int(seed),
     )
     return prompts, request
 
@@ -138,13 +146,15 @@ class RolloutEngine:
         top_p: float = 1.0,
         top_k: int = -1,
         stop_token_ids: Optional[Sequence[int]] = None,
-        seed: Optional[int] = None,
+        seed: Union[int, Sequence[int], None] = None,
     ) -> list[list[Completion]]:
         """Sample `n` completions for every prompt; returns one group (list of n) per prompt, in order.
 
         prompt_ids: token-id lists (no padding). Generation stops at the model's EOS, any of
         `stop_token_ids` (kept as the last token), `max_new_tokens`, or `max_model_len`.
-        seed: makes this call's sampling reproducible (None: continue the engine's random stream).
+        seed: makes this call's sampling reproducible (None: continue the engine's random stream). A
+        list gives each prompt its own seed: a prompt's group then depends only on its prompt and
+        seed, not on the other prompts of the call, so a batch split over ranks samples the same.
         """
         prompts, request = validate_request(
             prompt_ids,

@@ -99,13 +99,18 @@ class HFEngine(RolloutEngine):
         """Nothing to copy: this engine generates with the policy module itself."""
 
     def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+        if request.per_prompt_seeds:  # each prompt's group from its own seed: one batch per prompt
+            return [self._generate_seeded([p], request, seed)[0] for p, seed in zip(prompts, request.seed, strict=True)]
+        return self._generate_seeded(prompts, request, request.seed)
+
+    def _generate_seeded(self, prompts: list[list[int]], request: SamplingRequest, seed) -> list[list[Completion]]:
         rows = [p for p in prompts for _ in range(request.n)]
         stop_ids = self.eos_ids | set(request.stop_token_ids)
         completions = []
         rng = torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else [])
-        with rng if request.seed is not None else contextlib.nullcontext(), _eval_mode(self.model), torch.no_grad():
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
+        with rng if seed is not None else contextlib.nullcontext(), _eval_mode(self.model), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
             for start in range(0, len(rows), self.batch_size):
                 completions += self._generate_batch(rows[start : start + self.batch_size], request, stop_ids)
         return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]

@@ -211,19 +211,20 @@ class VLLMEngine(RolloutEngine):
 
         # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
         copies = request.n if request.greedy else 1
-        params = SamplingParams(
+        seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
+        params = [SamplingParams(
             n=1 if request.greedy else request.n,
             max_tokens=request.max_new_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
             top_k=request.top_k,
             stop_token_ids=list(request.stop_token_ids),
-            seed=request.seed,  # children of one request get seed + index (vLLM's parallel sampling)
+            seed=seed,  # children of one request get seed + index (vLLM's parallel sampling)
             logprobs=0,  # the sampled token's log-prob only
             # decoded below in one call, as HFEngine does: vLLM's incremental detokenizer holds back
             # a trailing partial UTF-8 character, so the texts of the two engines would differ
             detokenize=False,
-        )
+        ) for seed in seeds for _ in range(copies)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         tokenizer = self.llm.get_tokenizer()

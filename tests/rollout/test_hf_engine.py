@@ -73,6 +73,19 @@ def test_seed_reproducible(engine):
     assert ids(a) == ids(b) and ids(a) != ids(c)
 
 
+def test_per_prompt_seeds_do_not_depend_on_the_split(engine):
+    """A batch split over ranks samples what the whole batch samples: each prompt's group depends on its
+    own seed only."""
+    ids = lambda groups: [[x.token_ids for x in g] for g in groups]
+    whole = engine.generate(PROMPTS, n=2, max_new_tokens=5, seed=[11, 12, 13])
+    parts = [engine.generate([p], n=2, max_new_tokens=5, seed=[s]) for p, s in zip(PROMPTS, [11, 12, 13], strict=True)]
+    assert ids(whole) == [g for part in parts for g in ids(part)]
+    swapped = engine.generate(PROMPTS[::-1], n=2, max_new_tokens=5, seed=[13, 12, 11])
+    assert ids(swapped) == ids(whole)[::-1], "the order within a call does not matter either"
+    with pytest.raises(ValueError, match=r"seed: a list of seeds needs one int per prompt"):
+        engine.generate(PROMPTS, n=1, max_new_tokens=2, seed=[1])
+
+
 def test_shares_weights_and_keeps_training_mode(tiny_model_dir):
     from tests.tiny_model import load_tiny_model
 

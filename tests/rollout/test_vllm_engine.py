@@ -70,9 +70,9 @@ def mean_abs_logprob_diff(model, groups, prompts, temperature):
     return torch.cat(diffs).mean().item()
 
 
-def sample(engine, **kwargs):
+def sample(engine, prompts=PROMPTS, **kwargs):
     args = dict(n=3, max_new_tokens=8, temperature=0.8, seed=0) | kwargs
-    return engine.generate(PROMPTS, **args)
+    return engine.generate(prompts, **args)
 
 
 def test_update_weights_hot_swaps_the_policy(engine, tiny_policy, perturbed):
@@ -187,6 +187,10 @@ def test_seed_makes_sampling_reproducible(engine, tiny_policy):
     a, b, c = sample(engine, seed=7), sample(engine, seed=7), sample(engine, seed=8)
     assert ids(a) == ids(b) and ids(a) != ids(c)
     assert len({tuple(x.token_ids) for x in a[0]}) > 1, "the n samples of a prompt must differ"
+    seeds = list(range(20, 20 + len(PROMPTS)))  # one per prompt: a split over ranks samples the same
+    whole = sample(engine, seed=seeds)
+    parts = [sample(engine, prompts=[p], seed=[s]) for p, s in zip(PROMPTS, seeds, strict=True)]
+    assert ids(whole) == [g for part in parts for g in ids(part)]
 
 
 def test_bad_input(engine):
