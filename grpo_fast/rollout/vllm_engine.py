@@ -164,6 +164,9 @@ class VLLMEngine(RolloutEngine):
         self.on_cpu = current_platform.is_cpu()
         vllm_kwargs.setdefault("enforce_eager", self.on_cpu)  # CPU: torch.compile warm-up costs ~40 s, gains little
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        # Inside a torch.distributed world (torchrun), vLLM builds its groups on the default one (each
+        # rank its own TP=1 engine) instead of creating it: then closing must leave that group alone.
+        self._owns_default_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         try:
             self.llm = LLM(
                 model=model_path,
@@ -353,15 +356,37 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         """Shut the engine down and free its memory (so another engine can start in this process)."""
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        from vllm.distributed import parallel_state
 
         if getattr(self, "llm", None) is None:
             return
-        self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        with contextlib.ExitStack() as stack:
+            if not self._owns_default_group:
+                stack.enter_context(_keep_default_group())
+            self.llm.llm_engine.engine_core.shutdown()  # tears down vLLM's distributed state
+            self.llm = None
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
         gc.collect()
+
+
+@contextlib.contextmanager
+def _keep_default_group():
+    """vLLM's teardown destroys torch.distributed's default group, which, under torchrun, is the
+    trainer's: meanwhile let it destroy only its own world group."""
+    from vllm.distributed import parallel_state
+
+    def destroy_vllm_world() -> None:
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+
+    original = parallel_state.destroy_distributed_environment
+    parallel_state.destroy_distributed_environment = destroy_vllm_world
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
 
 
 @contextlib.contextmanager
