@@ -76,7 +76,7 @@ class GRPOConfig:
     top_k: int = _f(0, "Keep only the k most likely tokens when sampling (0: off).")
     vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of GPU memory vLLM may take (GPU only).")
     vllm_enable_sleep_mode: bool = _f(False, "Put vLLM to sleep (free its memory) during the training part of a step (GPU only).")
-    vllm_max_model_length: Optional[int] = _f(None, "vLLM's context length. None: max_prompt_length + max_completion_length.")
+    vllm_max_model_length: Optional[int] = _f(None, "vLLM's context length. None: max_prompt_length + the longest sequence after the prompt (max_completion_length; more with the early_exit and multi_answer rollout modes).")
 
     # ---- batch -------------------------------------------------------------------------------
     per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.")
@@ -126,7 +126,7 @@ class GRPOConfig:
     early_exit_points: int = _f(7, "early_exit: cut positions per full completion (m), spread over its tokens (one drawn at random in each of m equal spans, seeded).")
     early_exit_text: str = _f("\nTime is limited, stop thinking and start answering. The final answer is", "early_exit: text injected after each cut; the member is graded on what follows it, and the injected tokens are masked out of the loss.")
     early_exit_answer_length: int = _f(16, "early_exit: most tokens of the answer generated after early_exit_text.")
-    answers_per_thought: int = _f(4, "multi_answer: answers sampled per thought (M).")
+    answers_per_thought: int = _f(4, "multi_answer: answers sampled per thought (M). A prompt then trains K thoughts and K x M answers, and per_device_train_batch_size counts them all (a multiple of K x (1 + M)).")
     thought_end: Optional[str] = _f(None, "multi_answer: the text that ends a thought (kept in it; answers continue after it). None: the task's own (chain_arithmetic: '\\boxed{', the start of its answer), else '</think>'.")
     max_thought_length: int = _f(48, "multi_answer: most tokens of a thought; answers get max_completion_length tokens each.")
     lead_alpha: float = _f(0.05, "The `lead` reward (GRPO-LEAD): a correct answer earns exp(-lead_alpha * z), z its length's z-score among its group's correct answers.")
@@ -175,9 +175,9 @@ class GRPOConfig:
 
     def __post_init__(self):
         _coerce_numeric_strings(self)
+        _validate(self)  # first: the default below reads fields whose types it checks
         if self.vllm_max_model_length is None and self.max_prompt_length is not None:
             self.vllm_max_model_length = self.max_prompt_length + self.max_sequence_completion
-        _validate(self)
         for message in option_warnings(LossOptions.from_config(self)):
             warnings.warn(message, stacklevel=3)
 
@@ -187,9 +187,16 @@ class GRPOConfig:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
+    def group_size(self) -> int:
+        """Trained sequences per prompt: its group, or with multi_answer its K thoughts and K x M answers."""
+        if self.rollout_mode == "multi_answer":
+            return self.num_generations * (1 + self.answers_per_thought)
+        return self.num_generations
+
+    @property
     def prompts_per_generation(self) -> int:
         """Prompts sampled per generation batch."""
-        return self.completions_per_step * self.steps_per_generation // self.num_generations
+        return self.completions_per_step * self.steps_per_generation // self.group_size
 
     @property
     def max_sequence_completion(self) -> int:
@@ -287,10 +294,12 @@ def _validate(c: GRPOConfig) -> None:
             _fail(name, getattr(c, name), "None or an integer >= 1")
     if c.num_generations < 2:
         _fail("num_generations", c.num_generations, "an integer >= 2 (a group needs a baseline)")
-    if c.completions_per_step % c.num_generations:
+    if c.completions_per_step % c.group_size:
+        per_prompt = (f"num_generations x (1 + answers_per_thought) = {c.group_size} with rollout_mode='multi_answer'"
+                      if c.rollout_mode == "multi_answer" else f"num_generations ({c.num_generations})")
         _fail("per_device_train_batch_size", c.per_device_train_batch_size,
               f"per_device_train_batch_size x gradient_accumulation_steps ({c.completions_per_step}) "
-              f"to be a multiple of num_generations ({c.num_generations}): groups stay whole")
+              f"to be a multiple of {per_prompt}: groups stay whole")
     if not (c.temperature > 0 and math.isfinite(c.temperature)):
         _fail("temperature", c.temperature, "a positive finite number")
     if not 0 < c.top_p <= 1:
@@ -376,6 +385,11 @@ def _validate_variants(c: GRPOConfig) -> None:
             _fail(name, getattr(c, name), "a finite number")
     if c.reward_noise_rate is not None and not 0 <= c.reward_noise_rate < 0.5:
         _fail("reward_noise_rate", c.reward_noise_rate, "None or a flip rate in [0, 0.5)")
+    outside_01 = {"lead": "-1 for a wrong answer", "math_length": "down to -1 for a wrong answer"}
+    first = c.reward_funcs[0] if c.reward_funcs else None
+    if c.reward_noise_rate is not None and first in outside_01:
+        _fail("reward_noise_rate", c.reward_noise_rate, f"None with reward_funcs[0]={first!r} ({outside_01[first]} "
+              f"leaves [0, 1]): the noise-aware weights need a 0/1 verifier as the first reward")
     if c.partial_credit_judge is not None and not c.partial_credit_judge.strip():
         _fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
     if c.rollout_mode != "parallel":

@@ -30,6 +30,7 @@ import torch
 from . import checkpoint, objective, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
+from .rollout.base import prompt_seeds
 from .train import rollout_modes, setup, shaping
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
@@ -91,7 +92,7 @@ class GRPOTrainer:
         self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
         setup.check_reward_columns(self.reward_funcs, self.train_rows, "train_dataset")
         self.judge = setup.partial_credit_judge(config, self.train_rows)
-        self.group_size = shaping.group_size(config)  # entries per prompt in a generation batch
+        self.group_size = config.group_size  # entries per prompt in a generation batch
         torch.manual_seed(config.seed)
         self.model, self.tokenizer, self.model_path = setup.load_policy(config, model, tokenizer)
         self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
@@ -122,7 +123,9 @@ class GRPOTrainer:
         if not evaluate_only:
             run_folder.check_start(config)  # before the dataset is read
         train_rows, eval_rows = setup.datasets_from_config(config)
-        funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length)
+        funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
+                                 lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
+                                 num_generations=config.num_generations)
         eval_metrics = task_eval_metrics(config.task) if config.dataset is None else None
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
 
@@ -329,7 +332,7 @@ class GRPOTrainer:
         else:
             groups = self.engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
                                           temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                                          seed=_prompt_seeds(self._next_seed(), len(prompts)))
+                                          seed=prompt_seeds(self._next_seed(), len(prompts)))
             batch = from_engine(groups, prompts, rows)
         if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
             self.engine.sleep()
@@ -509,17 +512,10 @@ class GRPOTrainer:
 # (a plain seed + counter would give run 42's step 1 the seed of run 43's step 0).
 _SAMPLING_SEED_PRIME = 100_003  # > the engine calls of any run
 _EPOCH_SEED_PRIME = 1_000_003  # > the epochs of any run
-_PROMPT_SEED_PRIME = 1_000_003  # > the prompts of any engine call
 
 
 def _sampling_seed(seed: int, generation_calls: int) -> int:
     return seed * _SAMPLING_SEED_PRIME + generation_calls
-
-
-def _prompt_seeds(call_seed: int, n: int, first: int = 0) -> list[int]:
-    """One seed per prompt of an engine call, from the call's seed and the prompt's position in the
-    generation batch: a prompt's group does not depend on which other prompts share its call (or rank)."""
-    return [(call_seed * _PROMPT_SEED_PRIME + first + i) % 2**63 for i in range(n)]
 
 
 def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

@@ -202,21 +202,24 @@ class LeadReward:
     z-score among the correct answers of its group, a wrong one ``lead_wrong_reward``; so, within a
     group, shorter right answers earn more and every right answer more than a wrong one.
 
-    A group is a run of consecutive completions of the same prompt (the trainer's groups; a single
-    held-out completion is a group of one and earns 1 when right). Its first-reward value is > 0
+    A group is a run of consecutive completions of the same prompt, at most ``num_generations`` long
+    (the trainer's groups, also when one prompt's groups follow each other; a single held-out
+    completion is a group of one and earns 1 when right). Its first-reward value is > 0
     exactly when the answer is right, so ``eval/accuracy`` stays the share of right answers.
     """
 
     __name__ = "lead"
     required_columns = ("answer",)
 
-    def __init__(self, lead_alpha: float = 0.05, lead_wrong_reward: float = -1.0):
+    def __init__(self, lead_alpha: float = 0.05, lead_wrong_reward: float = -1.0, num_generations: int | None = None):
         if not (isinstance(lead_alpha, (int, float)) and lead_alpha >= 0):
             raise ValueError(f"lead_alpha: expected a number >= 0, got {lead_alpha!r}")
-        self.alpha, self.wrong_reward = float(lead_alpha), float(lead_wrong_reward)
+        if num_generations is not None and not (isinstance(num_generations, int) and num_generations >= 1):
+            raise ValueError(f"num_generations: expected None or an int >= 1, got {num_generations!r}")
+        self.alpha, self.wrong_reward, self.group = float(lead_alpha), float(lead_wrong_reward), num_generations
 
     def __repr__(self) -> str:
-        return f"LeadReward(lead_alpha={self.alpha}, lead_wrong_reward={self.wrong_reward})"
+        return f"LeadReward(lead_alpha={self.alpha}, lead_wrong_reward={self.wrong_reward}, num_generations={self.group})"
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, answer=None, **kwargs):
         import torch
@@ -233,7 +236,7 @@ class LeadReward:
         start = 0
         while start < len(completions):  # one run of equal prompts at a time
             end = start + 1
-            while end < len(completions) and prompts[end] == prompts[start]:
+            while end < len(completions) and prompts[end] == prompts[start] and end - start != self.group:
                 end += 1
             run = range(start, end)
             ok = torch.tensor([bool(correct[i]) for i in run])

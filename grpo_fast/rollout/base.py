@@ -8,6 +8,7 @@ was drawn from: logits / temperature, then top-k / top-p masking and renormalisa
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -127,6 +128,15 @@ def validate_request(
         seed=seed if seed is None or isinstance(seed, tuple) else int(seed),
     )
     return prompts, request
+
+
+def prompt_seeds(call_seed: int, n: int, first: int = 0) -> list[int]:
+    """One sampling seed per prompt of a call: prompt `first + i` gets a 63-bit hash of (call seed,
+    position). A prompt's group then depends on its call seed and its position in the batch only,
+    not on which other prompts (or which rank) share the call; hashing keeps the seeds far apart, as
+    vLLM gives the j-th completion of a request seed + j."""
+    return [int.from_bytes(hashlib.sha256(f"{call_seed}:{first + i}".encode()).digest()[:8], "little") >> 1
+            for i in range(n)]
 
 
 class RolloutEngine:

@@ -41,6 +41,21 @@ class _RecordSampledLogprobs:
         return torch.cat(self.sampled, dim=1) if self.sampled else sequences.new_zeros(sequences.shape[0], 0).float()
 
 
+class _SampleRowsWithOwnGenerators:
+    """Logits processor (after the recorder) for per-prompt seeds: samples each row's next token with
+    that row's own generator and leaves only it possible, so transformers' sampling must pick it. A
+    row's tokens then depend on its seed alone, not on the other rows of the batch."""
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = generators
+
+    def __call__(self, input_ids, scores):
+        probs = torch.softmax(scores.float(), dim=-1)
+        chosen = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
+        forced = torch.full_like(scores, -float("inf"))
+        return forced.scatter_(1, chosen[:, None], 0.0)
+
+
 def _warpers(request: SamplingRequest) -> list:
     """Temperature, top-k, top-p: in vLLM's order, as transformers' own warpers."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -99,23 +114,23 @@ class HFEngine(RolloutEngine):
         """Nothing to copy: this engine generates with the policy module itself."""
 
     def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
-        if request.per_prompt_seeds:  # each prompt's group from its own seed: one batch per prompt
-            return [self._generate_seeded([p], request, seed)[0] for p, seed in zip(prompts, request.seed, strict=True)]
-        return self._generate_seeded(prompts, request, request.seed)
-
-    def _generate_seeded(self, prompts: list[list[int]], request: SamplingRequest, seed) -> list[list[Completion]]:
         rows = [p for p in prompts for _ in range(request.n)]
+        # per-prompt seeds: row j of prompt i samples with its own generator, seeded seed_i + j (as vLLM
+        # seeds a request's j-th completion); one seed for the call: the global RNG, seeded once
+        row_seeds = [s + j for s in request.seed for j in range(request.n)] if request.per_prompt_seeds else None
         stop_ids = self.eos_ids | set(request.stop_token_ids)
         completions = []
         rng = torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else [])
-        with rng if seed is not None else contextlib.nullcontext(), _eval_mode(self.model), torch.no_grad():
-            if seed is not None:
-                torch.manual_seed(seed)
+        with rng if request.seed is not None else contextlib.nullcontext(), _eval_mode(self.model), torch.no_grad():
+            if request.seed is not None and not request.per_prompt_seeds:
+                torch.manual_seed(request.seed)
             for start in range(0, len(rows), self.batch_size):
-                completions += self._generate_batch(rows[start : start + self.batch_size], request, stop_ids)
+                seeds = row_seeds[start : start + self.batch_size] if row_seeds is not None else None
+                completions += self._generate_batch(rows[start : start + self.batch_size], request, stop_ids, seeds)
         return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], request: SamplingRequest, stop_ids: set[int]) -> list[Completion]:
+    def _generate_batch(self, rows: list[list[int]], request: SamplingRequest, stop_ids: set[int],
+                        row_seeds: list[int] | None) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         limits = [min(request.max_new_tokens, self.max_model_len - len(r)) for r in rows]
@@ -134,13 +149,19 @@ class HFEngine(RolloutEngine):
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
-            logits_processor=LogitsProcessorList([*_warpers(request), recorder]),
+            logits_processor=LogitsProcessorList([*_warpers(request), recorder, *self._row_sampler(request, row_seeds)]),
         )
         logprobs = recorder.finish(sequences)
         new_ids = sequences[:, input_ids.shape[1] :]
         return [
             self._completion(new_ids[i].tolist(), logprobs[i].tolist(), limits[i], stop_ids) for i in range(len(rows))
         ]
+
+    def _row_sampler(self, request: SamplingRequest, row_seeds: list[int] | None) -> list:
+        if row_seeds is None or request.greedy:
+            return []
+        device = self.model.device
+        return [_SampleRowsWithOwnGenerators([torch.Generator(device).manual_seed(s) for s in row_seeds])]
 
     def _completion(self, ids: list[int], logprobs: list[float], limit: int, stop_ids: set[int]) -> Completion:
         """Cut a padded row at its first stop token (kept) or at its length limit."""

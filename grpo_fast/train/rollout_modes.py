@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..rollout.base import prompt_seeds
 from .rollouts import Rollouts
 
 
@@ -57,17 +58,16 @@ def cut_positions(length: int, m: int, rng: random.Random) -> list[int]:
 def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, next_seed: Callable[[], int]) -> Rollouts:
     """S-GRPO's serial groups: `len(prompt_ids) * (early_exit_points + 1)` entries (module docstring)."""
     m = c.early_exit_points
-    seed = next_seed()
-    full = [g[0] for g in engine.generate(prompt_ids, n=1, max_new_tokens=c.max_completion_length, seed=seed, **_sampling(c))]
+    seeds = prompt_seeds(next_seed(), len(prompt_ids))
+    full = [g[0] for g in engine.generate(prompt_ids, n=1, max_new_tokens=c.max_completion_length, seed=seeds, **_sampling(c))]
     injected = tokenizer.encode(c.early_exit_text, add_special_tokens=False)
-    rng = random.Random(seed)
     cuts = []
-    for completion in full:  # the cuts fall in the reasoning: an ending EOS is not part of a prefix
+    for completion, seed in zip(full, seeds, strict=True):  # the cuts fall in the reasoning: not on an ending EOS
         body = len(completion.token_ids) - (completion.finish_reason == "stop")
-        cuts.append(cut_positions(body, m, rng))
+        cuts.append(cut_positions(body, m, random.Random(seed)))
     requests = [p + full[i].token_ids[:k] + injected for i, p in enumerate(prompt_ids) for k in cuts[i]]
-    answers = [g[0] for g in engine.generate(requests, n=1, max_new_tokens=c.early_exit_answer_length, seed=next_seed(),
-                                             **_sampling(c))]
+    answers = [g[0] for g in engine.generate(requests, n=1, max_new_tokens=c.early_exit_answer_length,
+                                             seed=prompt_seeds(next_seed(), len(requests)), **_sampling(c))]
     out = _empty()
     for i, (prompt, row, completion) in enumerate(zip(prompt_ids, rows, full, strict=True)):
         for j, k in enumerate(cuts[i]):
@@ -83,20 +83,23 @@ def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict],
 
 def end_of_thought(tokenizer, token_ids: list[int], thought_end: str) -> int:
     """The number of tokens up to the one that completes the first `thought_end`; len(token_ids) if
-    the text never holds it."""
-    if thought_end not in tokenizer.decode(token_ids, skip_special_tokens=True):
+    the text never holds it. (A prefix that holds it stays holding it: bisect on the prefix length.)"""
+    holds = lambda k: thought_end in tokenizer.decode(token_ids[:k], skip_special_tokens=True)  # noqa: E731
+    if not holds(len(token_ids)):
         return len(token_ids)
-    for k in range(1, len(token_ids) + 1):
-        if thought_end in tokenizer.decode(token_ids[:k], skip_special_tokens=True):
-            return k
-    return len(token_ids)
+    lo, hi = 0, len(token_ids)  # holds(hi), not holds(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
 
 
 def multi_answer(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, thought_end: str,
                  next_seed: Callable[[], int]) -> Rollouts:
     """GRPO-MA's thoughts and answers: `len(prompt_ids) * K * (1 + M)` entries (module docstring)."""
     K, M = c.num_generations, c.answers_per_thought
-    groups = engine.generate(prompt_ids, n=K, max_new_tokens=c.max_thought_length, seed=next_seed(), **_sampling(c))
+    groups = engine.generate(prompt_ids, n=K, max_new_tokens=c.max_thought_length,
+                             seed=prompt_seeds(next_seed(), len(prompt_ids)), **_sampling(c))
     thoughts = []  # (token ids, log-probs, finish reason) per prompt and thought
     for group in groups:
         for t in group:
@@ -106,7 +109,8 @@ def multi_answer(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict
             reason = "stop" if k < len(t.token_ids) or t.finish_reason == "stop" else "length"
             thoughts.append((t.token_ids[:k], t.logprobs[:k], reason))
     requests = [p + thoughts[i * K + j][0] for i, p in enumerate(prompt_ids) for j in range(K)]
-    answers = engine.generate(requests, n=M, max_new_tokens=c.max_completion_length, seed=next_seed(), **_sampling(c))
+    answers = engine.generate(requests, n=M, max_new_tokens=c.max_completion_length,
+                              seed=prompt_seeds(next_seed(), len(requests)), **_sampling(c))
     out = _empty()
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     for i, (prompt, row) in enumerate(zip(prompt_ids, rows, strict=True)):

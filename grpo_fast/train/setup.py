@@ -18,7 +18,6 @@ import torch
 
 from ..rewards.registry import reward_name
 from .rollouts import Rollouts, weighted_rewards, zero_std_groups
-from .shaping import group_size
 
 # ---- inputs ----------------------------------------------------------------------------------
 
@@ -91,15 +90,17 @@ def _context_limit(model_config):
 
 
 def check_prompt_lengths(prompt_ids: list[list[int]], config, model_config, where: str) -> None:
-    """With max_prompt_length=None, the longest encoded prompt + max_completion_length must fit."""
+    """With max_prompt_length=None, the longest encoded prompt + the longest sequence after it must fit
+    (max_completion_length; with a rollout mode, its prefix, injected text or thought too)."""
     limit = _context_limit(model_config)
     if not limit or config.max_prompt_length is not None or not prompt_ids:
         return
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    if len(prompt_ids[longest]) + config.max_completion_length > limit:
-        raise ValueError(f"{where}: row {longest}'s prompt has {len(prompt_ids[longest])} tokens; with max_completion_length "
-                         f"({config.max_completion_length}) that exceeds the model's context of {limit}; set "
-                         f"max_prompt_length (prompts are then cut from the left) or lower max_completion_length")
+    after = config.max_sequence_completion
+    if len(prompt_ids[longest]) + after > limit:
+        raise ValueError(f"{where}: row {longest}'s prompt has {len(prompt_ids[longest])} tokens; with {after} tokens after "
+                         f"it (max_completion_length, and the rollout mode's own) that exceeds the model's context of "
+                         f"{limit}; set max_prompt_length (prompts are then cut from the left) or lower max_completion_length")
 
 
 def datasets_from_config(config) -> tuple[list[dict], list[dict] | None]:
@@ -274,7 +275,7 @@ def weighted_mean(rewards: torch.Tensor, weights) -> float:
 
 def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], config) -> dict:
     """TRL's per-step reward and completion metrics for the completions of one step."""
-    G = group_size(config)
+    G = config.group_size
     total = weighted_rewards(batch.rewards, config.reward_weights).view(-1, G)
     group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in total])
     lengths = batch.completion_lengths()

@@ -28,11 +28,6 @@ def correct(rewards: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(rewards[:, 0], nan=0.0) > 0
 
 
-def group_size(c) -> int:
-    """Entries per prompt in a generation batch: a group, or with multi_answer its K thoughts and K x M answers."""
-    return c.num_generations * (1 + c.answers_per_thought) if c.rollout_mode == "multi_answer" else c.num_generations
-
-
 def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
                conversational: bool = False) -> tuple[torch.Tensor, dict]:
     """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge."""
@@ -69,8 +64,12 @@ def _partial_credit(batch: Rollouts, ok: torch.Tensor, c, judge, prompt_column: 
     rewards = batch.rewards.clone()
     if rows:
         scores, _ = score([judge], batch.select(rows), prompt_column, conversational)
+        judged = torch.nan_to_num(scores[:, 0], nan=0.0)  # None (no reasoning to judge): no credit
+        if bool(((judged < 0) | (judged > 1)).any()):
+            raise ValueError(f"partial_credit_judge={c.partial_credit_judge!r}: expected scores in [0, 1], got values "
+                             f"in [{float(judged.min())}, {float(judged.max())}]")
         step_scores = torch.full((len(batch),), 0.0, dtype=torch.float64)
-        step_scores[rows] = torch.nan_to_num(scores[:, 0], nan=0.0).clamp(0.0, 1.0)
+        step_scores[rows] = judged
         credit = objective.partial_credit_rewards(rewards[:, 0].nan_to_num(0.0), ok, step_scores, G,
                                                   beta=c.partial_credit_beta, gamma=c.partial_credit_gamma)
         rewards[rows, 0] = credit[rows].double()

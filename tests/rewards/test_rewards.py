@@ -240,3 +240,9 @@ def test_lead_reward_shorter_right_answers_earn_more_per_prompt_run():
     assert got[4:] == pytest.approx([1.0, -2.0])  # one right answer in its group: exp(0)
     with pytest.raises(ValueError, match="lead_alpha"):
         LeadReward(lead_alpha=-1)
+    # one prompt's groups one after the other (a repeated question, an epoch wrapping in a batch):
+    # each group of num_generations is shaped on its own
+    grouped = get_reward_funcs(["lead"], lead_alpha=0.5, lead_wrong_reward=-2.0, num_generations=2)[0]
+    two = grouped(prompts=["p"] * 4, completions=completions[:4], completion_ids=ids[:4], answer=["7"] * 4)
+    first = lead_length_rewards(torch.tensor([True, True]), torch.tensor([3.0, 9]), 2, alpha=0.5, wrong_reward=-2.0)
+    assert two == pytest.approx(first.tolist() + [-2.0, 1.0])

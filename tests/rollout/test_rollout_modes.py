@@ -26,7 +26,7 @@ def early_exit_config(**kw):
 
 def multi_answer_config(**kw):
     return GRPOConfig(rollout_mode="multi_answer", num_generations=3, answers_per_thought=2, max_thought_length=8,
-                      max_completion_length=4, max_prompt_length=8, per_device_train_batch_size=6, **kw)
+                      max_completion_length=4, max_prompt_length=8, per_device_train_batch_size=9, **kw)
 
 
 def seeds(start=0):
@@ -136,5 +136,7 @@ def test_early_exit_config_needs_m_plus_one_generations():
     with pytest.raises(ValueError, match=r"num_generations=4 .*early_exit_points \+ 1 = 8"):
         GRPOConfig(rollout_mode="early_exit", num_generations=4)
     with pytest.raises(ValueError, match="dynamic_sampling=True .*rollout_mode='multi_answer'"):
-        GRPOConfig(rollout_mode="multi_answer", dynamic_sampling=True)
+        GRPOConfig(rollout_mode="multi_answer", dynamic_sampling=True, per_device_train_batch_size=40)
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size=64 .*num_generations x \(1 \+ answers_per_thought\) = 40"):
+        GRPOConfig(rollout_mode="multi_answer")  # a batch counts thoughts and answers: 8 x (1 + 4) a prompt
     assert math.isclose(early_exit_config().vllm_max_model_length, 8 + 10 + len("ANSWER:") + 4)

@@ -40,6 +40,30 @@ def test_partial_credit_judges_only_all_wrong_groups(tmp_path):
     assert batch.rewards[0, 0] == 0.0, "the scored rewards stay as they were (logged as scored)"
 
 
+def test_partial_credit_judge_scores_outside_0_1_are_an_error(tmp_path):
+    c = config(tmp_path, num_generations=2, per_device_train_batch_size=4, partial_credit_judge="x:y")
+    with pytest.raises(ValueError, match=r"partial_credit_judge='x:y': expected scores in \[0, 1\], got values in \[0.0, 3.0\]"):
+        shaping.advantages(_scored([0.0, 0.0, 1.0, 0.0]), c, lambda prompts, completions, completion_ids, **kw: [3.0, 0.0])
+
+
+def test_lead_options_reach_the_reward(tmp_path, tiny_path):
+    c = config(tmp_path, model=tiny_path, reward_funcs=["lead"], lead_alpha=0.2, lead_wrong_reward=-0.5, task_train_size=8)
+    trainer = GRPOTrainer.from_config(c)
+    lead = trainer.reward_funcs[0]
+    assert (lead.alpha, lead.wrong_reward, lead.group) == (0.2, -0.5, 4)
+
+
+def test_variant_options_refused_before_work(tmp_path):
+    with pytest.raises(ValueError, match=r"reward_noise_rate=0.2 .*reward_funcs\[0\]='lead'"):
+        config(tmp_path, reward_funcs=["lead"], reward_noise_rate=0.2)
+    with pytest.raises(ValueError, match="early_exit_text"):
+        config(tmp_path, rollout_mode="early_exit", early_exit_text=None)
+    with pytest.raises(ValueError, match="answers_per_thought"):
+        config(tmp_path, rollout_mode="multi_answer", answers_per_thought=0)
+    with pytest.raises(ValueError, match="reward_noise_rate"):
+        config(tmp_path, reward_noise_rate=0.5)
+
+
 def test_difficulty_and_noise_weights_multiply_group_advantages(tmp_path):
     c = config(tmp_path, num_generations=4, difficulty_weighting=True, reward_noise_rate=0.1)
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # a hard prompt (1/4 right), an easy one (3/4)
@@ -64,7 +88,7 @@ def test_early_exit_advantages_are_decaying_rewards_minus_their_mean(tmp_path):
 
 
 def test_multi_answer_advantages_per_thought_and_per_answer(tmp_path):
-    c = config(tmp_path, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2)
+    c = config(tmp_path, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2, per_device_train_batch_size=6)
     nan = math.nan
     batch = _scored([nan, nan, 1.0, 1.0, 0.0, 1.0], kind=["thought"] * 2 + ["answer"] * 4)
     adv, _ = shaping.advantages(batch, c)
@@ -72,7 +96,7 @@ def test_multi_answer_advantages_per_thought_and_per_answer(tmp_path):
     expected = [0.25 / (0.25 + 1e-4), -0.25 / (0.25 + 1e-4), 0.25 / (s + 1e-4), 0.25 / (s + 1e-4),
                 -0.75 / (s + 1e-4), 0.25 / (s + 1e-4)]
     assert torch.allclose(adv, torch.tensor(expected), rtol=1e-5)
-    assert shaping.group_size(c) == 6
+    assert c.group_size == 6
 
 
 def _train(tmp_path, tiny, **overrides):
@@ -99,8 +123,9 @@ def test_early_exit_run_trains_on_serial_groups(tmp_path, tiny):
 
 def test_multi_answer_run_trains_thoughts_and_answers(tmp_path, tiny):
     trainer, _, moved = _train(tmp_path, tiny, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2,
-                               per_device_train_batch_size=8, max_thought_length=4, max_completion_length=4)
+                               per_device_train_batch_size=12, max_thought_length=4, max_completion_length=4)
     assert moved and trainer.state.generation_calls == 2, "thoughts, then answers"
+    assert trainer.config.prompts_per_generation == 2, "a step trains per_device_train_batch_size sequences: thoughts and answers"
     assert trainer.group_size == 6 and "multi_answer/thought_advantage_abs_mean" in _step_line(trainer)
 
 
