@@ -379,7 +379,7 @@ def _keep_default_group():
     def destroy_vllm_world() -> None:
         if parallel_state._WORLD is not None:
             parallel_state._WORLD.destroy()
-        parallel_state._WORLD = None
+        parallel_state._WORLD = parallel_state._NODE_COUNT = None
 
     original = parallel_state.destroy_distributed_environment
     parallel_state.destroy_distributed_environment = destroy_vllm_world
