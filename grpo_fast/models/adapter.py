@@ -48,12 +48,27 @@ def decoder_of(lm: nn.Module) -> nn.Module:
 def output_head(lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [V, H], bias [V] or None) of the lm_head; tied embeddings share the weight Parameter."""
     head = lm.get_output_embeddings()
-    if type(head) is not nn.Linear:  # a PEFT-wrapped head (LoRA on lm_head) would silently lose its adapter
+    if type(head) is not nn.Linear and not _fsdp_wrapped_linear(head):  # a PEFT head (LoRA) would lose its adapter
         raise ValueError(
             f"the lm_head must be a plain torch.nn.Linear for the fused loss, got {type(head).__name__}; "
             "remove 'lm_head' from the PEFT target_modules"
         )
     return head.weight, head.bias
+
+
+def _fsdp_wrapped_linear(module: nn.Module) -> bool:
+    """An nn.Linear that FSDP2's `fully_shard` made a unit of its own (its class becomes FSDPLinear)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return type(module).__bases__ == (FSDPModule, nn.Linear)
+
+
+def unshard_head(head: nn.Module) -> None:
+    """FSDP2 keeps an lm_head that is a unit of its own sharded outside its forward, which the fused
+    loss never calls: unshard it explicitly. Its gradient then lands on the whole weight and FSDP2's
+    end-of-backward reduce-scatters it into the shards, as for any parameter."""
+    if _fsdp_wrapped_linear(head):
+        head.unshard()
 
 
 def check_logit_transforms(config, name: str = "model") -> None:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..models.adapter import causal_lm_of, decoder_of, output_head
+from ..models.adapter import causal_lm_of, decoder_of, output_head, unshard_head
 from ..ops import masked_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
 from .packing import PackedMicroBatch, pack_sequences, plan_micro_batches
@@ -22,10 +22,18 @@ def policy_parts(model):
     """(decoder ending at the final hidden state, lm_head weight [V, H], lm_head bias [V] or None).
 
     Found the same way as in the TRL integration (through PEFT wrappers; refuses a head that is not a
-    plain Linear, whose adapter the fused op would silently drop).
+    plain Linear, whose adapter the fused op would silently drop). A sharded (FSDP2) weight is
+    gathered whole, and its shape checked, so that a shard never passes for the whole weight.
     """
     lm = causal_lm_of(model)
+    head = lm.get_output_embeddings()
+    unshard_head(head)
     weight, bias = output_head(lm)
+    if hasattr(weight, "full_tensor") or tuple(weight.shape) != (head.out_features, head.in_features):
+        raise RuntimeError(f"the lm_head weight is sharded ({type(weight).__name__} of local shape "
+                           f"{tuple(getattr(weight, '_local_tensor', weight).shape)}) where the fused loss reads it: "
+                           f"keep the lm_head in the root FSDP unit (not resharded after forward) or make it a unit "
+                           f"of its own, so that a shard never passes for the whole weight")
     return decoder_of(lm), weight, bias
 
 
