@@ -31,7 +31,7 @@ from . import checkpoint, objective, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
 from .rollout.base import prompt_seeds
-from .train import rollout_modes, setup, shaping
+from .train import distributed, rollout_modes, setup, shaping
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
 from .train.rollouts import Rollouts, from_engine, importance_weights, score, zero_std_groups
@@ -85,6 +85,9 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False):
         self.config = config
+        self.world = distributed.join()  # under torchrun: this rank's place; one process: World()
+        if self.world.size > 1:
+            distributed.check_config(config)
         self.eval_metrics = dict(eval_metrics or {})
         self.resume_path = None if evaluate_only else run_folder.check_start(config)
         self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
@@ -102,6 +105,7 @@ class GRPOTrainer:
         self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda),
                              amp_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None)
         self.loss_options = LossOptions.from_config(config)
+        self.ddp = distributed.data_parallel(self.model, self.world)  # None for one process
         self.optimizer = setup.build_optimizer(self.model, config)
         self.scheduler = setup.build_scheduler(self.optimizer, config)
         self.state = TrainState()
@@ -140,22 +144,25 @@ class GRPOTrainer:
         `TrainingInterrupted`; a failure while sampling or scoring writes one too (if there are
         steps to keep), then re-raises."""
         c = self.config
-        with run_folder.RunLock(c.output_dir), StopRequests() as stop:
-            checkpoint.remove_stale_temp_folders(c.output_dir)
+        main = self.world.main  # rank 0 owns the output folder
+        with run_folder.RunLock(c.output_dir) if main else contextlib.nullcontext(), StopRequests() as stop:
+            if main:
+                checkpoint.remove_stale_temp_folders(c.output_dir)
             if self.resume_path is not None:
                 self._resume(self.resume_path)
                 if self.state.step >= c.max_steps:
                     print(f"{self.resume_path} is at step {self.state.step} >= max_steps={c.max_steps}: nothing to "
                           f"train (raise --max_steps to train further)", flush=True)
                     return {}
-            elif c.overwrite_output_dir:
+            elif c.overwrite_output_dir and main:
                 run_folder.clear_run_files(c.output_dir)
+            distributed.barrier(self.world)
             return self._train_loop(stop)
 
     def _train_loop(self, stop: StopRequests) -> dict:
         c = self.config
-        self.metrics_logger = _metrics_logger(c.output_dir, self.state.step)
-        bar = _progress(c, self.state.step)
+        self.metrics_logger = _metrics_logger(c.output_dir, self.state.step) if self.world.main else _OtherRankMetrics()
+        bar = _progress(c, self.state.step, self.world.main)
         last = {}
         try:
             if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
@@ -212,7 +219,9 @@ class GRPOTrainer:
             raise
         parts = self._step_slices(batch)
         # dapo: TRL's normaliser, the generation batch's tokens shared evenly by its step slices
-        num_items = trainable_tokens(batch, self.loss_options) / min(c.steps_per_generation, len(batch) // self.group_size)
+        # (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)
+        tokens = distributed.sum_over_ranks([trainable_tokens(batch, self.loss_options)], self.world)[0] / self.world.size
+        num_items = tokens / min(c.steps_per_generation, len(batch) // self.group_size)
         logged = {}
         for k, part in enumerate(parts):  # train steps
             start = time.perf_counter()
@@ -234,7 +243,7 @@ class GRPOTrainer:
 
     def _count_signal(self, part: Rollouts, skipped: bool, bar) -> None:
         """Count steps without a training signal: no finite reward at all, or a skipped update."""
-        no_reward = bool(part.rewards.isnan().all())
+        no_reward = not distributed.any_rank(not bool(part.rewards.isnan().all()), self.world)  # on no rank
         if not (no_reward or skipped):
             self.state.signal_free_steps = 0
             return
@@ -268,7 +277,7 @@ class GRPOTrainer:
         options = dataclasses.replace(self.loss_options, entropy_coef=applied)
         metrics = train_step(self.model, self.optimizer, self.packer, part, options, c.max_grad_norm,
                              num_items_in_batch=max(num_items, 1.0), top_entropy_quantile=c.top_entropy_quantile,
-                             off_policy_mask_threshold=c.off_policy_mask_threshold)
+                             off_policy_mask_threshold=c.off_policy_mask_threshold, ddp=self.ddp, world=self.world)
         bonus_entropy = metrics.pop("bonus_entropy")
         if c.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
             state.entropy_coef = objective.adaptive_entropy_coef(
@@ -298,7 +307,8 @@ class GRPOTrainer:
         wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
         while True:
             with _timed(times, "time/generate"):
-                part = self._generate(self._next_prompts(wanted - sum(len(k) // G for k in kept)))
+                part = self._generate(*self._rank_share(self._next_prompts(
+                    self.world.size * (wanted - sum(len(k) // G for k in kept)))))
             with _timed(times, "time/reward"):
                 part.rewards, non_finite = score(self.reward_funcs, part, c.prompt_column,
                                                  _conversational(part.rows[0][c.prompt_column]))
@@ -319,7 +329,13 @@ class GRPOTrainer:
         stats = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds}
         return batch, stats
 
-    def _generate(self, prompt_index: list[int]) -> Rollouts:
+    def _rank_share(self, prompt_index: list[int]) -> tuple[list[int], int]:
+        """This rank's equal share of the generation batch's prompts (whole groups stay on one rank),
+        and the position of its first prompt in the batch (which seeds it)."""
+        k = len(prompt_index) // self.world.size
+        return prompt_index[self.world.rank * k : (self.world.rank + 1) * k], self.world.rank * k
+
+    def _generate(self, prompt_index: list[int], first: int = 0) -> Rollouts:
         c = self.config
         prompts, rows = [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index]
         if c.vllm_enable_sleep_mode:
@@ -332,7 +348,7 @@ class GRPOTrainer:
         else:
             groups = self.engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
                                           temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                                          seed=prompt_seeds(self._next_seed(), len(prompts)))
+                                          seed=prompt_seeds(self._next_seed(), len(prompts), first))
             batch = from_engine(groups, prompts, rows)
         if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
             self.engine.sleep()
@@ -470,6 +486,7 @@ class GRPOTrainer:
         return m
 
     def _log(self, metrics: dict, bar) -> dict:
+        metrics = distributed.mean_metrics(metrics, self.world)
         step = self.state.step
         bar.update(step, metrics)
         if step % self.config.logging_steps == 0 or step == self.config.max_steps:
@@ -478,6 +495,17 @@ class GRPOTrainer:
 
     def _save(self, path: Optional[str] = None, final: bool = False) -> str:
         """A checkpoint of the whole run (or, final=True, the trained model alone into `path`)."""
+        c = self.config
+        if not self.world.main:  # rank 0 writes (the policy is the same on every rank); the others wait
+            distributed.barrier(self.world)
+            self._saved_step = self.state.step
+            return path or os.path.join(c.output_dir, f"checkpoint-{self.state.step}")
+        try:
+            return self._write(path, final)
+        finally:
+            distributed.barrier(self.world)
+
+    def _write(self, path: Optional[str], final: bool) -> str:
         c = self.config
         if final:
             return checkpoint.write_atomically(
@@ -570,8 +598,23 @@ def _metrics_logger(output_dir: str, step: int):
     return MetricsLogger(output_dir, resume_step=step)
 
 
-def _progress(config: GRPOConfig, step: int):
+def _progress(config: GRPOConfig, step: int, main: bool = True):
     from .metrics import ProgressBar
 
-    return ProgressBar(config.max_steps, step, enabled=not config.disable_tqdm)
+    return ProgressBar(config.max_steps, step, enabled=main and not config.disable_tqdm)
+
+
+class _OtherRankMetrics:
+    """The metrics logger of a rank other than 0: writes nothing (rank 0 writes the all-rank means)."""
+
+    path = None
+
+    def log(self, step: int, metrics: dict) -> dict:
+        return metrics
+
+    def plot(self):
+        return None
+
+    def close(self) -> None:
+        pass
 

@@ -37,17 +37,18 @@ def policy_parts(model):
     return decoder_of(lm), weight, bias
 
 
-def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtype] = None, forward=None) -> torch.Tensor:
     """(b, Tc, H): for each sequence, the hidden states predicting its completion tokens.
 
     amp_dtype: run the decoder under `torch.autocast` in this dtype (mixed precision: matmuls in
     bf16, weights and the residual stream as they are); the hidden states come back in the
-    weights' dtype, so the fused op after it computes as without autocast.
+    weights' dtype, so the fused op after it computes as without autocast. forward: what to call
+    instead of `base` itself (the DDP-wrapped policy, whose forward is the decoder's).
     """
     param = next(base.parameters())
     attention = packed_attention(base) if mb.attention == "packed" else contextlib.nullcontext()
     with attention, torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-        hidden = base(**mb.model_inputs()).last_hidden_state  # (1, L, H)
+        hidden = (forward or base)(**mb.model_inputs()).last_hidden_state  # (1, L, H)
     return hidden[0][mb.hidden_index].to(param.dtype)
 
 

@@ -24,6 +24,7 @@ optimizer state stay as they were, and `skipped` is reported.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -32,6 +33,7 @@ import torch
 from .. import objective
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
+from .distributed import ONE_PROCESS, World, any_rank, sum_over_ranks
 from .forward import Packer, completion_hidden, policy_parts
 from .rollouts import Rollouts
 
@@ -51,12 +53,15 @@ def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
 
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
                num_items_in_batch: Optional[float] = None, *, top_entropy_quantile: float = 1.0,
-               off_policy_mask_threshold: Optional[float] = None) -> dict:
+               off_policy_mask_threshold: Optional[float] = None, ddp=None, world: World = ONE_PROCESS) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
     (loss, kl, entropy, the loss type's metrics, policy_loss, grad_norm, skipped, num_tokens) and
     `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
     TRL's adaptive controller reads). num_items_in_batch: the normaliser of dapo, cispo and vespo
-    (default: this step's trainable tokens). options.entropy_coef: the bonus applied in this step."""
+    (default: this step's trainable tokens). options.entropy_coef: the bonus applied in this step.
+    ddp, world: many ranks (train/distributed.py): the decoder runs through the DDP module, gradients
+    are all-reduced at the last micro-batch only, and a non-finite loss on any rank skips the step
+    on all of them."""
     base, weight, bias = policy_parts(model)
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
@@ -65,52 +70,58 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
-    for mb in micro_batches:
-        hidden = completion_hidden(base, mb, packer.amp_dtype)
-        mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
-        if batch.loss_mask is not None:
-            mask = mask & (mb.pad(batch.loss_mask) > 0)
-        advantages = batch.advantages[mb.rows].to(weight.device)
-        old_logp = None if batch.old_logp is None else mb.pad(batch.old_logp)
-        is_weights = None if batch.is_weights is None else mb.pad(batch.is_weights)
-        is_ratio = None
-        if options.loss_type == "vespo":  # vespo folds the IS ratio into its sequence weight
-            is_ratio, is_weights = is_weights, None
-        entropy = entropy_mask = None
-        if top_entropy_quantile < 1.0 or off_policy_mask_threshold is not None:
-            is_weights, entropy, entropy_mask = _trl_token_masks(hidden, weight, bias, mb, mask, batch, advantages,
-                                                                 is_weights, options, top_entropy_quantile,
-                                                                 off_policy_mask_threshold)
-        scale = _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
-        entropy_weights = None
-        if options.entropy_coef != 0.0:  # the micro-batch's mean / the micro-batches, after `scale` below
-            covered = mask if entropy_mask is None else mask * entropy_mask
-            entropy_weights = objective.entropy_bonus_weights(
-                mask, entropy_mask, normaliser=covered.sum().clamp(min=1.0) * len(micro_batches) * scale)
-        loss, metrics = fused_linear_grpo_loss(
-            hidden, weight, mb.target_ids, advantages, mask, old_logp=old_logp,
-            ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
-            is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights,
-            bias=bias, num_items_in_batch=max(num_items, 1), options=options,
-        )
-        tokens = int(mask.sum())
-        if entropy_mask is None:
-            bonus_entropy[0] += float(metrics["entropy"]) * tokens
-            bonus_entropy[1] += tokens
-        else:
-            bonus_entropy[0] += float((entropy * entropy_mask).sum())
-            bonus_entropy[1] += float(entropy_mask.sum())
-        loss = loss * scale
-        if not torch.isfinite(loss):
-            skipped = True
-            break
-        loss.backward()
-        loss_sum += float(loss.detach())
-        policy_sum += float(metrics.pop("policy_loss")) * scale  # summed like `loss`
-        for name, value in metrics.items():
-            totals[name] = totals.get(name, 0.0) + float(value) * tokens
+    if ddp is not None and not micro_batches:  # nothing to train on this rank: still meet the all-reduce
+        _zero_backward(ddp, base, packer)
+    for k, mb in enumerate(micro_batches):
+        last = k == len(micro_batches) - 1
+        with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():  # one all-reduce a step
+            hidden = completion_hidden(base, mb, packer.amp_dtype, forward=ddp)
+            mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
+            if batch.loss_mask is not None:
+                mask = mask & (mb.pad(batch.loss_mask) > 0)
+            advantages = batch.advantages[mb.rows].to(weight.device)
+            old_logp = None if batch.old_logp is None else mb.pad(batch.old_logp)
+            is_weights = None if batch.is_weights is None else mb.pad(batch.is_weights)
+            is_ratio = None
+            if options.loss_type == "vespo":  # vespo folds the IS ratio into its sequence weight
+                is_ratio, is_weights = is_weights, None
+            entropy = entropy_mask = None
+            if top_entropy_quantile < 1.0 or off_policy_mask_threshold is not None:
+                is_weights, entropy, entropy_mask = _trl_token_masks(hidden, weight, bias, mb, mask, batch, advantages,
+                                                                     is_weights, options, top_entropy_quantile,
+                                                                     off_policy_mask_threshold)
+            scale = _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
+            entropy_weights = None
+            if options.entropy_coef != 0.0:  # the micro-batch's mean / the micro-batches, after `scale` below
+                covered = mask if entropy_mask is None else mask * entropy_mask
+                entropy_weights = objective.entropy_bonus_weights(
+                    mask, entropy_mask, normaliser=covered.sum().clamp(min=1.0) * len(micro_batches) * scale)
+            loss, metrics = fused_linear_grpo_loss(
+                hidden, weight, mb.target_ids, advantages, mask, old_logp=old_logp,
+                ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
+                is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights,
+                bias=bias, num_items_in_batch=max(num_items, 1), options=options,
+            )
+            tokens = int(mask.sum())
+            if entropy_mask is None:
+                bonus_entropy[0] += float(metrics["entropy"]) * tokens
+                bonus_entropy[1] += tokens
+            else:
+                bonus_entropy[0] += float((entropy * entropy_mask).sum())
+                bonus_entropy[1] += float(entropy_mask.sum())
+            loss = loss * scale
+            if not torch.isfinite(loss):
+                skipped = True
+                if ddp is None:
+                    break  # (under DDP every rank runs its last backward: the gradients' all-reduce must meet)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            policy_sum += float(metrics.pop("policy_loss")) * scale  # summed like `loss`
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + float(value) * tokens
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float("nan")
+    skipped = any_rank(skipped, world)
     if not skipped:
         clip = max_grad_norm if max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
@@ -121,11 +132,20 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     out = {name: total / max(step_tokens, 1) for name, total in totals.items()}
+    bonus_entropy = sum_over_ranks(bonus_entropy, world)  # TRL's controller reads the all-rank token mean
     out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
     out["policy_loss"] = policy_sum if not skipped else float("nan")
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
                num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
     return out
+
+
+def _zero_backward(ddp, base, packer: Packer) -> None:
+    """A forward of one token through the DDP module and the backward of zero times it: a rank with
+    no trainable completion takes part in the step's gradient all-reduce with zero gradients."""
+    (mb,) = packer.micro_batches([[0]], [[0]])
+    hidden = completion_hidden(base, mb, packer.amp_dtype, forward=ddp)
+    (hidden.sum() * 0.0).backward()
 
 
 def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages, is_weights, options: LossOptions,

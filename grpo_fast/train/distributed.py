@@ -1,0 +1,114 @@
+"""Many processes under torchrun: the world a trainer runs in, the few collectives its step needs,
+and the policy wrapped for data parallelism.
+
+One process per GPU (NCCL) or per CPU slot (gloo). Each rank samples, scores and trains on its own
+whole groups; DDP averages the gradients. What must be global is made so here: the dapo
+normaliser (the all-rank token count), the skip decision of a step, the adaptive entropy
+controller's entropy, and the logged metrics (means over ranks, written by rank 0). A single process
+(no WORLD_SIZE, or 1) has `World()` and none of this runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """The rank that writes files: metrics, checkpoints, the progress bar."""
+        return self.rank == 0
+
+
+ONE_PROCESS = World()
+
+
+def join() -> World:
+    """The torchrun world of this process (its default group made if nobody made it yet: NCCL with
+    one GPU per rank, else gloo), or ONE_PROCESS."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return ONE_PROCESS
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def check_config(config) -> None:
+    """What many ranks do not run yet, refused by name before any work."""
+    rules = [("rollout_mode", config.rollout_mode != "parallel", "the early_exit and multi_answer modes run in one process for now"),
+             ("dynamic_sampling", config.dynamic_sampling, "its extra rounds would differ per rank"),
+             ("scale_rewards", config.scale_rewards == "batch", "'batch' would need the all-rank reward std")]
+    for name, refused, why in rules:
+        if refused:
+            raise ValueError(f"GRPOConfig.{name}={getattr(config, name)!r} is not supported under torchrun (WORLD_SIZE="
+                             f"{os.environ.get('WORLD_SIZE')}) yet: {why}; run it in one process")
+
+
+def sum_over_ranks(values: list[float], world: World) -> list[float]:
+    if world.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_rank(flag: bool, world: World) -> bool:
+    return bool(sum_over_ranks([float(flag)], world)[0])
+
+
+def mean_metrics(metrics: dict, world: World) -> dict:
+    """Each metric's mean over the ranks that have a finite value of it (NaN where none has)."""
+    if world.size == 1:
+        return metrics
+    gathered: list[Optional[dict]] = [None] * world.size
+    dist.all_gather_object(gathered, metrics)
+    out = {}
+    for name in metrics:
+        values = [m[name] for m in gathered if isinstance(m.get(name), (int, float)) and math.isfinite(m[name])]
+        out[name] = sum(values) / len(values) if values else float("nan")
+    return out
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+class DecoderForward(torch.nn.Module):
+    """The causal LM as DDP's module, its forward the decoder's (to the final hidden states). The
+    fused loss reads the lm_head weight without a forward; DDP still reduces its gradient, since its
+    hooks sit on every parameter of the module whose forward ran (docs/design.md, the spike)."""
+
+    def __init__(self, lm: torch.nn.Module, decoder: torch.nn.Module):
+        super().__init__()
+        self.lm, self._decoder = lm, [decoder]  # a list: the decoder is registered once, through lm
+
+    def forward(self, *args, **kwargs):
+        return self._decoder[0](*args, **kwargs)
+
+
+def data_parallel(model: torch.nn.Module, world: World):
+    """DDP over the policy (None for one process): call it where the decoder would be called."""
+    if world.size == 1:
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..models.adapter import causal_lm_of, decoder_of
+
+    lm = causal_lm_of(model)
+    device = next(lm.parameters()).device
+    return DistributedDataParallel(DecoderForward(lm, decoder_of(lm)),
+                                   device_ids=[device.index] if device.type == "cuda" else None)

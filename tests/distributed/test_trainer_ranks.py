@@ -1,0 +1,47 @@
+"""The trainer on 2 gloo ranks (torchrun, DDP, one HF engine per rank) against one process with the
+same global batch: the ranks sample what the one process samples (per-prompt seeds from the
+position in the global batch) and make the same updates, up to float reduction order; rank 0 alone
+writes metrics, checkpoints and the final model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "distributed" / "train_ranks.py")
+
+
+def _run(cmd, out):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{"))), steps, load_file(out / "final" / "model.safetensors")
+
+
+def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir):
+    one, two = tmp_path / "one", tmp_path / "two"
+    seen1, steps1, weights1 = _run([sys.executable, SCRIPT, tiny_model_dir, str(one), "16"], one)
+    seen2, steps2, weights2 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                    "2", SCRIPT, tiny_model_dir, str(two), "8"], two)
+    assert seen1 == {"world": 1, "step": 2} and seen2 == {"world": 2, "step": 2}
+    assert [s["step"] for s in steps2] == [s["step"] for s in steps1], "one metrics line per step and eval, by rank 0"
+    for a, b in zip(steps1, steps2, strict=True):  # the same samples: the same rewards and lengths
+        for name in ("reward", "completions/mean_length", "eval/accuracy"):
+            if name in a:
+                assert b[name] == pytest.approx(a[name], rel=1e-6), (name, a["step"])
+        if "loss" in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    initial = load_file(Path(tiny_model_dir) / "model.safetensors")
+    for name, w in weights1.items():  # the same updates, up to reduction order (Adam magnifies it where grads ~ 0)
+        update = (w - initial[name]).abs().max()
+        assert update > 0 and (weights2[name] - w).abs().max() <= 1e-2 * update, name
+    assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2"]
+    assert (two / "final").is_dir()
