@@ -3,6 +3,7 @@
     grpo-fast train                          SmolLM2-135M-Instruct on the arithmetic task (the default run)
     grpo-fast train --config run.yaml --max_steps 100 --engine hf --learning_rate 5e-6
     grpo-fast train --output_dir out --resume           continue from out/checkpoint-* (latest)
+    grpo-fast train --nproc_per_node 2                  one node, 2 ranks (torchrun; or run torchrun yourself)
     grpo-fast eval --model out/final --task arithmetic  held-out accuracy of a model
     grpo-fast bench                                     the fused-loss benchmark (benchmarks/bench_loss.py)
 
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a YAML file of GRPOConfig fields")
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
     train.add_argument("--debug", action="store_true", help="print the full traceback of an error")
+    train.add_argument("--nproc_per_node", type=int, default=1,
+                       help="ranks on this node: relaunch under torchrun --standalone with this many processes (one "
+                            "per GPU, or per CPU slot with gloo); the global batch is per_device_train_batch_size x "
+                            "ranks x gradient_accumulation_steps. For many nodes run torchrun yourself: "
+                            "torchrun --nnodes M --nproc_per_node N --rdzv_backend c10d --rdzv_endpoint HOST:PORT "
+                            "-m grpo_fast.cli train ...")
     _add_config_options(train)
 
     ev = sub.add_parser("eval", help="held-out accuracy of a model (greedy, the reward functions' first as accuracy)",
@@ -93,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "args", "debug")}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("command", "config", "resume", "args", "debug", "nproc_per_node")}
     if getattr(args, "resume", False):
         overrides.setdefault("resume_from_checkpoint", "latest")
     if args.config:
@@ -107,6 +115,8 @@ def cmd_train(config: GRPOConfig) -> dict:
     start = time.perf_counter()
     trainer = GRPOTrainer.from_config(config)
     trainer.train()
+    if not trainer.world.main:  # under torchrun, rank 0 reports
+        return {"steps": trainer.state.step}
     history = trainer.state.eval_history
     summary = {"steps": trainer.state.step, "wall_time_s": round(time.perf_counter() - start, 1),
                "eval_history": history, "output_dir": config.output_dir}
@@ -193,6 +203,8 @@ def main(argv=None) -> int:
         _reject_unknown(parser, unknown)
     if args.command == "bench":
         return cmd_bench(args.args)
+    if args.command == "train" and args.nproc_per_node != 1 and "WORLD_SIZE" not in os.environ:
+        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
     try:
         config = config_from_args(args)
     except ValueError as err:
@@ -216,6 +228,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`grpo-fast train --nproc_per_node N ...` as `torchrun --standalone --nproc_per_node N -m
+    grpo_fast.cli train ...` (the same arguments; each rank then sees WORLD_SIZE and trains)."""
+    if nproc < 1:
+        print(f"grpo-fast train: --nproc_per_node must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "grpo_fast.cli", *argv]
+    return subprocess.call(cmd)
 
 
 def _one_line(err: BaseException) -> str:

@@ -145,6 +145,7 @@ class GRPOTrainer:
         steps to keep), then re-raises."""
         c = self.config
         main = self.world.main  # rank 0 owns the output folder
+        distributed.barrier(self.world)  # every rank has checked the folder before rank 0 writes into it
         with run_folder.RunLock(c.output_dir) if main else contextlib.nullcontext(), StopRequests() as stop:
             if main:
                 checkpoint.remove_stale_temp_folders(c.output_dir)

@@ -45,3 +45,18 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
         assert update > 0 and (weights2[name] - w).abs().max() <= 1e-2 * update, name
     assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2"]
     assert (two / "final").is_dir()
+
+
+def test_cli_launches_torchrun_for_one_node(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo_fast.cli", "train", "--nproc_per_node", "2", "--model", tiny_model_dir,
+           "--engine", "hf", "--max_steps", "1", "--num_generations", "4", "--per_device_train_batch_size", "8",
+           "--max_completion_length", "8", "--eval_max_samples", "4", "--task_train_size", "16", "--disable_tqdm",
+           "--output_dir", str(out)]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("held-out accuracy:") == 1, "rank 0 alone reports"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 1], "eval, the step, eval: written once each"
