@@ -1,7 +1,8 @@
-"""The trainer on 2 gloo ranks (torchrun, DDP, one HF engine per rank) against one process with the
-same global batch: the ranks sample what the one process samples (per-prompt seeds from the
-position in the global batch) and make the same updates, up to float reduction order; rank 0 alone
-writes metrics, checkpoints and the final model."""
+"""The trainer on 2 gloo ranks (torchrun, DDP, one HF or in-process vLLM engine per rank; the spike of
+docs/design.md) against one process with the same global batch: the ranks sample what the one
+process samples (per-prompt seeds from the position in the global batch) and make the same updates,
+up to float reduction order; rank 0 alone writes metrics, checkpoints and the final model; closing
+a rank's vLLM engine leaves the trainer's process group alive."""
 
 import json
 import os
@@ -25,12 +26,16 @@ def _run(cmd, out):
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{"))), steps, load_file(out / "final" / "model.safetensors")
 
 
-def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     one, two = tmp_path / "one", tmp_path / "two"
-    seen1, steps1, weights1 = _run([sys.executable, SCRIPT, tiny_model_dir, str(one), "16"], one)
+    seen1, steps1, weights1 = _run([sys.executable, SCRIPT, tiny_model_dir, str(one), "16", engine], one)
     seen2, steps2, weights2 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                    "2", SCRIPT, tiny_model_dir, str(two), "8"], two)
-    assert seen1 == {"world": 1, "step": 2} and seen2 == {"world": 2, "step": 2}
+                                    "2", SCRIPT, tiny_model_dir, str(two), "8", engine], two)
+    assert seen1 == {"world": 1, "step": 2}
+    assert seen2 == {"world": 2, "step": 2} | ({"all_reduce_after_close": 2.0} if engine == "vllm" else {})
     assert [s["step"] for s in steps2] == [s["step"] for s in steps1], "one metrics line per step and eval, by rank 0"
     for a, b in zip(steps1, steps2, strict=True):  # the same samples: the same rewards and lengths
         for name in ("reward", "completions/mean_length", "eval/accuracy"):

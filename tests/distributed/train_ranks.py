@@ -1,5 +1,6 @@
 """Run by torchrun, or as a plain process (tests/distributed/test_trainer_ranks.py): a short GRPO run
-of the tiny model with the HF engine; the global batch is per_device_train_batch_size x ranks."""
+of the tiny model with the given engine (hf, or vllm: one in-process engine per rank); the global
+batch is per_device_train_batch_size x ranks."""
 
 import json
 import sys
@@ -12,16 +13,22 @@ from tests.tiny_model import load_tiny_model
 from tests.trainer.common import config, rows, target_fraction
 
 
-def main(model_dir: str, output_dir: str, per_device: int) -> None:
+def main(model_dir: str, output_dir: str, per_device: int, engine: str) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_tiny_model(model_dir)
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
-               save_steps=1)
+               save_steps=1, engine=engine, dtype="float32", model=model_dir)
     trainer = GRPOTrainer(c, [target_fraction], rows(), rows(4), model=model, tokenizer=tokenizer)
     trainer.train()
+    seen = {"world": trainer.world.size, "step": trainer.state.step}
+    if engine == "vllm" and trainer.world.size > 1:  # closing an engine leaves the trainer's process group alive
+        trainer.engine.close()
+        total = torch.tensor([1.0])
+        torch.distributed.all_reduce(total)
+        seen["all_reduce_after_close"] = total.item()
     if trainer.world.main:
-        print(json.dumps({"world": trainer.world.size, "step": trainer.state.step}), flush=True)
+        print(json.dumps(seen), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
