@@ -63,6 +63,7 @@ class TrainState:
     eval_metric_history: dict = field(default_factory=dict)  # name -> [(step, value)] of the eval_metrics
     entropy_coef: Optional[float] = None  # the entropy bonus's coefficient now (adaptive: it moves); None: config's
     last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
+    global_batch: int = 0  # completions per optimizer step over all ranks (a resumed run must keep it)
 
 
 class GRPOTrainer:
@@ -108,7 +109,7 @@ class GRPOTrainer:
         self.ddp = distributed.data_parallel(self.model, self.world)  # None for one process
         self.optimizer = setup.build_optimizer(self.model, config)
         self.scheduler = setup.build_scheduler(self.optimizer, config)
-        self.state = TrainState()
+        self.state = TrainState(global_batch=config.completions_per_step * self.world.size)
         # the HF engine samples with the policy itself: its log-probs are the trainer's, no IS needed
         self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
         use_is = config.vllm_importance_sampling_correction
@@ -524,7 +525,15 @@ class GRPOTrainer:
         checkpoint.load_model_weights(self.model, path)
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.state = TrainState(**saved["state"])
+        state = TrainState(**saved["state"])
+        if state.global_batch and state.global_batch != self.state.global_batch:  # (0: saved before it was kept)
+            raise ValueError(
+                f"{path} was trained with {state.global_batch} completions per step over all ranks; this run has "
+                f"per_device_train_batch_size x ranks x gradient_accumulation_steps = {self.config.per_device_train_batch_size}"
+                f" x {self.world.size} x {self.config.gradient_accumulation_steps} = {self.state.global_batch}: set "
+                f"per_device_train_batch_size or gradient_accumulation_steps to keep the global batch (the data order "
+                f"and the next step depend on it)")
+        self.state = state
         checkpoint.set_rng_state(saved["rng"])
         self._sync_weights()
         self._saved_step = self.state.step

@@ -50,6 +50,20 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
         assert update > 0 and (weights2[name] - w).abs().max() <= 1e-2 * update, name
     assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2"]
     assert (two / "final").is_dir()
+    if engine == "hf":  # one checkpoint format for any number of ranks: 2 -> 1 with the same global batch
+        resumed = tmp_path / "resumed"
+        _, steps3, weights3 = _run([sys.executable, SCRIPT, tiny_model_dir, str(resumed), "16", engine,
+                                    str(two / "checkpoint-1")], resumed)
+        assert [s["step"] for s in steps3 if "loss" in s] == [2]
+        assert steps3[0]["reward"] == pytest.approx(steps1[-2]["reward"], rel=1e-6), "step 2 samples as before"
+        for name, w in weights1.items():
+            update = (w - initial[name]).abs().max()
+            assert (weights3[name] - w).abs().max() <= 1e-2 * update, name
+        other = subprocess.run([sys.executable, SCRIPT, tiny_model_dir, str(tmp_path / "other"), "8", engine,
+                                str(two / "checkpoint-1")], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                               capture_output=True, text=True, timeout=600)
+        assert other.returncode != 0 and "with 16 completions per step over all ranks" in other.stderr
+        assert "per_device_train_batch_size x ranks x gradient_accumulation_steps = 8 x 1 x 1 = 8" in other.stderr
 
 
 def test_cli_launches_torchrun_for_one_node(tmp_path, tiny_model_dir):
