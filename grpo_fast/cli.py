@@ -238,7 +238,8 @@ def launch(nproc: int, argv: list[str]) -> int:
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "grpo_fast.cli", *argv]
-    return subprocess.call(cmd)
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)  # torchrun takes this process's place: Ctrl-C and SIGTERM reach it directly
 
 
 def _one_line(err: BaseException) -> str:

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -170,8 +171,14 @@ class GRPOTrainer:
             if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
                 last = self._log_eval(bar)
             deadline = None if c.max_train_minutes is None else time.perf_counter() + 60 * c.max_train_minutes
-            while self.state.step < c.max_steps and stop.signum is None:
-                if deadline is not None and time.perf_counter() > deadline:
+            while self.state.step < c.max_steps:
+                # (every rank decides alike: a signal or the deadline on one rank stops them all)
+                signalled, late = (distributed.any_rank(x, self.world) for x in
+                                   (stop.signum is not None, deadline is not None and time.perf_counter() > deadline))
+                if signalled:
+                    stop.signum = stop.signum or signal.SIGTERM
+                    break
+                if late:
                     bar.print(f"max_train_minutes={c.max_train_minutes} reached after {self.state.step} steps: stopping")
                     break
                 last = self._train_generation_batch(bar, stop) or last
@@ -200,8 +207,8 @@ class GRPOTrainer:
         state (counters and RNG) to the round's start, so a checkpoint written then resumes exactly."""
         c, times, first_step = self.config, {}, self.state.step
         start_state, start_rng = copy.deepcopy(self.state), checkpoint.rng_state()
-        try:
-            with stop.abandonable():
+        try:  # (many ranks: a round is never abandoned halfway, the next round's start agrees to stop)
+            with stop.abandonable() if self.world.size == 1 else contextlib.nullcontext():
                 batch, stats = self._generate_and_score(times)  # generate, score
                 batch.advantages, adv_stats = shaping.advantages(  # advantages
                     batch, c, self.judge, prompt_column=c.prompt_column,
@@ -215,7 +222,8 @@ class GRPOTrainer:
             checkpoint.set_rng_state(start_rng)
             if isinstance(err, Interrupted):
                 return {}  # train() saves and stops
-            if isinstance(err, Exception) and self.state.step != (self._saved_step or 0):
+            if isinstance(err, Exception) and self.state.step != (self._saved_step or 0) and self.world.size == 1:
+                # (many ranks: the others wait in a collective; torchrun tears the job down, the last save stands)
                 path = self._save()
                 bar.print(f"{type(err).__name__} while sampling or scoring: progress saved to {path}")
             raise
@@ -488,7 +496,7 @@ class GRPOTrainer:
         return m
 
     def _log(self, metrics: dict, bar) -> dict:
-        metrics = distributed.mean_metrics(metrics, self.world)
+        metrics = distributed.reduce_metrics(metrics, self.world)
         step = self.state.step
         bar.update(step, metrics)
         if step % self.config.logging_steps == 0 or step == self.config.max_steps:
@@ -533,6 +541,7 @@ class GRPOTrainer:
                 f" x {self.world.size} x {self.config.gradient_accumulation_steps} = {self.state.global_batch}: set "
                 f"per_device_train_batch_size or gradient_accumulation_steps to keep the global batch (the data order "
                 f"and the next step depend on it)")
+        state.global_batch = self.state.global_batch  # (a checkpoint from before it was kept: from now on)
         self.state = state
         checkpoint.set_rng_state(saved["rng"])
         self._sync_weights()

@@ -58,8 +58,10 @@ def output_head(lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _fsdp_wrapped_linear(module: nn.Module) -> bool:
     """An nn.Linear that FSDP2's `fully_shard` made a unit of its own (its class becomes FSDPLinear)."""
-    from torch.distributed.fsdp import FSDPModule
-
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        return False
     return type(module).__bases__ == (FSDPModule, nn.Linear)
 
 

@@ -40,9 +40,9 @@ def join() -> World:
     if size == 1:
         return ONE_PROCESS
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # NCCL for the gradients, gloo for the small CPU reductions below
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return World(dist.get_rank(), dist.get_world_size())
 
 
@@ -69,16 +69,30 @@ def any_rank(flag: bool, world: World) -> bool:
     return bool(sum_over_ranks([float(flag)], world)[0])
 
 
-def mean_metrics(metrics: dict, world: World) -> dict:
-    """Each metric's mean over the ranks that have a finite value of it (NaN where none has)."""
+# Metrics that are not a mean over the ranks: counts add up, extremes stay extremes.
+_SUMMED = ("num_tokens", "tokens_per_second", "rewards/non_finite", "num_micro_batches")
+
+
+def reduce_metrics(metrics: dict, world: World) -> dict:
+    """One value per metric over the ranks that have a finite one (the union of their names): sums
+    for counts, min / max for extremes, else the mean (NaN where no rank has a value)."""
     if world.size == 1:
         return metrics
     gathered: list[Optional[dict]] = [None] * world.size
     dist.all_gather_object(gathered, metrics)
     out = {}
-    for name in metrics:
+    for name in dict.fromkeys(n for m in gathered for n in m):
         values = [m[name] for m in gathered if isinstance(m.get(name), (int, float)) and math.isfinite(m[name])]
-        out[name] = sum(values) / len(values) if values else float("nan")
+        if not values:
+            out[name] = float("nan")
+        elif name in _SUMMED:
+            out[name] = sum(values)
+        elif name.endswith(("min_length", "/min")):
+            out[name] = min(values)
+        elif name.endswith(("max_length", "/max")):
+            out[name] = max(values)
+        else:
+            out[name] = sum(values) / len(values)
     return out
 
 

@@ -145,7 +145,9 @@ def _zero_backward(ddp, base, packer: Packer) -> None:
     no trainable completion takes part in the step's gradient all-reduce with zero gradients."""
     (mb,) = packer.micro_batches([[0]], [[0]])
     hidden = completion_hidden(base, mb, packer.amp_dtype, forward=ddp)
-    (hidden.sum() * 0.0).backward()
+    _, weight, bias = policy_parts(ddp.module.lm)  # an untied lm_head gets no gradient from the decoder
+    zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0)
+    zero.backward()
 
 
 def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages, is_weights, options: LossOptions,
