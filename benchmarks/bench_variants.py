@@ -1,6 +1,6 @@
 """The GRPO variants beside plain GRPO on SmolLM2-135M-Instruct, same seed (42), a small step budget.
 
-    python benchmarks/bench_variants.py                  # every configuration, ~4-6 min each on 2 CPU cores
+    python benchmarks/bench_variants.py                  # every configuration, ~7-9 min each on 2 CPU cores
     python benchmarks/bench_variants.py --only lead s_grpo   # some of them (the others' earlier results are kept)
 
 Writes benchmarks/results/variants/variants.{md,json,png}; each configuration runs in a subprocess of
@@ -166,9 +166,9 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run these configurations (default: all)")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per configuration")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per configuration")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    parser.add_argument("--timeout_min", type=float, default=12, help="a configuration running longer is stopped and reported")
+    parser.add_argument("--timeout_min", type=float, default=30, help="a configuration running longer is stopped and reported")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
