@@ -8,8 +8,8 @@ its own (a fresh vLLM engine, nothing shared) and its result is kept in runs/<na
 ends, so an interrupted run loses only the configuration in flight.
 
 What each row is (the default run's settings otherwise: lr 1e-5, vLLM engine, 64 tokens):
-  grpo seed 42 / seed 43   plain GRPO, twice, for the seed-to-seed spread (every other row: seed 42, the
-                           default; the seed also picks the 200 held-out prompts of the 290)
+  grpo seed 42 / 0 / 1     plain GRPO at the variants' seed (42, the default), and at two more seeds for
+                           the seed-to-seed spread (the seed also picks the 200 held-out prompts of 290)
   lead                     GRPO-LEAD: reward_funcs [lead] (length-dependent accuracy), difficulty_weighting
   s_grpo                   S-GRPO: rollout_mode early_exit, m = 7 cuts + the full completion
   grpo_ma                  GRPO-MA: rollout_mode multi_answer, K = 4 thoughts x M = 4 answers (thought_end \\boxed{)
@@ -48,7 +48,8 @@ CHAIN = dict(task="chain_arithmetic", max_completion_length=128, eval_max_sample
 # name -> (label, config overrides, flip the training rewards)
 CONFIGS = {
     "grpo_seed42": ("grpo (seed 42)", dict(ARITH, seed=42), False),
-    "grpo_seed43": ("grpo (seed 43: the spread)", dict(ARITH, seed=43), False),
+    "grpo_seed0": ("grpo (seed 0: the spread)", dict(ARITH, seed=0), False),
+    "grpo_seed1": ("grpo (seed 1: the spread)", dict(ARITH, seed=1), False),
     "lead": ("GRPO-LEAD: lead reward + difficulty weights", dict(ARITH, reward_funcs=["lead"], difficulty_weighting=True), False),
     "s_grpo": ("S-GRPO: early exit (m=7)", dict(ARITH, rollout_mode="early_exit", early_exit_points=7), False),
     "grpo_ma": ("GRPO-MA: 4 thoughts x 4 answers", dict(ARITH, rollout_mode="multi_answer", num_generations=4,
