@@ -163,6 +163,12 @@ class VLLMEngine(RolloutEngine):
 
         self.on_cpu = current_platform.is_cpu()
         vllm_kwargs.setdefault("enforce_eager", self.on_cpu)  # CPU: torch.compile warm-up costs ~40 s, gains little
+        if self.on_cpu:
+            # A prompt prefilled in chunks discards the token sampled after a partial chunk and rewinds
+            # its request's seeded generator, which a CPU generator cannot do ("CPU Generator does not
+            # use offset", vLLM 0.32): prefill whole prompts, a step's budget at least one whole context.
+            vllm_kwargs.setdefault("enable_chunked_prefill", False)
+            vllm_kwargs.setdefault("max_num_batched_tokens", max(4096, int(max_model_len)))
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         # Inside a torch.distributed world (torchrun), vLLM builds its groups on the default one (each
         # rank its own TP=1 engine) instead of creating it: then closing must leave that group alone.

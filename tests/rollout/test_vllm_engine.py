@@ -193,6 +193,14 @@ def test_seed_makes_sampling_reproducible(engine, tiny_policy):
     assert ids(whole) == [g for part in parts for g in ids(part)]
 
 
+def test_seeded_prompts_beyond_one_prefill_budget(engine):
+    """More prompt tokens than one scheduler step takes (4096): with chunked prefill, vLLM 0.32 would
+    rewind a seeded CPU generator and fail; the CPU engine prefills whole prompts instead."""
+    prompts = [[5 + i % 40] * (MAX_MODEL_LEN - 4) for i in range(80)]  # 4800 tokens
+    groups = engine.generate(prompts, n=1, max_new_tokens=2, seed=list(range(80)))
+    assert len(groups) == 80 and all(len(g[0].token_ids) >= 1 for g in groups)
+
+
 def test_bad_input(engine):
     with pytest.raises(ValueError, match=r"prompt_ids\[1\] has 64 tokens.*max_model_len=64"):
         engine.generate([[1, 2], [1] * MAX_MODEL_LEN], n=1, max_new_tokens=2)
