@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per configuration")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--timeout_min", type=float, default=30, help="a configuration running longer is stopped and reported")
+    parser.add_argument("--report_only", action="store_true", help="only rebuild the table and plot from runs/")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -178,7 +179,7 @@ def main() -> None:
 
     runs = OUT / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    for name in args.only or list(CONFIGS):
+    for name in [] if args.report_only else args.only or list(CONFIGS):
         print(f"[bench_variants] {name} ...", flush=True)
         cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--prompts", str(args.prompts),
                "--result", str(runs / f"{name}.json")]
@@ -192,7 +193,7 @@ def main() -> None:
     if not results:
         raise SystemExit("bench_variants: no configuration finished")
     env = harness.environment()
-    argv = sys.argv[1:]
+    argv = [a for a in sys.argv[1:] if a != "--report_only"]
     if "--only" in argv:  # the table covers every configuration in runs/: its command is the whole run
         i = argv.index("--only")
         j = next((k for k in range(i + 1, len(argv)) if argv[k].startswith("--")), len(argv))
@@ -201,8 +202,12 @@ def main() -> None:
     lines = [f"# GRPO variants beside plain GRPO: SmolLM2-135M-Instruct, {results[0]['steps']} steps of "
              f"{results[0]['prompts_per_step']} prompts, seed 42", "",
              f"`{command}` on {harness.describe(env)}. Held-out: 200 arithmetic / 100 chain_arithmetic prompts, greedy, "
-             f"the clean math reward; accuracy = share of answers whose first reward is > 0.", ""]
+             f"the clean math reward; accuracy = share of answers whose first reward is > 0. Wall times are on a CPU "
+             f"shared with other jobs (tests, other runs): compare them loosely.", ""]
     lines += table(results)
+    missing = [CONFIGS[n][0] for n in CONFIGS if not (runs / f"{n}.json").exists()]
+    if missing:
+        lines += ["", "Not run yet: " + "; ".join(missing) + "."]
     lines += ["", "![variants](variants.png)"]
     harness.write_results(OUT / "variants", {"command": command, "environment": env, "results": results}, "\n".join(lines))
     plot(results, OUT / "variants.png")
