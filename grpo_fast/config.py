@@ -118,6 +118,8 @@ class GRPOConfig:
     vllm_importance_sampling_clip_min: Optional[float] = _f(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
     sampling_check_steps: int = _f(10, "Every this many steps, compute the trainer's log-probs of the sampled tokens even when nothing else needs them, to log sampling/logp_diff_mean (engine vs trainer). 0: only when they are computed anyway.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full.")
+    max_staleness: int = _f(0, "Partial rollouts (AReaL, verl's partial rollout): 0 samples each batch whole, waiting for its longest completion. k >= 1: each round keeps prompts_per_generation x (1 + rollout_overprovision) groups in flight, stops as soon as prompts_per_generation groups are complete and carries the unfinished completions over, to continue under the next round's weights (tokens, sampling log-probs and policy versions kept; the IS correction defaults on). A group whose oldest token would train more than k weight syncs behind the policy is dropped (rollout/dropped_stale). vLLM engine, parallel rollouts, one process.")
+    rollout_overprovision: float = _f(0.5, "Partial rollouts: extra groups kept in flight, as a share of prompts_per_generation.")
     dynamic_sampling_max_rounds: int = _f(4, "Most extra generation rounds dynamic sampling runs per batch before training on what it has.")
     loss_backend: str = _f("auto", "Fused loss backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch.", ("auto", "triton", "cpu", "torch"))
 
@@ -285,7 +287,8 @@ def _validate(c: GRPOConfig) -> None:
     for name in positive_ints:
         if getattr(c, name) < 1:
             _fail(name, getattr(c, name), "an integer >= 1")
-    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k", "sampling_check_steps", "max_signal_free_steps"):
+    for name in ("eval_steps", "save_steps", "warmup_steps", "top_k", "sampling_check_steps", "max_signal_free_steps",
+                 "max_staleness"):
         if getattr(c, name) < 0:
             _fail(name, getattr(c, name), "an integer >= 0")
     for name in ("max_prompt_length", "eval_max_completion_length", "vllm_max_model_length", "save_total_limit",
@@ -361,8 +364,23 @@ def _validate(c: GRPOConfig) -> None:
         _fail("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode,
               "'token_truncate' or 'token_mask' with loss_type='vespo' (it folds the per-token IS ratios into its "
               "sequence weight, as TRL requires), or vllm_importance_sampling_correction=False")
+    _validate_partial_rollouts(c)
     if c.bf16 and c.dtype not in ("auto", "bfloat16"):
         _fail("bf16", c.bf16, f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'")
+
+
+def _validate_partial_rollouts(c: GRPOConfig) -> None:
+    if not (c.rollout_overprovision >= 0 and math.isfinite(c.rollout_overprovision)):
+        _fail("rollout_overprovision", c.rollout_overprovision, "a finite number >= 0")
+    if not c.max_staleness:
+        return
+    why = f"with max_staleness={c.max_staleness} (partial rollouts continue single completions in vLLM's request loop)"
+    if c.engine == "hf":
+        _fail("engine", c.engine, f"'vllm' or 'auto' {why}")
+    if c.rollout_mode != "parallel":
+        _fail("rollout_mode", c.rollout_mode, f"'parallel' {why}")
+    if c.dynamic_sampling:
+        _fail("dynamic_sampling", c.dynamic_sampling, f"False {why}")
 
 
 def _validate_variants(c: GRPOConfig) -> None:

@@ -32,7 +32,7 @@ from . import checkpoint, objective, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
 from .rollout.base import prompt_seeds
-from .train import distributed, rollout_modes, setup, shaping
+from .train import distributed, partial_rollouts, rollout_modes, setup, shaping
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
 from .train.rollouts import Rollouts, from_engine, importance_weights, score, zero_std_groups
@@ -65,6 +65,8 @@ class TrainState:
     entropy_coef: Optional[float] = None  # the entropy bonus's coefficient now (adaptive: it moves); None: config's
     last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
     global_batch: int = 0  # completions per optimizer step over all ranks (a resumed run must keep it)
+    policy_version: int = 0  # weight syncs into the engine so far (partial rollouts: the version of each token)
+    in_flight: list = field(default_factory=list)  # partial rollouts: the groups carried over (train/partial_rollouts.py)
 
 
 class GRPOTrainer:
@@ -90,6 +92,8 @@ class GRPOTrainer:
         self.world = distributed.join()  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:
             distributed.check_config(config)
+        if config.max_staleness and engine is not None:
+            setup.check_partial_rollouts(engine, config)
         self.eval_metrics = dict(eval_metrics or {})
         self.resume_path = None if evaluate_only else run_folder.check_start(config)
         self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
@@ -104,6 +108,8 @@ class GRPOTrainer:
         setup.check_prompt_lengths(self.train_prompt_ids, config, self.model.config, "train_dataset")
         self.ref_model = setup.frozen_copy(self.model) if config.beta > 0 else None
         self.engine = engine if engine is not None else setup.build_engine(config, self.model, self.tokenizer, self.model_path)
+        if config.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
+            setup.check_partial_rollouts(self.engine, config)
         self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda),
                              amp_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None)
         self.loss_options = LossOptions.from_config(config)
@@ -114,7 +120,8 @@ class GRPOTrainer:
         # the HF engine samples with the policy itself: its log-probs are the trainer's, no IS needed
         self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
         use_is = config.vllm_importance_sampling_correction
-        use_is = setup.train_dtype(config) != torch.float32 if use_is is None else use_is
+        if use_is is None:  # on where the sampler's log-probs differ from the trainer's: precision, or stale tokens
+            use_is = setup.train_dtype(config) != torch.float32 or config.max_staleness > 0
         self.use_is = use_is and not self.engine_shares_weights
         self.needs_old_logp = config.num_iterations > 1 or config.steps_per_generation > 1 or self.use_is
         self.metrics_logger = None
@@ -241,6 +248,7 @@ class GRPOTrainer:
             if k == len(parts) - 1:
                 with _timed(step_times, "time/weight_sync"):
                     self._sync_weights()  # sync
+                    self.state.policy_version += 1
                 with _timed(step_times, "time/sync_check"):
                     step_metrics.update(self._check_engine_sync(part))
             logged = self._log(self._step_metrics(part, batch, step_metrics, stats, step_times), bar)
@@ -315,10 +323,15 @@ class GRPOTrainer:
         rewards all agree are dropped and more prompts sampled, up to dynamic_sampling_max_rounds."""
         c, G = self.config, self.group_size
         wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
+        round_stats = dict.fromkeys(("rollout/carried_over", "rollout/staleness_mean", "rollout/staleness_max",
+                                     "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
         while True:
             with _timed(times, "time/generate"):
-                part = self._generate(*self._rank_share(self._next_prompts(
-                    self.world.size * (wanted - sum(len(k) // G for k in kept)))))
+                if c.max_staleness:
+                    part, round_stats = self._partial_round()
+                else:
+                    part = self._generate(*self._rank_share(self._next_prompts(
+                        self.world.size * (wanted - sum(len(k) // G for k in kept)))))
             with _timed(times, "time/reward"):
                 part.rewards, non_finite = score(self.reward_funcs, part, c.prompt_column,
                                                  _conversational(part.rows[0][c.prompt_column]))
@@ -336,7 +349,23 @@ class GRPOTrainer:
         batch = Rollouts.concat(kept) if kept else part  # nothing informative: train on the last round
         if len(batch) > wanted * G:
             batch = batch.select(range(wanted * G))
-        stats = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds}
+        stats = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds,
+                 **round_stats}
+        return batch, stats
+
+    def _partial_round(self) -> tuple[Rollouts, dict]:
+        """Partial rollouts: drop the too-stale groups, top the pool up with new prompts, run a round."""
+        c, state = self.config, self.state
+        pool, dropped = partial_rollouts.drop_stale(state.in_flight, state.policy_version, c.max_staleness)
+        new = self._next_prompts(max(0, math.ceil(c.prompts_per_generation * (1 + c.rollout_overprovision)) - len(pool)))
+        pool += partial_rollouts.new_groups(new, prompt_seeds(self._next_seed(), len(new)), c.num_generations)
+        if c.vllm_enable_sleep_mode:
+            self.engine.wake()
+        batch, state.in_flight, stats = partial_rollouts.run_round(
+            self.engine, self.tokenizer, pool, self.train_prompt_ids, self.train_rows, c, version=state.policy_version)
+        if c.vllm_enable_sleep_mode:
+            self.engine.sleep()
+        stats["rollout/dropped_stale"] = dropped
         return batch, stats
 
     def _rank_share(self, prompt_index: list[int]) -> tuple[list[int], int]:

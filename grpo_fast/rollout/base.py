@@ -12,7 +12,7 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional, Sequence, Union
+from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 FinishReason = Literal["stop", "length"]
 
@@ -23,14 +23,40 @@ class Completion:
 
     token_ids: generated ids, including the stop / EOS token when it ended on one.
     logprobs:  one float per generated token: its log-prob under the processed sampling distribution.
-    finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or max_model_len reached).
-    text:      the decoded completion, special tokens skipped.
+    finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or max_model_len reached);
+               None: still running when a partial-rollout round stopped (`generate_until`).
+    text:      the decoded completion, special tokens skipped ("" from `generate_until`).
     """
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: FinishReason
+    finish_reason: Optional[FinishReason]
     text: str
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One request of a partial-rollout round: a prompt followed by what its completion has so far
+    (nothing, for a new one), the tokens it may still add, and its sampling seed."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass
+class Round:
+    """What `generate_until` returns: per request, the tokens of this round (`finish_reason` None:
+    stopped with the round) and the engine step it finished at; per engine step, the requests running."""
+
+    completions: list[Completion]
+    finished_at: list[Optional[int]]
+    running: list[int]
+
+    @property
+    def busy_fraction(self) -> float:
+        """Mean requests running per engine step / requests at the round's start (1: none idled)."""
+        return sum(self.running) / (len(self.running) * len(self.completions)) if self.running else 1.0
 
 
 @dataclass(frozen=True)
@@ -130,13 +156,17 @@ def validate_request(
     return prompts, request
 
 
+def hashed_seed(*parts: int) -> int:
+    """A 63-bit seed hashed from integers: distinct parts give seeds far apart (vLLM gives the j-th
+    completion of a request seed + j, so neighbouring seeds would share streams)."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
 def prompt_seeds(call_seed: int, n: int, first: int = 0) -> list[int]:
-    """One sampling seed per prompt of a call: prompt `first + i` gets a 63-bit hash of (call seed,
+    """One sampling seed per prompt of a call: prompt `first + i` gets hashed_seed(call seed,
     position). A prompt's group then depends on its call seed and its position in the batch only,
-    not on which other prompts (or which rank) share the call; hashing keeps the seeds far apart, as
-    vLLM gives the j-th completion of a request seed + j."""
-    return [int.from_bytes(hashlib.sha256(f"{call_seed}:{first + i}".encode()).digest()[:8], "little") >> 1
-            for i in range(n)]
+    not on which other prompts (or which rank) share the call."""
+    return [hashed_seed(call_seed, first + i) for i in range(n)]
 
 
 class RolloutEngine:
@@ -145,6 +175,7 @@ class RolloutEngine:
 
     vocab_size: int
     max_model_len: int
+    runs_partial_rollouts = False  # implements `_generate_until`
 
     def generate(
         self,
@@ -186,6 +217,34 @@ class RolloutEngine:
 
     def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
         raise NotImplementedError
+
+    def generate_until(
+        self,
+        requests: Sequence[Continuation],
+        enough: Callable[[list[bool]], bool],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop_token_ids: Optional[Sequence[int]] = None,
+    ) -> Round:
+        """Run `requests` (one completion each) step by step until `enough(finished)` is true after a
+        step (finished: one flag per request) or every request has finished; abort the rest and
+        return what each produced. Partial rollouts (train/partial_rollouts.py) are built on it."""
+        prompts, request = validate_request(
+            [r.prompt_ids for r in requests], n=1, max_new_tokens=min((r.max_new_tokens for r in requests), default=1),
+            temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+            seed=[r.seed for r in requests], vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        if not prompts:
+            return Round([], [], [])
+        result = self._generate_until(prompts, [r.max_new_tokens for r in requests], request, enough)
+        assert len(result.completions) == len(prompts)
+        return result
+
+    def _generate_until(self, prompts: list[list[int]], max_new_tokens: list[int], request: SamplingRequest,
+                        enough: Callable[[list[bool]], bool]) -> Round:
+        raise NotImplementedError(f"{type(self).__name__} cannot run partial rollouts (max_staleness >= 1): "
+                                  f"use the vLLM engine")
 
     def update_weights(self, weights) -> None:
         """Copy new policy weights (an nn.Module or an iterable of (HF name, tensor)) into the engine."""

@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .base import Completion, RolloutEngine, SamplingRequest
+from .base import Completion, RolloutEngine, Round, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,8 @@ class VLLMEngine(RolloutEngine):
     bucket size on CUDA. Other keyword arguments go to `vllm.LLM`.
     """
 
+    runs_partial_rollouts = True
+
     def __init__(
         self,
         model_path: str | os.PathLike,
@@ -239,6 +241,48 @@ class VLLMEngine(RolloutEngine):
         tokenizer = self.llm.get_tokenizer()
         completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
         return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
+
+    def _generate_until(self, prompts, max_new_tokens, request: SamplingRequest, enough) -> Round:
+        """vLLM's engine request loop: add every request, step until `enough`, abort the rest.
+
+        Outputs arrive as deltas (the tokens and log-probs of each step); an aborted request keeps
+        what it had produced. The engine must be idle: a round owns it while it runs."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("generate_until: the vLLM engine still has requests of another call running")
+        self._rounds = getattr(self, "_rounds", 0) + 1
+        index = {}
+        for i, (prompt, budget, seed) in enumerate(zip(prompts, max_new_tokens, request.seed, strict=True)):
+            params = SamplingParams(n=1, max_tokens=budget, temperature=request.temperature, top_p=request.top_p,
+                                    top_k=request.top_k, stop_token_ids=list(request.stop_token_ids), seed=seed,
+                                    logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            index[f"round{self._rounds}-{i}"] = i  # outputs and aborts go by this (external) id
+            engine.add_request(f"round{self._rounds}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        ids, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+        finish, finished_at, running = [None] * len(prompts), [None] * len(prompts), []
+        try:
+            while engine.has_unfinished_requests():
+                running.append(sum(f is None for f in finish))
+                for out in engine.step():
+                    i, (c,) = index[out.request_id], out.outputs
+                    ids[i] += c.token_ids
+                    logprobs[i] += [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
+                    if out.finished:
+                        finish[i], finished_at[i] = c.finish_reason, len(running) - 1
+                if enough([f is not None for f in finish]):
+                    break
+        finally:
+            left = [rid for rid, i in index.items() if finish[i] is None]
+            if left:
+                engine.abort_request(left)
+        if any(f not in (None, "stop", "length") for f in finish):
+            raise RuntimeError(f"vLLM finished a request with reason {sorted(set(finish) - {None, 'stop', 'length'})}")
+        completions = [Completion(t, lp, f, "") for t, lp, f in zip(ids, logprobs, finish, strict=True)]
+        return Round(completions, finished_at, running)
 
     def prompt_logprobs(self, token_ids) -> list[float]:
         from vllm import SamplingParams

@@ -50,6 +50,7 @@ def check_config(config) -> None:
     """What many ranks do not run yet, refused by name before any work."""
     rules = [("rollout_mode", config.rollout_mode != "parallel", "the early_exit and multi_answer modes run in one process for now"),
              ("dynamic_sampling", config.dynamic_sampling, "its extra rounds would differ per rank"),
+             ("max_staleness", config.max_staleness > 0, "partial rollouts run in one process for now"),
              ("scale_rewards", config.scale_rewards == "batch", "'batch' would need the all-rank reward std")]
     for name, refused, why in rules:
         if refused:

@@ -190,6 +190,12 @@ def frozen_copy(model):
     return ref
 
 
+def check_partial_rollouts(engine, config) -> None:
+    if not engine.runs_partial_rollouts:
+        raise ValueError(f"max_staleness={config.max_staleness} needs the vLLM engine (partial rollouts run in its "
+                         f"request loop), got {type(engine).__name__}; install vllm or set max_staleness=0")
+
+
 def build_engine(config, model, tokenizer, model_path):
     """The rollout engine of config.engine ("auto": vLLM when installed and the model is on disk)."""
     from ..rollout import make_engine, vllm_available

@@ -12,6 +12,7 @@ import torch
 
 from grpo_fast import fused_linear_logprobs
 from grpo_fast.rollout import HFEngine, make_engine
+from grpo_fast.rollout.base import Continuation
 from tests.helpers import assert_close, scaled
 
 pytest.importorskip("vllm")
@@ -223,3 +224,57 @@ def test_rollout_modes_on_vllm(engine, tiny_policy):
     engine.update_weights(model)
     check_early_exit(engine, tokenizer)
     check_multi_answer(engine, tokenizer)
+
+
+# ---- the request loop of partial rollouts (generate_until) ----------------------------------
+
+
+def _until(engine, requests, steps=None, finished=None, **kwargs):
+    """generate_until stopping after `steps` engine steps, or once `finished` requests are done."""
+    calls = []
+
+    def enough(flags):
+        calls.append(list(flags))
+        return (steps is not None and len(calls) >= steps) or (finished is not None and sum(flags) >= finished)
+
+    return engine.generate_until(requests, enough, **kwargs), calls
+
+
+def test_generate_until_stops_when_enough_and_aborts_the_rest(engine, tiny_policy):
+    engine.update_weights(tiny_policy[0])
+    requests = [Continuation(p, budget, seed) for p, budget, seed in zip(PROMPTS, [2, 3, 20, 20], range(4), strict=True)]
+    result, calls = _until(engine, requests, finished=2, temperature=1.0)
+    assert sum(calls[-1]) == 2 and sum(calls[-2]) < 2, "it must stop at the first step with 2 finished"
+    assert [c.finish_reason for c in result.completions] == ["length", "length", None, None]
+    assert [len(c.token_ids) for c in result.completions[:2]] == [2, 3]
+    assert all(len(c.token_ids) == len(c.logprobs) == len(calls) for c in result.completions[2:])
+    assert result.finished_at[:2] == [1, 2] and result.finished_at[2:] == [None, None]
+    assert result.running == [4, 4, 3] and result.busy_fraction == (4 + 4 + 3) / (3 * 4)
+    assert not engine.llm.llm_engine.has_unfinished_requests(), "the unfinished requests must be aborted"
+    again, _ = _until(engine, requests, finished=4, temperature=1.0)  # the engine is free for the next round
+    assert all(c.finish_reason is not None for c in again.completions)
+    assert [c.token_ids for c in again.completions[:2]] == [c.token_ids for c in result.completions[:2]], "seeded"
+
+
+def test_continuation_after_a_weight_sync_has_each_versions_logprobs(engine, tiny_policy, perturbed):
+    """A completion cut by a round and continued after a sync: its old tokens carry the old policy's
+    log-probs, its new ones the new policy's (fp32 engine)."""
+    old, prompt = tiny_policy[0], PROMPTS[3]
+    engine.update_weights(old)
+    (first,) = _until(engine, [Continuation(prompt, 12, 7)], steps=5, temperature=0.8)[0].completions
+    assert first.finish_reason is None and len(first.token_ids) == 5
+    engine.update_weights(perturbed)
+    (rest,) = _until(engine, [Continuation(prompt + first.token_ids, 12 - 5, 8)], temperature=0.8)[0].completions
+    assert rest.finish_reason is not None and len(rest.token_ids) >= 1
+    old_ref = policy_logprobs(old, prompt, first.token_ids, 0.8)
+    new_ref = policy_logprobs(perturbed, prompt + first.token_ids, rest.token_ids, 0.8)
+    assert (torch.tensor(first.logprobs) - old_ref).abs().mean() <= 1e-3
+    assert (torch.tensor(rest.logprobs) - new_ref).abs().mean() <= 1e-3
+    stale_ref = policy_logprobs(old, prompt + first.token_ids, rest.token_ids, 0.8)
+    assert (torch.tensor(rest.logprobs) - stale_ref).abs().mean() > 1e-2, "the sync must change the new tokens' log-probs"
+
+
+def test_generate_until_refuses_bad_requests(engine):
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] holds token id"):
+        engine.generate_until([Continuation([10_000], 4, 0)], lambda flags: False)
+    assert engine.generate_until([], lambda flags: True).completions == []

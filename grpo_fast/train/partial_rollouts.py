@@ -1,0 +1,99 @@
+"""Partial rollouts (`max_staleness >= 1`): a round stops once enough groups are complete; the
+completions still running carry over and continue in the next round, under the new weights.
+
+The pool of groups in flight lives in `TrainState.in_flight` (plain lists, so a checkpoint holds
+it and a resumed run continues the very same completions). A group is
+`{"prompt": index, "seed": int, "members": [member, ...]}`, a member
+`{"ids": [...], "logp": [...], "ver": [...], "finish": None | "stop" | "length"}`: its tokens, the
+sampling log-prob of each, and the policy version (weight syncs so far) that sampled each.
+
+Each round:
+1. groups whose oldest token would train more than `max_staleness` versions behind the policy are
+   dropped whole (`rollout/dropped_stale`, in groups);
+2. new prompts top the pool up to `prompts_per_generation x (1 + rollout_overprovision)` groups;
+3. every unfinished member runs as one request: prompt + its tokens so far, the remaining budget
+   (after a weight sync the prefix cache is empty, so a continuation re-prefills its prefix:
+   `rollout/reprefill_tokens`), until `prompts_per_generation` groups are complete;
+4. the first groups to complete train (in the order they completed, then pool order); the rest stay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..rollout.base import Continuation, hashed_seed
+from .rollouts import Rollouts
+
+
+def new_groups(prompt_index: list[int], seeds: list[int], group_size: int) -> list[dict]:
+    return [{"prompt": int(p), "seed": int(s),
+             "members": [{"ids": [], "logp": [], "ver": [], "finish": None} for _ in range(group_size)]}
+            for p, s in zip(prompt_index, seeds, strict=True)]
+
+
+def oldest_version(group: dict) -> float:
+    return min((m["ver"][0] for m in group["members"] if m["ver"]), default=math.inf)
+
+
+def drop_stale(pool: list[dict], version: int, max_staleness: int) -> tuple[list[dict], int]:
+    """(the groups that can still train at `version`, how many were dropped)."""
+    kept = [g for g in pool if version - oldest_version(g) <= max_staleness]
+    return kept, len(pool) - len(kept)
+
+
+def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], rows: list[dict], config, *,
+              version: int) -> tuple[Rollouts, list[dict], dict]:
+    """One round over `pool` (groups, modified in place): (the complete groups to train as Rollouts,
+    the pool left for the next round, the round's rollout/ metrics)."""
+    wanted, budget = config.prompts_per_generation, config.max_completion_length
+    running = [(g, j, m) for g in pool for j, m in enumerate(g["members"]) if m["finish"] is None]
+    requests = [Continuation(prompt_ids[g["prompt"]] + m["ids"], budget - len(m["ids"]),
+                             hashed_seed(g["seed"], j, len(m["ids"]))) for g, j, m in running]
+    carried = [bool(m["ids"]) for _, _, m in running]  # continued from an earlier round
+    members_left = [sum(m["finish"] is None for m in g["members"]) for g in pool]
+    slot = {id(g): k for k, g in enumerate(pool)}
+
+    def enough(finished: list[bool]) -> bool:
+        left = list(members_left)
+        for (g, _, _), done in zip(running, finished, strict=True):
+            left[slot[id(g)]] -= done
+        return sum(n == 0 for n in left) >= wanted
+
+    result = engine.generate_until(requests, enough, temperature=config.temperature, top_p=config.top_p,
+                                   top_k=config.top_k)
+    completed_at = {id(g): -1 for g, n in zip(pool, members_left, strict=True) if n == 0}  # complete before the round
+    for (_, _, m), c in zip(running, result.completions, strict=True):
+        m["ids"] += c.token_ids
+        m["logp"] += c.logprobs
+        m["ver"] += [version] * len(c.token_ids)
+        m["finish"] = c.finish_reason
+        if c.finish_reason is None and len(m["ids"]) >= budget:  # aborted on its last token
+            m["finish"] = "length"
+    for g, _, _ in running:
+        if all(m["finish"] is not None for m in g["members"]):
+            finished = [s for (h, _, _), s in zip(running, result.finished_at, strict=True) if h is g and s is not None]
+            completed_at[id(g)] = max(finished, default=-1)
+    order = sorted(completed_at, key=lambda gid: (completed_at[gid], slot[gid]))[:wanted]
+    trained = [pool[slot[gid]] for gid in order]
+    left = [g for g in pool if id(g) not in set(order)]
+    stale = [version - v for g in trained for m in g["members"] for v in m["ver"]]
+    stats = {"rollout/carried_over": sum(carried),
+             "rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0),
+             "rollout/busy_fraction": result.busy_fraction,
+             "rollout/reprefill_tokens": sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c),
+             "rollout/in_flight": len(pool)}
+    return _as_rollouts(trained, prompt_ids, rows, tokenizer), left, stats
+
+
+def _as_rollouts(groups: list[dict], prompt_ids, rows, tokenizer) -> Rollouts:
+    members = [(g["prompt"], m) for g in groups for m in g["members"]]
+    return Rollouts(
+        prompt_ids=[list(prompt_ids[p]) for p, _ in members],
+        completion_ids=[list(m["ids"]) for _, m in members],
+        sampling_logp=[torch.tensor(m["logp"], dtype=torch.float32) for _, m in members],
+        finish_reason=[m["finish"] for _, m in members],
+        completion_texts=[tokenizer.decode(m["ids"], skip_special_tokens=True) for _, m in members],
+        rows=[rows[p] for p, _ in members],
+    )
