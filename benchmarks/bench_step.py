@@ -125,6 +125,8 @@ def run_trl(args) -> dict:
         "step_time_s": sum(timed) / len(timed),
         "mean_completion_length": sum(h["completions/mean_length"] for h in logged) / len(logged),
         "peak_memory_mb": _peak_memory_mb(), "steps_timed": len(timed),
+        "per_step": [{"step_time_s": t, "reward": h.get("reward"), "mean_length": h["completions/mean_length"],
+                      "max_length": h.get("completions/max_length")} for t, h in zip(timer.times, logs, strict=False)],
     }
 
 

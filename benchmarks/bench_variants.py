@@ -193,12 +193,7 @@ def main() -> None:
     if not results:
         raise SystemExit("bench_variants: no configuration finished")
     env = harness.environment()
-    argv = [a for a in sys.argv[1:] if a != "--report_only"]
-    if "--only" in argv:  # the table covers every configuration in runs/: its command is the whole run
-        i = argv.index("--only")
-        j = next((k for k in range(i + 1, len(argv)) if argv[k].startswith("--")), len(argv))
-        argv = argv[:i] + argv[j:]
-    command = harness.command_line(__file__, argv)
+    command = harness.whole_run_command(__file__)  # the table covers every configuration in runs/
     lines = [f"# GRPO variants beside plain GRPO: SmolLM2-135M-Instruct, {results[0]['steps']} steps of "
              f"{results[0]['prompts_per_step']} prompts, seed 42", "",
              f"`{command}` on {harness.describe(env)}. Held-out: 200 arithmetic / 100 chain_arithmetic prompts, greedy, "

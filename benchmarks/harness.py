@@ -229,6 +229,17 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return "python " + shlex.join([f"benchmarks/{Path(script).name}", *args])
 
 
+def whole_run_command(script: str) -> str:
+    """command_line without --only (and its names) and --report_only: a report that covers every
+    configuration kept in runs/ was made by the whole run."""
+    argv = [a for a in sys.argv[1:] if a != "--report_only"]
+    if "--only" in argv:
+        i = argv.index("--only")
+        j = next((k for k in range(i + 1, len(argv)) if argv[k].startswith("--")), len(argv))
+        argv = argv[:i] + argv[j:]
+    return command_line(script, argv)
+
+
 def write_results(stem: Path, result: dict, markdown: str | None = None, *, indent: int = 2) -> None:
     """stem.json (result) and, when given, stem.md (markdown); the folder is made. Benchmarks rewrite
     them after each part, so that a timeout keeps what was measured."""

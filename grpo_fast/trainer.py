@@ -325,6 +325,7 @@ class GRPOTrainer:
         wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
         round_stats = dict.fromkeys(("rollout/carried_over", "rollout/staleness_mean", "rollout/staleness_max",
                                      "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
+        generated = 0
         while True:
             with _timed(times, "time/generate"):
                 if c.max_staleness:
@@ -332,6 +333,8 @@ class GRPOTrainer:
                 else:
                     part = self._generate(*self._rank_share(self._next_prompts(
                         self.world.size * (wanted - sum(len(k) // G for k in kept)))))
+                    generated += sum(len(ids) for ids in part.completion_ids)
+                    round_stats["rollout/generated_tokens"] = generated
             with _timed(times, "time/reward"):
                 part.rewards, non_finite = score(self.reward_funcs, part, c.prompt_column,
                                                  _conversational(part.rows[0][c.prompt_column]))

@@ -82,6 +82,7 @@ def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], 
     stats = {"rollout/carried_over": sum(carried),
              "rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0),
              "rollout/busy_fraction": result.busy_fraction,
+             "rollout/generated_tokens": sum(len(c.token_ids) for c in result.completions),
              "rollout/reprefill_tokens": sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c),
              "rollout/in_flight": len(pool)}
     return _as_rollouts(trained, prompt_ids, rows, tokenizer), left, stats

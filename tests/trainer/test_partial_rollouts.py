@@ -97,6 +97,7 @@ def test_synchronous_runs_log_zero_rollout_metrics(tmp_path, tiny):
     c = config(tmp_path, max_steps=1, eval_before_train=False, save_final=False)
     GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
     (line,) = _records(c.output_dir)
+    assert line.pop("rollout/generated_tokens") == line["completions/mean_length"] * c.per_device_train_batch_size
     assert {k: line[k] for k in line if k.startswith("rollout/")} == dict.fromkeys(
         ["rollout/carried_over", "rollout/staleness_mean", "rollout/staleness_max", "rollout/dropped_stale",
          "rollout/busy_fraction"], 0)
