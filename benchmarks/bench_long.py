@@ -3,6 +3,7 @@
     python benchmarks/bench_long.py                      # every configuration (~35 min on 2 CPU cores)
     python benchmarks/bench_long.py --only partial1      # some (the others' earlier results are kept)
     python benchmarks/bench_long.py --report_only        # rebuild the table and plot from runs/
+    python benchmarks/bench_long.py --memory             # peak memory at 1k-8k completion tokens, vs TRL
 
 SmolLM2-135M-Instruct, 4 arithmetic prompts (the default task, chat messages) x 8 completions per
 step, up to 512 new tokens, temperature 1, rewards math + format (bench_step.py's), fp32 on the CPU.
@@ -19,6 +20,12 @@ time. TRL: GRPOTrainer with transformers generate (its vLLM modes do not run wit
 bench_step.py), 2 steps, the same model, prompts, group size, lengths and rewards.
 
 Writes benchmarks/results/long/long.{md,json,png}; per configuration, runs/<name>.json.
+
+--memory: the peak memory of one loss step and of the no-grad log-prob pass (bench_trl.py's
+measurement: FastGRPOTrainer against TRL's GRPOTrainer, each in its own process) for a group of 2
+completions of 1k, 2k, 4k and 8k tokens, with and without gradient checkpointing, on a random
+4-layer Llama with SmolLM2's vocabulary (49152) and a context long enough for prompt + 8k (SmolLM2's
+8192 positions are not): the [tokens x vocab] logits TRL materialises show. Writes long/memory.{md,json}.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench_step  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+import bench_trl  # noqa: E402
 import harness  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "long"
@@ -173,6 +181,16 @@ def plot(rows: list[tuple[str, dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def memory_sweep() -> None:
+    cases = [f"mem-{T // 1024}k{gc}" for gc in ("", "-gc") for T in bench_trl.MEMORY_LENGTHS]
+    command, env = harness.command_line(__file__), harness.environment()
+    rows = bench_trl.run_all(cases, repeats=1)
+    text = bench_trl.markdown(rows, command, env).replace("# FastGRPOTrainer vs trl.GRPOTrainer (CPU)",
+                                                          "# Peak memory at long completions: FastGRPOTrainer vs TRL (CPU)")
+    harness.write_results(OUT / "memory", {"command": command, "environment": env, "rows": rows}, text)
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run these configurations (default: all)")
@@ -182,9 +200,12 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=512)
     parser.add_argument("--timeout_min", type=float, default=30, help="a configuration running longer is stopped and reported")
     parser.add_argument("--report_only", action="store_true", help="only rebuild the table and plot from runs/")
+    parser.add_argument("--memory", action="store_true", help="the peak-memory sweep over completion lengths instead")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory:
+        return memory_sweep()
     if args.child:
         raw = run_trl(args) if CONFIGS[args.child][1] is None else run_grpo_fast(args.child, args)
         raw["settings"] = dict(steps=args.steps, prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens)

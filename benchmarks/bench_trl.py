@@ -34,12 +34,19 @@ import harness
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # a plain checkout works too
 
-# name: (batch, prompt length, completion length, vocab, hidden, layers, num_iterations, beta)
+# name: (batch, prompt length, completion length, vocab, hidden, layers, num_iterations, beta, gradient checkpointing)
 CASES = {
-    "short-onpolicy": (8, 32, 128, 32768, 256, 2, 1, 0.0),
-    "long-onpolicy": (2, 32, 2048, 50304, 256, 2, 1, 0.0),
-    "long-iter2-kl": (2, 32, 2048, 50304, 256, 2, 2, 0.04),
+    "short-onpolicy": (8, 32, 128, 32768, 256, 2, 1, 0.0, False),
+    "long-onpolicy": (2, 32, 2048, 50304, 256, 2, 1, 0.0, False),
+    "long-iter2-kl": (2, 32, 2048, 50304, 256, 2, 2, 0.04, False),
 }
+# a group of 2 long completions on a small long-context model with SmolLM2's vocabulary (bench_long.py --memory)
+MEMORY_LENGTHS = (1024, 2048, 4096, 8192)
+for _T in MEMORY_LENGTHS:
+    CASES[f"mem-{_T // 1024}k"] = (2, 64, _T, 49152, 256, 4, 1, 0.0, False)
+    CASES[f"mem-{_T // 1024}k-gc"] = (2, 64, _T, 49152, 256, 4, 1, 0.0, True)
+SHAPE_FIELDS = ("batch", "prompt", "completion", "vocab", "hidden", "layers", "num_iterations", "beta",
+                "gradient_checkpointing")
 TRAINERS = ("trl", "fast")
 
 
@@ -68,12 +75,13 @@ def _build_trainer(trainer: str, case: str, workdir: str):
 
     from tests.tiny_model import build_tiny_model
 
-    B, P, T, V, H, L, iterations, beta = CASES[case]
+    B, P, T, V, H, L, iterations, beta, checkpointing = CASES[case]
     path = build_tiny_model(os.path.join(workdir, "model"), vocab_size=V, hidden_size=H, intermediate_size=2 * H,
-                            num_hidden_layers=L, num_attention_heads=H // 64, num_key_value_heads=H // 64)
+                            num_hidden_layers=L, num_attention_heads=H // 64, num_key_value_heads=H // 64,
+                            max_position_embeddings=max(2048, P + T))
     args = GRPOConfig(output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=B, num_generations=B,
                       max_completion_length=T, num_iterations=iterations, beta=beta, use_cpu=True, bf16=False,
-                      report_to=[], save_strategy="no")
+                      report_to=[], save_strategy="no", gradient_checkpointing=checkpointing)
     cls = GRPOTrainer
     if trainer == "fast":
         from grpo_fast.integrations.trl import FastGRPOTrainer as cls
@@ -152,9 +160,7 @@ def run_all(cases, repeats: int) -> list[dict]:
             if proc.returncode != 0:
                 raise RuntimeError(f"worker {trainer}/{case} failed:\n{proc.stderr[-4000:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append({"case": case, "trainer": trainer, "shape": dict(zip(
-                ("batch", "prompt", "completion", "vocab", "hidden", "layers", "num_iterations", "beta"),
-                CASES[case], strict=True)), **result})
+            rows.append({"case": case, "trainer": trainer, "shape": dict(zip(SHAPE_FIELDS, CASES[case], strict=True)), **result})
             print(f"[bench_trl]   {json.dumps(result)}", flush=True)
     return rows
 

@@ -55,7 +55,7 @@ def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], 
     members_left = [sum(m["finish"] is None for m in g["members"]) for g in pool]
     slot = {id(g): k for k, g in enumerate(pool)}
 
-    def enough(finished: list[bool]) -> bool:
+    def enough(finished: list[bool]) -> bool:  # enough groups have every member finished
         left = list(members_left)
         for (g, _, _), done in zip(running, finished, strict=True):
             left[slot[id(g)]] -= done
@@ -63,21 +63,19 @@ def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], 
 
     result = engine.generate_until(requests, enough, temperature=config.temperature, top_p=config.top_p,
                                    top_k=config.top_k)
-    completed_at = {id(g): -1 for g, n in zip(pool, members_left, strict=True) if n == 0}  # complete before the round
-    for (_, _, m), c in zip(running, result.completions, strict=True):
+    last_step = {}  # id(group) -> the engine step at which its last member finished in this round
+    for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
         m["ids"] += c.token_ids
         m["logp"] += c.logprobs
         m["ver"] += [version] * len(c.token_ids)
         m["finish"] = c.finish_reason
         if c.finish_reason is None and len(m["ids"]) >= budget:  # aborted on its last token
             m["finish"] = "length"
-    for g, _, _ in running:
-        if all(m["finish"] is not None for m in g["members"]):
-            finished = [s for (h, _, _), s in zip(running, result.finished_at, strict=True) if h is g and s is not None]
-            completed_at[id(g)] = max(finished, default=-1)
-    order = sorted(completed_at, key=lambda gid: (completed_at[gid], slot[gid]))[:wanted]
-    trained = [pool[slot[gid]] for gid in order]
-    left = [g for g in pool if id(g) not in set(order)]
+        if step is not None:
+            last_step[id(g)] = max(last_step.get(id(g), -1), step)
+    complete = [k for k, g in enumerate(pool) if all(m["finish"] is not None for m in g["members"])]
+    order = sorted(complete, key=lambda k: (last_step.get(id(pool[k]), -1), k))[:wanted]  # first complete first
+    trained, left = [pool[k] for k in order], [g for k, g in enumerate(pool) if k not in order]
     stale = [version - v for g in trained for m in g["members"] for v in m["ver"]]
     stats = {"rollout/carried_over": sum(carried),
              "rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0),
