@@ -121,7 +121,8 @@ class GRPOTrainer:
         self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
         use_is = config.vllm_importance_sampling_correction
         if use_is is None:  # on where the sampler's log-probs differ from the trainer's: precision, or stale tokens
-            use_is = setup.train_dtype(config) != torch.float32 or config.max_staleness > 0
+            precisions = {getattr(self.engine, "dtype", torch.float32), setup.train_dtype(config)}
+            use_is = precisions != {torch.float32} or config.max_staleness > 0
         self.use_is = use_is and not self.engine_shares_weights
         self.needs_old_logp = config.num_iterations > 1 or config.steps_per_generation > 1 or self.use_is
         self.metrics_logger = None

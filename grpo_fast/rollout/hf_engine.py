@@ -102,6 +102,11 @@ class HFEngine(RolloutEngine):
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it samples in: its model's."""
+        return next(self.model.parameters()).dtype
+
     def _eos_ids(self) -> set[int]:
         """The model's end-of-sequence ids: the tokenizer's and the generation config's (as vLLM)."""
         ids = set()

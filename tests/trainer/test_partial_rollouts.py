@@ -133,3 +133,4 @@ def test_a_group_is_dropped_whole_by_its_oldest_token():
     kept, dropped = drop_stale(pool, version=5, max_staleness=1)
     assert [g["prompt"] for g in kept] == [1, 2] and dropped == 1
     assert drop_stale(pool, version=5, max_staleness=2) == (pool, 0)
+

@@ -1,5 +1,6 @@
 """GRPOTrainer end to end on a tiny random Llama with the HF engine."""
 
+import copy
 import json
 import math
 import os
@@ -155,3 +156,14 @@ def test_adaptive_entropy_bonus_state_is_logged_and_checkpointed(tmp_path, tiny)
     saved = checkpoint.load_trainer_state(os.path.join(c.output_dir, "checkpoint-2"))["state"]
     assert saved["entropy_coef"] == pytest.approx(0.07)
     assert 0 < saved["last_entropy"] < 100.0 and saved["last_entropy"] == trainer.state.last_entropy
+
+
+@pytest.mark.parametrize("engine_dtype, expected", [(torch.float32, False), (torch.bfloat16, True)])
+def test_the_is_correction_default_follows_the_engines_dtype(tmp_path, tiny, engine_dtype, expected):
+    """A float32 policy sampled by an engine of its own in bf16: the sampler's log-probs differ, IS on."""
+    from grpo_fast.rollout import HFEngine
+
+    model, tokenizer = tiny
+    engine = HFEngine(copy.deepcopy(model).to(engine_dtype), tokenizer)
+    trainer = GRPOTrainer(config(tmp_path), [target_fraction], rows(), model=model, tokenizer=tokenizer, engine=engine)
+    assert not trainer.engine_shares_weights and trainer.use_is == expected
