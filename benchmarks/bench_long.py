@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -213,19 +211,9 @@ def main() -> None:
         return
 
     runs = OUT / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    for name in [] if args.report_only else args.only or list(CONFIGS):
-        print(f"[bench_long] {name} ...", flush=True)
-        cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--prompts", str(args.prompts),
-               "--n", str(args.n), "--max_new_tokens", str(args.max_new_tokens), "--result", str(runs / f"{name}.json")]
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, timeout=60 * args.timeout_min, capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"[bench_long] {name} failed:\n{done.stderr[-3000:]}", flush=True)
-        except subprocess.TimeoutExpired:
-            print(f"[bench_long] {name}: over {args.timeout_min} min, stopped", flush=True)
-        print(f"[bench_long] {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    harness.run_children(__file__, [] if args.report_only else args.only or list(CONFIGS),
+                         ["--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
+                          "--max_new_tokens", str(args.max_new_tokens)], runs, args.timeout_min)
     raws = {n: json.loads((runs / f"{n}.json").read_text()) for n in CONFIGS if (runs / f"{n}.json").exists()}
     if not raws:
         raise SystemExit("bench_long: no configuration finished")

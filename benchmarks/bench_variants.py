@@ -29,7 +29,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -157,7 +156,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax3.plot(range(1, len(r["grad_norm"]) + 1), r["grad_norm"], label=r["label"])
     ax1.set(title="held-out accuracy (greedy, clean reward)", xlabel="step")
     ax2.set(title="training completion length (tokens)", xlabel="step")
-    ax3.set(title="gradient norm (before clipping)", xlabel="step", yscale="log")
+    ax3.set(title="gradient norm (before clipping)", xlabel="step")
     ax1.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -178,17 +177,8 @@ def main() -> None:
         return run_one(args.child, args.steps, args.prompts, args.result)
 
     runs = OUT / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    for name in [] if args.report_only else args.only or list(CONFIGS):
-        print(f"[bench_variants] {name} ...", flush=True)
-        cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--prompts", str(args.prompts),
-               "--result", str(runs / f"{name}.json")]
-        try:
-            done = subprocess.run(cmd, timeout=60 * args.timeout_min, capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"[bench_variants] {name} failed:\n{done.stderr[-3000:]}", flush=True)
-        except subprocess.TimeoutExpired:
-            print(f"[bench_variants] {name}: over {args.timeout_min} min, stopped", flush=True)
+    harness.run_children(__file__, [] if args.report_only else args.only or list(CONFIGS),
+                         ["--steps", str(args.steps), "--prompts", str(args.prompts)], runs, args.timeout_min)
     results = [json.loads((runs / f"{n}.json").read_text()) for n in CONFIGS if (runs / f"{n}.json").exists()]
     if not results:
         raise SystemExit("bench_variants: no configuration finished")

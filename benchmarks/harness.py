@@ -229,6 +229,28 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return "python " + shlex.join([f"benchmarks/{Path(script).name}", *args])
 
 
+def run_children(script: str, names, extra_args: list[str], runs: Path, timeout_min: float) -> None:
+    """Run `script --child NAME --result runs/NAME.json *extra_args` for each name, one subprocess each
+    (a fresh engine, its own peak memory); a failure or a timeout is reported and the next one runs.
+    Each result is kept as soon as its child ends, so an interrupted run loses only the one in flight."""
+    import subprocess
+    import time
+
+    tag = Path(script).stem
+    runs.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        print(f"[{tag}] {name} ...", flush=True)
+        cmd = [sys.executable, script, "--child", name, "--result", str(runs / f"{name}.json"), *extra_args]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, timeout=60 * timeout_min, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"[{tag}] {name} failed:\n{done.stderr[-3000:]}", flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"[{tag}] {name}: over {timeout_min} min, stopped", flush=True)
+        print(f"[{tag}] {name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def whole_run_command(script: str) -> str:
     """command_line without --only (and its names) and --report_only: a report that covers every
     configuration kept in runs/ was made by the whole run."""
