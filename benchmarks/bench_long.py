@@ -215,6 +215,8 @@ def main() -> None:
                          ["--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
                           "--max_new_tokens", str(args.max_new_tokens)], runs, args.timeout_min)
     raws = {n: json.loads((runs / f"{n}.json").read_text()) for n in CONFIGS if (runs / f"{n}.json").exists()}
+    failed = {n: raw for n, raw in raws.items() if "error" in raw}
+    raws = {n: raw for n, raw in raws.items() if n not in failed}
     if not raws:
         raise SystemExit("bench_long: no configuration finished")
     rows = [(n, summary(n, raw, SimpleNamespace(**raw["settings"]))) for n, raw in raws.items()]
@@ -226,7 +228,9 @@ def main() -> None:
              f"`{command}` on {harness.describe(env)}; grpo_fast {settings['steps']} steps per configuration, TRL 2 "
              f"(the first of each is a warm-up, left out of the means). Arithmetic prompts of the default task, rewards "
              f"math + format, fp32.", ""]
-    lines += table(rows) + [""] + findings(dict(rows)) + ["", "![long](long.png)"]
+    lines += table(rows) + [""] + findings(dict(rows))
+    lines += [f"- {CONFIGS[n][0]}: did not finish ({raw['error'][:300]}; {raw['seconds'] / 60:.0f} min)." for n, raw in failed.items()]
+    lines += ["", "![long](long.png)"]
     harness.write_results(OUT / "long", {"command": command, "environment": env, "runs": raws,
                                          "summary": dict(rows)}, "\n".join(lines))
     plot(rows, OUT / "long.png")

@@ -180,6 +180,7 @@ def main() -> None:
     harness.run_children(__file__, [] if args.report_only else args.only or list(CONFIGS),
                          ["--steps", str(args.steps), "--prompts", str(args.prompts)], runs, args.timeout_min)
     results = [json.loads((runs / f"{n}.json").read_text()) for n in CONFIGS if (runs / f"{n}.json").exists()]
+    results = [r for r in results if "error" not in r]
     if not results:
         raise SystemExit("bench_variants: no configuration finished")
     env = harness.environment()
@@ -190,7 +191,7 @@ def main() -> None:
              f"the clean math reward; accuracy = share of answers whose first reward is > 0. Wall times are on a CPU "
              f"shared with other jobs (tests, other runs): compare them loosely.", ""]
     lines += table(results)
-    missing = [CONFIGS[n][0] for n in CONFIGS if not (runs / f"{n}.json").exists()]
+    missing = [CONFIGS[n][0] for n in CONFIGS if n not in {r["name"] for r in results}]
     if missing:
         lines += ["", "Not run yet: " + "; ".join(missing) + "."]
     lines += ["", "![variants](variants.png)"]

@@ -241,13 +241,16 @@ def run_children(script: str, names, extra_args: list[str], runs: Path, timeout_
     for name in names:
         print(f"[{tag}] {name} ...", flush=True)
         cmd = [sys.executable, script, "--child", name, "--result", str(runs / f"{name}.json"), *extra_args]
-        start = time.perf_counter()
+        start, error = time.perf_counter(), None
         try:
             done = subprocess.run(cmd, timeout=60 * timeout_min, capture_output=True, text=True)
             if done.returncode != 0:
-                print(f"[{tag}] {name} failed:\n{done.stderr[-3000:]}", flush=True)
+                error = f"failed: {done.stderr[-3000:]}"
         except subprocess.TimeoutExpired:
-            print(f"[{tag}] {name}: over {timeout_min} min, stopped", flush=True)
+            error = f"over {timeout_min} min, stopped"
+        if error:  # kept too: the report says which configuration did not finish, and why
+            print(f"[{tag}] {name} {error}", flush=True)
+            (runs / f"{name}.json").write_text(json.dumps({"error": error, "seconds": time.perf_counter() - start}) + "\n")
         print(f"[{tag}] {name}: {time.perf_counter() - start:.0f} s", flush=True)
 
 
