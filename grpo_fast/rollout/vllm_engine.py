@@ -204,6 +204,7 @@ class VLLMEngine(RolloutEngine):
         self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
         self._repack_targets = _repackable_weights(self.model) if self.on_cpu else None
         self._packed_by_param = _packed_layers_by_param(self.model, self._repack_targets or {})
+        self._rounds = 0  # generate_until calls: their request ids
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -217,25 +218,14 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
         copies = request.n if request.greedy else 1
         seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
-        params = [SamplingParams(
-            n=1 if request.greedy else request.n,
-            max_tokens=request.max_new_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            stop_token_ids=list(request.stop_token_ids),
-            seed=seed,  # children of one request get seed + index (vLLM's parallel sampling)
-            logprobs=0,  # the sampled token's log-prob only
-            # decoded below in one call, as HFEngine does: vLLM's incremental detokenizer holds back
-            # a trailing partial UTF-8 character, so the texts of the two engines would differ
-            detokenize=False,
-        ) for seed in seeds for _ in range(copies)]
+        params = [_sampling_params(request, n=1 if request.greedy else request.n, max_tokens=request.max_new_tokens,
+                                   seed=seed)  # children of one request get seed + index (vLLM's parallel sampling)
+                  for seed in seeds for _ in range(copies)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         tokenizer = self.llm.get_tokenizer()
@@ -247,19 +237,16 @@ class VLLMEngine(RolloutEngine):
 
         Outputs arrive as deltas (the tokens and log-probs of each step); an aborted request keeps
         what it had produced. The engine must be idle: a round owns it while it runs."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_until: the vLLM engine still has requests of another call running")
-        self._rounds = getattr(self, "_rounds", 0) + 1
+        self._rounds += 1
         index = {}
         for i, (prompt, budget, seed) in enumerate(zip(prompts, max_new_tokens, request.seed, strict=True)):
-            params = SamplingParams(n=1, max_tokens=budget, temperature=request.temperature, top_p=request.top_p,
-                                    top_k=request.top_k, stop_token_ids=list(request.stop_token_ids), seed=seed,
-                                    logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA)
             index[f"round{self._rounds}-{i}"] = i  # outputs and aborts go by this (external) id
             engine.add_request(f"round{self._rounds}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
         ids, logprobs = [[] for _ in prompts], [[] for _ in prompts]
@@ -270,7 +257,7 @@ class VLLMEngine(RolloutEngine):
                 for out in engine.step():
                     i, (c,) = index[out.request_id], out.outputs
                     ids[i] += c.token_ids
-                    logprobs[i] += [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
+                    logprobs[i] += _token_logprobs(c.logprobs, c.token_ids)
                     if out.finished:
                         finish[i], finished_at[i] = c.finish_reason, len(running) - 1
                 if enough([f is not None for f in finish]):
@@ -298,7 +285,7 @@ class VLLMEngine(RolloutEngine):
     @staticmethod
     def _completion(output, tokenizer) -> Completion:
         ids = list(output.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(output.logprobs, ids, strict=True)]
+        logprobs = _token_logprobs(output.logprobs, ids)
         if output.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a request with reason {output.finish_reason!r}")
         return Completion(ids, logprobs, output.finish_reason, tokenizer.decode(ids, skip_special_tokens=True))
@@ -418,6 +405,22 @@ class VLLMEngine(RolloutEngine):
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()
         gc.collect()
+
+
+def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed, **extra):
+    """vLLM's SamplingParams for a validated request: the sampled token's processed log-prob only, no
+    detokenizing (texts are decoded in one call, as HFEngine does: vLLM's incremental detokenizer
+    holds back a trailing partial UTF-8 character, so the two engines' texts would differ)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+                          top_k=request.top_k, stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0,
+                          detokenize=False, **extra)
+
+
+def _token_logprobs(steps, token_ids) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-step {token: Logprob} dicts."""
+    return [step[token].logprob for step, token in zip(steps, token_ids, strict=True)]
 
 
 @contextlib.contextmanager
