@@ -358,15 +358,18 @@ class GRPOTrainer:
         return batch, stats
 
     def _partial_round(self) -> tuple[Rollouts, dict]:
-        """Partial rollouts: drop the too-stale groups, top the pool up with new prompts, run a round."""
+        """Partial rollouts: drop the too-stale groups, run a round (it draws new prompts as slots free up)."""
         c, state = self.config, self.state
         pool, dropped = partial_rollouts.drop_stale(state.in_flight, state.policy_version, c.max_staleness)
-        new = self._next_prompts(max(0, math.ceil(c.prompts_per_generation * (1 + c.rollout_overprovision)) - len(pool)))
-        pool += partial_rollouts.new_groups(new, prompt_seeds(self._next_seed(), len(new)), c.num_generations)
+
+        def draw(n: int) -> list[dict]:  # n new groups: the next prompts of the data order, their seeds
+            return partial_rollouts.new_groups(self._next_prompts(n), prompt_seeds(self._next_seed(), n),
+                                               c.num_generations)
+
         if c.vllm_enable_sleep_mode:
             self.engine.wake()
         batch, state.in_flight, stats = partial_rollouts.run_round(
-            self.engine, self.tokenizer, pool, self.train_prompt_ids, self.train_rows, c, version=state.policy_version)
+            self.engine, self.tokenizer, pool, draw, self.train_prompt_ids, self.train_rows, c, version=state.policy_version)
         if c.vllm_enable_sleep_mode:
             self.engine.sleep()
         stats["rollout/dropped_stale"] = dropped

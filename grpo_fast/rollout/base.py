@@ -46,17 +46,17 @@ class Continuation:
 
 @dataclass
 class Round:
-    """What `generate_until` returns: per request, the tokens of this round (`finish_reason` None:
-    stopped with the round) and the engine step it finished at; per engine step, the requests running."""
+    """What `generate_until` returns: per request (those given, then those `more` added, in order)
+    the tokens of this round (`finish_reason` None: stopped with the round) and the engine step it
+    finished at; per engine step, the requests running."""
 
     completions: list[Completion]
     finished_at: list[Optional[int]]
     running: list[int]
 
-    @property
-    def busy_fraction(self) -> float:
-        """Mean requests running per engine step / requests at the round's start (1: none idled)."""
-        return sum(self.running) / (len(self.running) * len(self.completions)) if self.running else 1.0
+    def busy_fraction(self, capacity: int) -> float:
+        """Mean requests running per engine step / the `capacity` the caller keeps running (1: none idled)."""
+        return sum(self.running) / (len(self.running) * capacity) if self.running else 1.0
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,7 @@ class RolloutEngine:
         requests: Sequence[Continuation],
         enough: Callable[[list[bool]], bool],
         *,
+        more: Optional[Callable[[list[bool]], Sequence[Continuation]]] = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -230,19 +231,28 @@ class RolloutEngine:
     ) -> Round:
         """Run `requests` (one completion each) step by step until `enough(finished)` is true after a
         step (finished: one flag per request) or every request has finished; abort the rest and
-        return what each produced. Partial rollouts (train/partial_rollouts.py) are built on it."""
-        prompts, request = validate_request(
-            [r.prompt_ids for r in requests], n=1, max_new_tokens=min((r.max_new_tokens for r in requests), default=1),
-            temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
-            seed=[r.seed for r in requests], vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        if not prompts:
+        return what each produced. After every step that was not enough, `more(finished)` may add
+        requests (they join the running batch at once: how a round keeps its slots full).
+        Partial rollouts (train/partial_rollouts.py) are built on it."""
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids)
+
+        def admit(new: Sequence[Continuation]) -> tuple[list[tuple[list[int], int, int]], SamplingRequest]:
+            """The requests validated, as (prompt, budget, seed), and the sampling arguments."""
+            prompts, request = validate_request(
+                [r.prompt_ids for r in new], n=1, max_new_tokens=min((r.max_new_tokens for r in new), default=1),
+                seed=[r.seed for r in new], vocab_size=self.vocab_size, max_model_len=self.max_model_len, **sampling)
+            return [(p, r.max_new_tokens, r.seed) for p, r in zip(prompts, new, strict=True)], request
+
+        first, request = admit(requests)
+        if not first:
             return Round([], [], [])
-        result = self._generate_until(prompts, [r.max_new_tokens for r in requests], request, enough)
-        assert len(result.completions) == len(prompts)
+        result = self._generate_until(first, request, enough, (lambda f: admit(more(f))[0]) if more else (lambda f: []))
+        assert len(result.completions) >= len(first)
         return result
 
-    def _generate_until(self, prompts: list[list[int]], max_new_tokens: list[int], request: SamplingRequest,
-                        enough: Callable[[list[bool]], bool]) -> Round:
+    def _generate_until(self, requests: list[tuple[list[int], int, int]], request: SamplingRequest,
+                        enough: Callable[[list[bool]], bool],
+                        more: Callable[[list[bool]], list[tuple[list[int], int, int]]]) -> Round:
         raise NotImplementedError(f"{type(self).__name__} cannot run partial rollouts (max_staleness >= 1): "
                                   f"use the vLLM engine")
 

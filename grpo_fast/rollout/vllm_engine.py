@@ -232,8 +232,9 @@ class VLLMEngine(RolloutEngine):
         completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
         return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
 
-    def _generate_until(self, prompts, max_new_tokens, request: SamplingRequest, enough) -> Round:
-        """vLLM's engine request loop: add every request, step until `enough`, abort the rest.
+    def _generate_until(self, requests, request: SamplingRequest, enough, more) -> Round:
+        """vLLM's engine request loop: add every request, step until `enough` (adding what `more`
+        gives after each step), abort the rest.
 
         Outputs arrive as deltas (the tokens and log-probs of each step); an aborted request keeps
         what it had produced. The engine must be idle: a round owns it while it runs."""
@@ -244,13 +245,17 @@ class VLLMEngine(RolloutEngine):
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_until: the vLLM engine still has requests of another call running")
         self._rounds += 1
-        index = {}
-        for i, (prompt, budget, seed) in enumerate(zip(prompts, max_new_tokens, request.seed, strict=True)):
-            params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA)
-            index[f"round{self._rounds}-{i}"] = i  # outputs and aborts go by this (external) id
-            engine.add_request(f"round{self._rounds}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
-        ids, logprobs = [[] for _ in prompts], [[] for _ in prompts]
-        finish, finished_at, running = [None] * len(prompts), [None] * len(prompts), []
+        index, ids, logprobs, finish, finished_at, running = {}, [], [], [], [], []
+
+        def add(new) -> None:
+            for prompt, budget, seed in new:
+                rid = f"round{self._rounds}-{len(finish)}"  # outputs and aborts go by this (external) id
+                index[rid] = len(finish)
+                ids.append([]), logprobs.append([]), finish.append(None), finished_at.append(None)
+                params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+
+        add(requests)
         try:
             while engine.has_unfinished_requests():
                 running.append(sum(f is None for f in finish))
@@ -262,6 +267,7 @@ class VLLMEngine(RolloutEngine):
                         finish[i], finished_at[i] = c.finish_reason, len(running) - 1
                 if enough([f is not None for f in finish]):
                     break
+                add(more([f is not None for f in finish]))
         finally:
             left = [rid for rid, i in index.items() if finish[i] is None]
             if left:

@@ -10,16 +10,18 @@ sampling log-prob of each, and the policy version (weight syncs so far) that sam
 Each round:
 1. groups whose oldest token would train more than `max_staleness` versions behind the policy are
    dropped whole (`rollout/dropped_stale`, in groups);
-2. new prompts top the pool up to `prompts_per_generation x (1 + rollout_overprovision)` groups;
-3. every unfinished member runs as one request: prompt + its tokens so far, the remaining budget
+2. every unfinished member runs as one request: prompt + its tokens so far, the remaining budget
    (after a weight sync the prefix cache is empty, so a continuation re-prefills its prefix:
    `rollout/reprefill_tokens`), until `prompts_per_generation` groups are complete;
+3. new groups keep `prompts_per_generation x (1 + rollout_overprovision) x num_generations`
+   sequences running: they join at the start and whenever a group's worth of sequences has finished;
 4. the first groups to complete train (in the order they completed, then pool order); the rest stay.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -43,17 +45,40 @@ def drop_stale(pool: list[dict], version: int, max_staleness: int) -> tuple[list
     return kept, len(pool) - len(kept)
 
 
-def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], rows: list[dict], config, *,
-              version: int) -> tuple[Rollouts, list[dict], dict]:
-    """One round over `pool` (groups, modified in place): (the complete groups to train as Rollouts,
-    the pool left for the next round, the round's rollout/ metrics)."""
-    wanted, budget = config.prompts_per_generation, config.max_completion_length
-    running = [(g, j, m) for g in pool for j, m in enumerate(g["members"]) if m["finish"] is None]
-    requests = [Continuation(prompt_ids[g["prompt"]] + m["ids"], budget - len(m["ids"]),
-                             hashed_seed(g["seed"], j, len(m["ids"]))) for g, j, m in running]
-    carried = [bool(m["ids"]) for _, _, m in running]  # continued from an earlier round
-    members_left = [sum(m["finish"] is None for m in g["members"]) for g in pool]
-    slot = {id(g): k for k, g in enumerate(pool)}
+def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[dict]], prompt_ids: list[list[int]],
+              rows: list[dict], config, *, version: int) -> tuple[Rollouts, list[dict], dict]:
+    """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups): (the complete
+    groups to train as Rollouts, the pool left for the next round, the round's rollout/ metrics).
+
+    The round keeps `slots` = prompts_per_generation x (1 + rollout_overprovision) groups' worth of
+    sequences running: at its start and whenever a group's worth of them has finished, new groups
+    join (verl's and AReaL's continuous batching; without it the engine idles on the long tail)."""
+    wanted, budget, size = config.prompts_per_generation, config.max_completion_length, config.num_generations
+    slots = math.ceil(wanted * (1 + config.rollout_overprovision)) * size
+    running, requests, carried, members_left, slot = [], [], [], [], {}
+
+    def join(groups: list[dict], start: bool) -> list[Continuation]:
+        """Queue the unfinished members of `groups` (already in the pool or new) as requests."""
+        new = []
+        for g in groups:
+            slot[id(g)] = len(members_left)
+            members_left.append(sum(m["finish"] is None for m in g["members"]))
+            for j, m in enumerate(g["members"]):
+                if m["finish"] is None:
+                    running.append((g, j, m))
+                    carried.append(start and bool(m["ids"]))  # continued from an earlier round
+                    new.append(Continuation(prompt_ids[g["prompt"]] + m["ids"], budget - len(m["ids"]),
+                                            hashed_seed(g["seed"], j, len(m["ids"]))))
+        requests.extend(new)
+        return new
+
+    def top_up(busy: int) -> list[dict]:  # new groups for the free slots
+        fresh = draw((slots - busy) // size) if slots - busy >= size else []
+        pool.extend(fresh)
+        return fresh
+
+    join(pool, start=True)
+    join(top_up(len(requests)), start=True)
 
     def enough(finished: list[bool]) -> bool:  # enough groups have every member finished
         left = list(members_left)
@@ -61,7 +86,10 @@ def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], 
             left[slot[id(g)]] -= done
         return sum(n == 0 for n in left) >= wanted
 
-    result = engine.generate_until(requests, enough, temperature=config.temperature, top_p=config.top_p,
+    def more(finished: list[bool]) -> list[Continuation]:
+        return join(top_up(finished.count(False)), start=False)
+
+    result = engine.generate_until(requests, enough, more=more, temperature=config.temperature, top_p=config.top_p,
                                    top_k=config.top_k)
     last_step = {}  # id(group) -> the engine step at which its last member finished in this round
     for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
@@ -79,7 +107,7 @@ def run_round(engine, tokenizer, pool: list[dict], prompt_ids: list[list[int]], 
     stale = [version - v for g in trained for m in g["members"] for v in m["ver"]]
     stats = {"rollout/carried_over": sum(carried),
              "rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0),
-             "rollout/busy_fraction": result.busy_fraction,
+             "rollout/busy_fraction": result.busy_fraction(slots),
              "rollout/generated_tokens": sum(len(c.token_ids) for c in result.completions),
              "rollout/reprefill_tokens": sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c),
              "rollout/in_flight": len(pool)}

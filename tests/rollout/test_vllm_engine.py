@@ -249,7 +249,7 @@ def test_generate_until_stops_when_enough_and_aborts_the_rest(engine, tiny_polic
     assert [len(c.token_ids) for c in result.completions[:2]] == [2, 3]
     assert all(len(c.token_ids) == len(c.logprobs) == len(calls) for c in result.completions[2:])
     assert result.finished_at[:2] == [1, 2] and result.finished_at[2:] == [None, None]
-    assert result.running == [4, 4, 3] and result.busy_fraction == (4 + 4 + 3) / (3 * 4)
+    assert result.running == [4, 4, 3] and result.busy_fraction(4) == (4 + 4 + 3) / (3 * 4)
     assert not engine.llm.llm_engine.has_unfinished_requests(), "the unfinished requests must be aborted"
     again, _ = _until(engine, requests, finished=4, temperature=1.0)  # the engine is free for the next round
     assert all(c.finish_reason is not None for c in again.completions)
@@ -272,6 +272,28 @@ def test_continuation_after_a_weight_sync_has_each_versions_logprobs(engine, tin
     assert (torch.tensor(rest.logprobs) - new_ref).abs().mean() <= scaled(1e-3, new_ref)
     stale_ref = policy_logprobs(old, prompt + first.token_ids, rest.token_ids, 0.8)
     assert (torch.tensor(rest.logprobs) - stale_ref).abs().mean() > 1e-2, "the sync must change the new tokens' log-probs"
+
+
+def test_generate_until_adds_what_more_gives_while_it_runs(engine, tiny_policy):
+    """`more` is asked after every step that was not enough; what it gives joins the running batch."""
+    engine.update_weights(tiny_policy[0])
+    asked = []
+
+    def more(flags):
+        asked.append(list(flags))
+        return [Continuation(PROMPTS[2], 3, 11)] if len(asked) == 1 else []  # one request, after the first step
+
+    result, calls = _until(engine, [Continuation(PROMPTS[0], 2, 0), Continuation(PROMPTS[1], 6, 1)], finished=3,
+                           more=more, temperature=1.0)
+    assert [len(c.token_ids) for c in result.completions] == [2, 6, 3]
+    assert [c.finish_reason for c in result.completions] == ["length"] * 3
+    assert len(asked) == len(calls) - 1 and [len(a) for a in asked] == [2] + [3] * (len(asked) - 1)
+    assert result.running[:3] == [2, 3, 2] and result.finished_at == [1, 5, 3]
+    alone, _ = _until(engine, [Continuation(PROMPTS[2], 3, 11)], finished=1, temperature=1.0)
+    assert alone.completions[0].token_ids == result.completions[2].token_ids, "an added request keeps its own seed"
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] holds token id"):
+        _until(engine, [Continuation(PROMPTS[0], 4, 0)], finished=1, more=lambda flags: [Continuation([10_000], 2, 0)])
+    assert not engine.llm.llm_engine.has_unfinished_requests(), "a bad added request must leave the engine idle"
 
 
 def test_generate_until_refuses_bad_requests(engine):

@@ -62,6 +62,7 @@ def test_partial_rollouts_carry_over_bound_staleness_and_resume_exactly(tmp_path
     assert all(r["rollout/staleness_max"] <= 1 for r in lines)
     assert max(r["rollout/staleness_max"] for r in lines) == 1, "some trained tokens should come from the version before"
     assert all(0 < r["rollout/busy_fraction"] <= 1 for r in lines)
+    assert max(r["rollout/in_flight"] for r in lines) > 4, "groups must join mid-round as slots free up (2 x 2 at start)"
     # a completion continued in a later round keeps the tokens and log-probs sampled before
     continued = 0
     for pool, batch in rounds[1:]:
