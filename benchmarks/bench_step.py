@@ -90,8 +90,11 @@ def run_trl(args) -> dict:
     from grpo_fast.rewards import format_reward, math_reward
 
     class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], None
+        """Each step's time; with `progress` (a path), each step's line as it ends, so that a run
+        stopped by a timeout still shows the steps it finished."""
+
+        def __init__(self, progress=None):
+            self.times, self.start, self.progress = [], None, progress
 
         def on_step_begin(self, *a, **k):
             self.start = time.perf_counter()
@@ -99,12 +102,19 @@ def run_trl(args) -> dict:
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self.start)
 
+        def on_log(self, *a, logs=None, **k):
+            if self.progress and logs and "completions/mean_length" in logs:
+                with open(self.progress, "a") as f:
+                    f.write(json.dumps({"step_time_s": self.times[-1], "reward": logs.get("reward"),
+                                        "mean_length": logs["completions/mean_length"],
+                                        "max_length": logs.get("completions/max_length")}) + "\n")
+
     path = args.model or default_model_path()
     rows = _rows(args.prompts) * (args.steps + 1)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     name, extra = ("vllm colocate", dict(use_vllm=True, vllm_mode="colocate")) if args.trl_vllm else ("transformers generate", {})
-    timer = StepTimer()
+    timer = StepTimer(getattr(args, "progress", None))
     # 8 completions per micro-batch, accumulated over the generation batch: one micro-batch of all 64
     # (logits [64, ~190, 49152] and the activations) was killed for memory on the 24 GB machine
     micro = min(8, args.prompts * args.n)

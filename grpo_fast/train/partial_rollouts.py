@@ -9,13 +9,15 @@ sampling log-prob of each, and the policy version (weight syncs so far) that sam
 
 Each round:
 1. groups whose oldest token would train more than `max_staleness` versions behind the policy are
-   dropped whole (`rollout/dropped_stale`, in groups);
+   dropped whole (`rollout/dropped_stale`, in groups; the rules of `run_round` make it rare);
 2. every unfinished member runs as one request: prompt + its tokens so far, the remaining budget
    (after a weight sync the prefix cache is empty, so a continuation re-prefills its prefix:
-   `rollout/reprefill_tokens`), until `prompts_per_generation` groups are complete;
+   `rollout/reprefill_tokens`), until `prompts_per_generation` groups are complete and no group
+   still running would be too stale next round;
 3. new groups keep `prompts_per_generation x (1 + rollout_overprovision) x num_generations`
-   sequences running: they join at the start and whenever a group's worth of sequences has finished;
-4. the first groups to complete train (in the order they completed, then pool order); the rest stay.
+   sequences running (at the start, and whenever a group's worth has finished), while fewer than
+   `(max_staleness + 1) x prompts_per_generation` groups are ahead of the trainer;
+4. the oldest complete groups train (then in the order they completed); the rest stay.
 """
 
 from __future__ import annotations
@@ -50,14 +52,20 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
     """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups): (the complete
     groups to train as Rollouts, the pool left for the next round, the round's rollout/ metrics).
 
-    The round keeps `slots` = prompts_per_generation x (1 + rollout_overprovision) groups' worth of
-    sequences running: at its start and whenever a group's worth of them has finished, new groups
-    join (verl's and AReaL's continuous batching; without it the engine idles on the long tail)."""
+    Three rules keep the engine busy without bias or waste (docs/design.md, "Partial rollouts"):
+    - slots: the round keeps prompts_per_generation x (1 + rollout_overprovision) groups' worth of
+      sequences running; new groups join at its start and whenever a group's worth has finished;
+    - admission: at most (max_staleness + 1) x prompts_per_generation groups are ahead of the trainer
+      (AReaL's bound: more could not all train within max_staleness versions);
+    - the round ends once prompts_per_generation groups are complete and none still running would be
+      too stale to train next round; the oldest complete groups train first. So long completions
+      train too, where ending at the first complete groups would drop every long one as stale."""
     wanted, budget, size = config.prompts_per_generation, config.max_completion_length, config.num_generations
     slots = math.ceil(wanted * (1 + config.rollout_overprovision)) * size
+    ahead = (config.max_staleness + 1) * wanted
     running, requests, carried, members_left, slot = [], [], [], [], {}
 
-    def join(groups: list[dict], start: bool) -> list[Continuation]:
+    def join(groups: list[dict]) -> list[Continuation]:
         """Queue the unfinished members of `groups` (already in the pool or new) as requests."""
         new = []
         for g in groups:
@@ -66,28 +74,30 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
             for j, m in enumerate(g["members"]):
                 if m["finish"] is None:
                     running.append((g, j, m))
-                    carried.append(start and bool(m["ids"]))  # continued from an earlier round
+                    carried.append(bool(m["ids"]))  # continued from an earlier round
                     new.append(Continuation(prompt_ids[g["prompt"]] + m["ids"], budget - len(m["ids"]),
                                             hashed_seed(g["seed"], j, len(m["ids"]))))
         requests.extend(new)
         return new
 
-    def top_up(busy: int) -> list[dict]:  # new groups for the free slots
-        fresh = draw((slots - busy) // size) if slots - busy >= size else []
+    def top_up(busy: int) -> list[dict]:  # new groups for the free slots, within the admission bound
+        n = min((slots - busy) // size, ahead - len(pool))
+        fresh = draw(n) if n > 0 else []
         pool.extend(fresh)
         return fresh
 
-    join(pool, start=True)
-    join(top_up(len(requests)), start=True)
+    join(pool)
+    join(top_up(len(requests)))
+    last_chance = [slot[id(g)] for g in pool if oldest_version(g) <= version - config.max_staleness]  # staleness k now
 
-    def enough(finished: list[bool]) -> bool:  # enough groups have every member finished
+    def enough(finished: list[bool]) -> bool:  # enough complete groups, and none left to go too stale
         left = list(members_left)
         for (g, _, _), done in zip(running, finished, strict=True):
             left[slot[id(g)]] -= done
-        return sum(n == 0 for n in left) >= wanted
+        return sum(n == 0 for n in left) >= wanted and all(left[k] == 0 for k in last_chance)
 
     def more(finished: list[bool]) -> list[Continuation]:
-        return join(top_up(finished.count(False)), start=False)
+        return join(top_up(finished.count(False)))
 
     result = engine.generate_until(requests, enough, more=more, temperature=config.temperature, top_p=config.top_p,
                                    top_k=config.top_k)
@@ -102,7 +112,7 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
         if step is not None:
             last_step[id(g)] = max(last_step.get(id(g), -1), step)
     complete = [k for k, g in enumerate(pool) if all(m["finish"] is not None for m in g["members"])]
-    order = sorted(complete, key=lambda k: (last_step.get(id(pool[k]), -1), k))[:wanted]  # first complete first
+    order = sorted(complete, key=lambda k: (oldest_version(pool[k]), last_step.get(id(pool[k]), -1), k))[:wanted]
     trained, left = [pool[k] for k in order], [g for k, g in enumerate(pool) if k not in order]
     stale = [version - v for g in trained for m in g["members"] for v in m["ver"]]
     stats = {"rollout/carried_over": sum(carried),

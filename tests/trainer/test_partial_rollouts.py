@@ -33,8 +33,8 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, **overrides):
     model, tokenizer = load_tiny_model(tiny_path)
     model.generation_config.eos_token_id = STOP_IDS
     c = config(tmp_path, engine="vllm", output_dir=str(tmp_path / out), max_steps=max_steps, num_generations=4,
-               per_device_train_batch_size=8, max_completion_length=24, max_staleness=1, rollout_overprovision=1.0,
-               save_steps=2, save_total_limit=None, save_final=False, eval_before_train=False, **overrides)
+               per_device_train_batch_size=8, max_completion_length=24, save_steps=2, save_total_limit=None, save_final=False,
+               eval_before_train=False, **{"max_staleness": 1, "rollout_overprovision": 1.0, **overrides})
     trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
     if rounds is not None:  # record each round: the pool before it, the batch it trained
         run_round = trainer._partial_round
@@ -62,7 +62,8 @@ def test_partial_rollouts_carry_over_bound_staleness_and_resume_exactly(tmp_path
     assert all(r["rollout/staleness_max"] <= 1 for r in lines)
     assert max(r["rollout/staleness_max"] for r in lines) == 1, "some trained tokens should come from the version before"
     assert all(0 < r["rollout/busy_fraction"] <= 1 for r in lines)
-    assert max(r["rollout/in_flight"] for r in lines) > 4, "groups must join mid-round as slots free up (2 x 2 at start)"
+    assert all(r["rollout/in_flight"] <= 4 for r in lines), "at most (1 + max_staleness) x 2 groups ahead of the trainer"
+    assert sum(r["rollout/dropped_stale"] for r in lines) == 0, "a round waits for its groups at their last chance"
     # a completion continued in a later round keeps the tokens and log-probs sampled before
     continued = 0
     for pool, batch in rounds[1:]:
@@ -86,6 +87,14 @@ def test_partial_rollouts_carry_over_bound_staleness_and_resume_exactly(tmp_path
     assert a["rollout/carried_over"] == b["rollout/carried_over"] and a["loss"] == b["loss"], (a, b)
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(p, q), f"{name} differs between the uninterrupted and the resumed run"
+
+
+def test_groups_join_a_round_as_slots_free_up(tmp_path, tiny_path):
+    """Slots of 1.5 x 2 groups of 4: a fourth group joins once a group's worth of sequences has ended,
+    up to (1 + 3) x 2 groups ahead of the trainer."""
+    _, lines = _run(tmp_path, tiny_path, "join", 2, max_staleness=3, rollout_overprovision=0.5)
+    assert max(r["rollout/in_flight"] for r in lines) > 3, lines
+    assert all(r["rollout/in_flight"] <= 8 and r["rollout/busy_fraction"] <= 1 for r in lines)
 
 
 def trainer_is_on(trainer) -> bool:
