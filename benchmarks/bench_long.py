@@ -1,4 +1,4 @@
-"""Long, long-tailed responses: synchronous rollouts, partial rollouts (max_staleness 1 and 2) and TRL.
+"""Long, long-tailed responses: synchronous rollouts, partial rollouts (max_staleness 1, 2, 4) and TRL.
 
     python benchmarks/bench_long.py                      # every configuration (~35 min on 2 CPU cores)
     python benchmarks/bench_long.py --only partial1      # some (the others' earlier results are kept)
@@ -53,6 +53,7 @@ CONFIGS = {  # name -> (label, max_staleness; None: TRL)
     "sync": ("grpo_fast, synchronous", 0),
     "partial1": ("grpo_fast, partial (max_staleness 1)", 1),
     "partial2": ("grpo_fast, partial (max_staleness 2)", 2),
+    "partial4": ("grpo_fast, partial (max_staleness 4)", 4),
     "trl": ("TRL GRPOTrainer (transformers generate)", None),
 }
 
@@ -169,7 +170,7 @@ def table(rows: list[tuple[str, dict]]) -> list[str]:
 def findings(rows: dict) -> list[str]:
     out = []
     sync = rows.get("sync")
-    for name in ("partial1", "partial2"):
+    for name in [n for n in CONFIGS if n.startswith("partial")]:
         p = rows.get(name)
         if sync and p:
             useful = p["busy_fraction"] * p["slots"] * p["trained_share"]  # trained tokens per decode step
@@ -180,7 +181,7 @@ def findings(rows: dict) -> list[str]:
                        f"step, busy fraction x slots x share trained: {useful:.1f} vs {sync['busy_fraction'] * sync['slots']:.1f} "
                        f"synchronous ({useful / (sync['busy_fraction'] * sync['slots']):.2f}x).")
     trl = rows.get("trl")
-    modes = [rows[n] for n in ("sync", "partial1", "partial2") if n in rows]
+    modes = [s for n, s in rows.items() if n != "trl"]
     if trl and modes:
         for unit in ("generated", "trained"):
             best = min(s[f"ms_per_{unit}_token"] for s in modes)
@@ -215,7 +216,7 @@ def plot(rows: list[tuple[str, dict]], path: Path) -> None:
 def memory_sweep() -> None:
     cases = [f"mem-{T // 1024}k{gc}" for gc in ("", "-gc") for T in bench_trl.MEMORY_LENGTHS]
     command, env = harness.command_line(__file__), harness.environment()
-    rows = bench_trl.run_all(cases, repeats=1)
+    rows = bench_trl.run_all(cases, repeats=1, keep_going=True)
     text = bench_trl.markdown(rows, command, env).replace("# FastGRPOTrainer vs trl.GRPOTrainer (CPU)",
                                                           "# Peak memory at long completions: FastGRPOTrainer vs TRL (CPU)")
     harness.write_results(OUT / "memory", {"command": command, "environment": env, "rows": rows}, text)

@@ -150,7 +150,9 @@ def worker(trainer: str, case: str, repeats: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_all(cases, repeats: int) -> list[dict]:
+def run_all(cases, repeats: int, keep_going: bool = False) -> list[dict]:
+    """One worker process per (case, trainer). keep_going: a worker that fails (killed for memory,
+    say) becomes a row with its error, and the sweep goes on."""
     rows = []
     for case in cases:
         for trainer in TRAINERS:
@@ -158,7 +160,15 @@ def run_all(cases, repeats: int) -> list[dict]:
             print(f"[bench_trl] {case} {trainer} ...", flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
-                raise RuntimeError(f"worker {trainer}/{case} failed:\n{proc.stderr[-4000:]}")
+                if not keep_going:
+                    raise RuntimeError(f"worker {trainer}/{case} failed:\n{proc.stderr[-4000:]}")
+                why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][-200:]
+                if proc.returncode < 0:
+                    why = f"killed by signal {-proc.returncode} (out of memory?)"
+                rows.append({"case": case, "trainer": trainer, "shape": dict(zip(SHAPE_FIELDS, CASES[case], strict=True)),
+                             "error": why})
+                print(f"[bench_trl]   failed: {why}", flush=True)
+                continue
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append({"case": case, "trainer": trainer, "shape": dict(zip(SHAPE_FIELDS, CASES[case], strict=True)), **result})
             print(f"[bench_trl]   {json.dumps(result)}", flush=True)
@@ -178,6 +188,10 @@ def markdown(rows, command: str, env: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['shape']['batch']} x {r['shape']['completion']} | {r['shape']['vocab']} "
+                         f"| {r['trainer']} | failed: {r['error']} | | | | |")
+            continue
         s, lp = r["loss_step"], r["logprob_pass"]
         lines.append(
             f"| {r['case']} | {r['shape']['batch']} x {r['shape']['completion']} | {r['shape']['vocab']} | {r['trainer']} "
@@ -189,7 +203,7 @@ def markdown(rows, command: str, env: dict) -> str:
     for r in rows:
         by_case.setdefault(r["case"], {})[r["trainer"]] = r
     for case, pair in by_case.items():
-        if set(pair) == set(TRAINERS):
+        if set(pair) == set(TRAINERS) and not any("error" in r for r in pair.values()):
             a, b = pair["trl"], pair["fast"]
             lines.append(
                 f"- {case}: loss step time x{a['loss_step']['best_s'] / b['loss_step']['best_s']:.2f}, "

@@ -220,7 +220,7 @@ class GRPOTrainer:
                 batch, stats = self._generate_and_score(times)  # generate, score
                 batch.advantages, adv_stats = shaping.advantages(  # advantages
                     batch, c, self.judge, prompt_column=c.prompt_column,
-                    conversational=_conversational(batch.rows[0][c.prompt_column]))
+                    conversational=_conversational(batch.rows[0][c.prompt_column]), world=self.world)
                 stats.update(adv_stats)
                 with _timed(times, "time/logprob"):  # old / reference log-probs, IS weights
                     batch.old_logp, batch.ref_logp, batch.is_weights, side_stats = self._side_inputs(batch)

@@ -50,8 +50,7 @@ def check_config(config) -> None:
     """What many ranks do not run yet, refused by name before any work."""
     rules = [("rollout_mode", config.rollout_mode != "parallel", "the early_exit and multi_answer modes run in one process for now"),
              ("dynamic_sampling", config.dynamic_sampling, "its extra rounds would differ per rank"),
-             ("max_staleness", config.max_staleness > 0, "partial rollouts run in one process for now"),
-             ("scale_rewards", config.scale_rewards == "batch", "'batch' would need the all-rank reward std")]
+             ("max_staleness", config.max_staleness > 0, "partial rollouts run in one process for now")]
     for name, refused, why in rules:
         if refused:
             raise ValueError(f"GRPOConfig.{name}={getattr(config, name)!r} is not supported under torchrun (WORLD_SIZE="
@@ -64,6 +63,15 @@ def sum_over_ranks(values: list[float], world: World) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def gather_equal(rows: torch.Tensor, world: World) -> torch.Tensor:
+    """Every rank's `rows` (the same shape on each), concatenated in rank order."""
+    if world.size == 1:
+        return rows
+    parts = [torch.empty_like(rows) for _ in range(world.size)]
+    dist.all_gather(parts, rows.contiguous())
+    return torch.cat(parts)
 
 
 def any_rank(flag: bool, world: World) -> bool:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
+from .distributed import ONE_PROCESS, World, gather_equal
 from .rollouts import Rollouts, score, weighted_rewards
 
 
@@ -29,8 +30,10 @@ def correct(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
-               conversational: bool = False) -> tuple[torch.Tensor, dict]:
-    """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge."""
+               conversational: bool = False, world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
+    """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge. Under
+    torchrun, `batch` is this rank's share of the generation batch (whole groups, the same size on
+    every rank): statistics over the whole batch (`scale_rewards="batch"`) use every rank's rewards."""
     if c.rollout_mode == "early_exit":
         return _serial_advantages(batch, c)
     if c.rollout_mode == "multi_answer":
@@ -39,8 +42,13 @@ def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_c
     ok = correct(rewards)
     if judge is not None:
         rewards, stats = _partial_credit(batch, ok, c, judge, prompt_column, conversational)
+    mine = slice(None)
+    if c.scale_rewards == "batch" and world.size > 1:  # the std over all ranks' rewards, as one process has it
+        mine = slice(world.rank * len(rewards), (world.rank + 1) * len(rewards))
+        rewards = gather_equal(rewards, world)
     adv = objective.group_advantages(rewards, G, scale_rewards=c.scale_rewards, std=c.advantage_std,
-                                     reward_weights=c.reward_weights, aggregation=c.multi_objective_aggregation)
+                                     reward_weights=c.reward_weights, aggregation=c.multi_objective_aggregation)[mine]
+    rewards = rewards[mine]
     if c.difficulty_weighting:
         adv = objective.difficulty_weights(adv, ok, G, A=c.difficulty_A, B=c.difficulty_B, rho0=c.difficulty_rho0,
                                            k=c.difficulty_k)

@@ -1,6 +1,7 @@
 """Run by torchrun, or as a plain process (tests/distributed/test_trainer_ranks.py): a short GRPO run
-of the tiny model with the given engine (hf, or vllm: one in-process engine per rank), optionally
-resumed from a checkpoint; the global batch is per_device_train_batch_size x ranks."""
+of the tiny model with the given engine (hf, or vllm: one in-process engine per rank); further
+`name=value` arguments override the config (resume_from_checkpoint=..., scale_rewards=batch); the
+global batch is per_device_train_batch_size x ranks."""
 
 import json
 import sys
@@ -13,11 +14,12 @@ from tests.tiny_model import load_tiny_model
 from tests.trainer.common import config, rows, target_fraction
 
 
-def main(model_dir: str, output_dir: str, per_device: int, engine: str, resume: str | None = None) -> None:
+def main(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_tiny_model(model_dir)
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
-               save_steps=1, engine=engine, dtype="float32", model=model_dir, resume_from_checkpoint=resume)
+               save_steps=1, engine=engine, dtype="float32", model=model_dir,
+               **dict(o.split("=", 1) for o in overrides))
     trainer = GRPOTrainer(c, [target_fraction], rows(), rows(4), model=model, tokenizer=tokenizer)
     trainer.train()
     seen = {"world": trainer.world.size, "step": trainer.state.step}
