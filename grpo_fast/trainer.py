@@ -480,26 +480,34 @@ class GRPOTrainer:
     def evaluate(self, rows: Optional[list] = None) -> dict:
         """Greedy completions for the held-out prompts (one each, whatever the rollout mode); accuracy =
         the share of correct answers: the first reward function's value > 0, whatever the shaping.
-        Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths (all, and of the right ones)."""
+        Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths (all, and of the right ones).
+        Under torchrun every rank calls it: each grades every world-size-th prompt, the scores are gathered."""
         c = self.config
         rows = (rows if rows is not None else self.eval_rows or [])[: c.eval_max_samples]
         if not rows:
             raise ValueError("evaluate() needs eval rows: pass eval_dataset to GRPOTrainer or rows= to evaluate()")
-        prompt_ids = setup.encode(rows, self.tokenizer, c)
-        groups = self.engine.generate(prompt_ids, n=1, max_new_tokens=c.eval_max_completion_length or c.max_completion_length,
-                                      temperature=0.0)
-        batch = from_engine(groups, prompt_ids, rows)
-        batch.rewards, _ = score(self.reward_funcs, batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
-        right, lengths = shaping.correct(batch.rewards), batch.completion_lengths()
-        out = {"eval/accuracy": right.float().mean().item(), "eval/reward": setup.weighted_mean(batch.rewards, c.reward_weights),
+        conversational = _conversational(rows[0][c.prompt_column])
+        mine = rows[self.world.rank :: self.world.size]  # under torchrun each rank grades its share
+        rewards = torch.empty(0, len(self.reward_funcs), dtype=torch.float64)
+        lengths, extra = torch.empty(0), torch.empty(0, len(self.eval_metrics), dtype=torch.float64)
+        if mine:
+            prompt_ids = setup.encode(mine, self.tokenizer, c)
+            groups = self.engine.generate(prompt_ids, n=1, temperature=0.0,
+                                          max_new_tokens=c.eval_max_completion_length or c.max_completion_length)
+            batch = from_engine(groups, prompt_ids, mine)
+            rewards, _ = score(self.reward_funcs, batch, c.prompt_column, conversational)
+            lengths = batch.completion_lengths()
+            if self.eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})
+                extra, _ = score(list(self.eval_metrics.values()), batch, c.prompt_column, conversational)
+        rewards, lengths, extra = (distributed.gather_uneven(t, self.world) for t in (rewards, lengths, extra))
+        right = shaping.correct(rewards)
+        out = {"eval/accuracy": right.float().mean().item(), "eval/reward": setup.weighted_mean(rewards, c.reward_weights),
                "eval/completions/mean_length": lengths.mean().item(),
                "eval/completions/mean_length_correct": lengths[right].mean().item() if right.any() else float("nan")}
         for j, f in enumerate(self.reward_funcs):
-            out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(batch.rewards[:, j])
-        if self.eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})
-            values, _ = score(list(self.eval_metrics.values()), batch, c.prompt_column, _conversational(rows[0][c.prompt_column]))
-            for name, column in zip(self.eval_metrics, values.T, strict=True):
-                out[f"eval/{name}"] = torch.nan_to_num(column, nan=0.0).mean().item()
+            out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(rewards[:, j])
+        for name, column in zip(self.eval_metrics, extra.T, strict=True):
+            out[f"eval/{name}"] = torch.nan_to_num(column, nan=0.0).mean().item()
         return out
 
     def _log_eval(self, bar) -> dict:

@@ -74,6 +74,15 @@ def gather_equal(rows: torch.Tensor, world: World) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def gather_uneven(rows: torch.Tensor, world: World) -> torch.Tensor:
+    """Every rank's `rows` (any number each, the same trailing shape), concatenated in rank order."""
+    if world.size == 1:
+        return rows
+    parts: list[Optional[torch.Tensor]] = [None] * world.size
+    dist.all_gather_object(parts, rows)
+    return torch.cat(parts)
+
+
 def any_rank(flag: bool, world: World) -> bool:
     return bool(sum_over_ranks([float(flag)], world)[0])
 

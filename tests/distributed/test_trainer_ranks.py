@@ -59,7 +59,7 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
 def _assert_trained_alike(steps1, weights1, steps2, weights2, initial):
     assert [s["step"] for s in steps2] == [s["step"] for s in steps1], "one metrics line per step and eval, by rank 0"
     for a, b in zip(steps1, steps2, strict=True):  # the same samples: the same rewards and lengths
-        for name in ("reward", "completions/mean_length", "eval/accuracy"):
+        for name in ("reward", "completions/mean_length", "eval/accuracy", "eval/completions/mean_length"):
             if name in a:
                 assert b[name] == pytest.approx(a[name], rel=1e-6), (name, a["step"])
         if "loss" in a:
