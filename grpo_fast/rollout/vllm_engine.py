@@ -251,12 +251,15 @@ class VLLMEngine(RolloutEngine):
             for prompt, budget, seed in new:
                 rid = f"round{self._rounds}-{len(finish)}"  # outputs and aborts go by this (external) id
                 index[rid] = len(finish)
-                ids.append([]), logprobs.append([]), finish.append(None), finished_at.append(None)
+                ids.append([])
+                logprobs.append([])
+                finish.append(None)
+                finished_at.append(None)
                 params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA)
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
 
-        add(requests)
-        try:
+        try:  # (an error while adding still aborts what was added)
+            add(requests)
             while engine.has_unfinished_requests():
                 running.append(sum(f is None for f in finish))
                 for out in engine.step():
