@@ -104,6 +104,7 @@ class GRPOTrainer:
         self.group_size = config.group_size  # entries per prompt in a generation batch
         torch.manual_seed(config.seed)
         self.model, self.tokenizer, self.model_path = setup.load_policy(config, model, tokenizer)
+        setup.warn_emulated_bf16(config, self.model)
         self.train_prompt_ids = setup.encode(self.train_rows, self.tokenizer, config)
         setup.check_prompt_lengths(self.train_prompt_ids, config, self.model.config, "train_dataset")
         self.ref_model = setup.frozen_copy(self.model) if config.beta > 0 else None

@@ -142,6 +142,24 @@ def train_dtype(config) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """bf16 matmul hardware on this CPU (avx512_bf16 or AMX). Without it torch emulates bf16: 1.3
+    against 175 GFLOP/s in float32 on an AVX2-only EPYC (benchmarks/results/profile_train_cpu.md)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def warn_emulated_bf16(config, model) -> None:
+    """A warning, before any work, when bf16 was asked for on a CPU that would emulate it."""
+    if next(model.parameters()).is_cuda or cpu_has_bf16_matmul():
+        return
+    asked = [what for what, on in (("mixed_precision='bf16'", config.mixed_precision == "bf16"),
+                                   ("bfloat16 weights", train_dtype(config) == torch.bfloat16)) if on]
+    if asked:
+        warnings.warn(f"{' and '.join(asked)} on a CPU without bf16 matmul hardware (no avx512_bf16, no AMX): "
+                      f"torch emulates bf16 there, about 100x slower than float32; use float32 on this machine",
+                      stacklevel=3)
+
+
 def load_policy(config, model=None, tokenizer=None):
     """(model, tokenizer, model_path): the given ones, or loaded from config.model / the default.
 

@@ -138,6 +138,22 @@ def test_mixed_precision_bf16_runs_decoder_in_bf16_keeps_weights_fp32(tmp_path, 
     assert record["skipped_steps"] == 0 and math.isfinite(record["loss"])
 
 
+@pytest.mark.parametrize("hardware", [False, True])
+def test_bf16_on_a_cpu_that_would_emulate_it_warns(tmp_path, tiny, monkeypatch, hardware):
+    import warnings
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: hardware)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    model, tokenizer = tiny
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        GRPOTrainer(config(tmp_path, mixed_precision="bf16"), [target_fraction], rows(), model=model, tokenizer=tokenizer)
+    emulated = [w for w in seen if "without bf16 matmul hardware" in str(w.message)]
+    assert len(emulated) == (0 if hardware else 1), [str(w.message) for w in seen]
+    if not hardware:
+        assert "mixed_precision='bf16'" in str(emulated[0].message)
+
+
 def test_adaptive_entropy_bonus_state_is_logged_and_checkpointed(tmp_path, tiny):
     """TRL's adaptive controller in the native trainer: no bonus in the first step (previous entropy
     +inf), the coefficient moves each step, and coefficient and last entropy are in the checkpoint."""
