@@ -116,7 +116,10 @@ def summary(name: str, raw: dict, args) -> dict:
                     max_length=max((s["max_length"] or 0) for s in steps), peak_rss_mb=raw["peak_rss_mb"], wall_curve=_curve([s["step_time_s"] for s in raw["per_step"]],
                                                                       [s["reward"] for s in raw["per_step"]]))
     gen, tokens = mean([s["time/generate"] for s in steps]), mean([s["rollout/generated_tokens"] for s in steps])
-    slots = math.ceil(groups * (1 + 0.5)) * args.n if CONFIGS[name][1] else groups * args.n  # GRPOConfig's overprovision
+    from grpo_fast.config import GRPOConfig
+
+    overprovision = GRPOConfig.__dataclass_fields__["rollout_overprovision"].default  # run_grpo_fast keeps the default
+    slots = math.ceil(groups * (1 + overprovision)) * args.n if CONFIGS[name][1] else groups * args.n
     busy = mean([s["rollout/busy_fraction"] if CONFIGS[name][1] else
                  s["completions/mean_length"] / max(s["completions/max_length"], 1) for s in steps])
     return dict(step_time_s=mean([s["step_time"] for s in steps]), generate_s=gen, train_s=mean([s["time/train"] for s in steps]),

@@ -500,7 +500,7 @@ class GRPOTrainer:
             lengths = batch.completion_lengths()
             if self.eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})
                 extra, _ = score(list(self.eval_metrics.values()), batch, c.prompt_column, conversational)
-        rewards, lengths, extra = (distributed.gather_uneven(t, self.world) for t in (rewards, lengths, extra))
+        rewards, lengths, extra = (distributed.gather_rows(t, self.world) for t in (rewards, lengths, extra))
         right = shaping.correct(rewards)
         out = {"eval/accuracy": right.float().mean().item(), "eval/reward": setup.weighted_mean(rewards, c.reward_weights),
                "eval/completions/mean_length": lengths.mean().item(),

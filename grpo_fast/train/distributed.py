@@ -65,16 +65,7 @@ def sum_over_ranks(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
-def gather_equal(rows: torch.Tensor, world: World) -> torch.Tensor:
-    """Every rank's `rows` (the same shape on each), concatenated in rank order."""
-    if world.size == 1:
-        return rows
-    parts = [torch.empty_like(rows) for _ in range(world.size)]
-    dist.all_gather(parts, rows.contiguous())
-    return torch.cat(parts)
-
-
-def gather_uneven(rows: torch.Tensor, world: World) -> torch.Tensor:
+def gather_rows(rows: torch.Tensor, world: World) -> torch.Tensor:
     """Every rank's `rows` (any number each, the same trailing shape), concatenated in rank order."""
     if world.size == 1:
         return rows

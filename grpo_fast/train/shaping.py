@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
-from .distributed import ONE_PROCESS, World, gather_equal
+from .distributed import ONE_PROCESS, World, gather_rows
 from .rollouts import Rollouts, score, weighted_rewards
 
 
@@ -45,7 +45,7 @@ def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_c
     mine = slice(None)
     if c.scale_rewards == "batch" and world.size > 1:  # the std over all ranks' rewards, as one process has it
         mine = slice(world.rank * len(rewards), (world.rank + 1) * len(rewards))
-        rewards = gather_equal(rewards, world)
+        rewards = gather_rows(rewards, world)
     adv = objective.group_advantages(rewards, G, scale_rewards=c.scale_rewards, std=c.advantage_std,
                                      reward_weights=c.reward_weights, aggregation=c.multi_objective_aggregation)[mine]
     rewards = rewards[mine]
