@@ -1,25 +1,36 @@
-"""Checkpoints: an HF-format model + tokenizer, plus optimizer, scheduler, RNG and trainer state.
+"""Checkpoints: model and optimizer in torch.distributed.checkpoint's format, plus an HF-format model,
+scheduler, RNG and trainer state. One format for every world size, one process included.
 
 Written atomically: everything goes to a hidden temporary folder next to the target, fsynced, and
-renamed into place only when complete, so a crash never leaves a half-written `checkpoint-N` or
-`final/`. The same holds for the trained model in `final/`.
+renamed into place only when complete (by rank 0, once every rank has written its shards), so a
+crash never leaves a half-written `checkpoint-N` or `final/`.
 
     <output_dir>/checkpoint-<step>/
-        model.safetensors, config.json, tokenizer files     (loadable by transformers and vLLM)
-        trainer_state.pt   {"state": TrainState as dict, "optimizer", "scheduler", "rng", "config"}
+        distributed/          model + AdamW state, torch.distributed.checkpoint: each rank writes its
+                              shards (FSDP2) or rank 0 the replicated tensors (DDP, one process); any
+                              number of ranks loads it, none at all included (no process group)
+        model.safetensors, config.json, tokenizer files     (rank 0; loadable by transformers and vLLM)
+        trainer_state.pt   {"state": TrainState as dict, "scheduler", "rng" (rank 0's), "rng_by_rank",
+                            "config", "world_size"}
+
+Checkpoints of earlier versions (the optimizer inside trainer_state.pt, no distributed/) still load.
+Many ranks write into one folder: output_dir must be on storage that every node sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import re
 import shutil
+import warnings
 
 import torch
 
 STATE_FILE = "trainer_state.pt"
+DCP_FOLDER = "distributed"
 TEMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -44,61 +55,141 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, scheduler, state: dict,
-                    config: dict, total_limit: int | None = None) -> str:
-    """Write `<output_dir>/checkpoint-<step>` atomically; prune to `total_limit` checkpoints."""
-    def write(tmp: str) -> None:
-        save_model(model, tokenizer, tmp)
-        torch.save({"state": state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_state(), "config": config}, os.path.join(tmp, STATE_FILE))
+                    config: dict, total_limit: int | None = None, parallel=None) -> str:
+    """Write `<output_dir>/checkpoint-<step>` atomically; prune to `total_limit` checkpoints.
+    parallel (train/distributed.py, None for one process): every rank calls this."""
+    from .train.distributed import ONE_PROCESS, Parallel, gather_objects
 
-    # model + AdamW's two moments (float32 each) + RNG and small state
-    needed = _tensor_bytes(model.parameters()) * 3
-    final = write_atomically(os.path.join(output_dir, f"checkpoint-{step}"), write, needed_bytes=needed)
-    if total_limit is not None:
+    parallel = parallel or Parallel(model, ONE_PROCESS)
+    world = parallel.world
+
+    def write(tmp: str) -> None:
+        save_sharded(model, optimizer, os.path.join(tmp, DCP_FOLDER))
+        rngs = gather_objects(rng_state(), world)
+        whole = parallel.full_state_dict()  # FSDP2: gathered for rank 0's HF copy (collective)
+        if world.main:
+            save_model(model, tokenizer, tmp, whole)
+        if world.main:
+            torch.save({"state": state, "scheduler": scheduler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
+                        "config": config, "world_size": world.size}, os.path.join(tmp, STATE_FILE))
+
+    # the HF model + the sharded model + AdamW's two moments (float32 each) + RNG and small state
+    needed = _tensor_bytes(model.parameters()) * 4
+    final = write_atomically(os.path.join(output_dir, f"checkpoint-{step}"), write, needed_bytes=needed, world=world)
+    if total_limit is not None and world.main:
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def save_model(model, tokenizer, folder: str) -> None:
-    """An HF folder (safetensors + config + tokenizer) that transformers and vLLM load."""
-    model.save_pretrained(folder, safe_serialization=True)
+def _model_and_optimizer(model, optimizer) -> dict:
+    """{"model", "optimizer"} state dicts keyed by parameter names, sharded as the live model is
+    (torch's get_state_dict: DTensors under FSDP2, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+@contextlib.contextmanager
+def _no_process_group_notice():
+    with warnings.catch_warnings():  # one process: "assuming the intent is to save/load in a single process"
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def save_sharded(model, optimizer, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with _no_process_group_notice():
+        dcp.save(_model_and_optimizer(model, optimizer), checkpoint_id=folder)
+
+
+def load_sharded(model, optimizer, folder: str) -> None:
+    """Load a `save_sharded` folder into the live model and optimizer, resharded to this world."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _model_and_optimizer(model, optimizer)  # (initialises AdamW's state, so it has a place to load into)
+    with _no_process_group_notice():
+        dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_model_and_optimizer(path: str, saved: dict, model, optimizer) -> None:
+    """Restore model and optimizer from checkpoint `path` (saved by any number of ranks; `saved`:
+    its `load_trainer_state`), resharded to this world."""
+    if os.path.isdir(os.path.join(path, DCP_FOLDER)):
+        load_sharded(model, optimizer, os.path.join(path, DCP_FOLDER))
+    else:  # an earlier version's checkpoint: the HF weights and the optimizer's own state dict
+        load_model_weights(model, path)
+        optimizer.load_state_dict(saved["optimizer"])
+
+
+def rank_rng_state(saved: dict, rank: int) -> dict:
+    """This rank's RNG state where the saving run had this rank, else rank 0's."""
+    by_rank = saved.get("rng_by_rank") or [saved["rng"]]
+    return by_rank[rank] if rank < len(by_rank) else by_rank[0]
+
+
+def save_model(model, tokenizer, folder: str, state_dict: dict | None = None) -> None:
+    """An HF folder (safetensors + config + tokenizer) that transformers and vLLM load; state_dict:
+    the weights to write instead of the live module's (FSDP2 holds shards)."""
+    model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
 
-def write_atomically(target: str, write, *, needed_bytes: int = 0) -> str:
+def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -> str:
     """Run `write(tmp_folder)`, fsync what it wrote, then rename the folder to `target`.
 
     A crash, a kill or a full disk at any moment leaves either the old `target` or the new one,
     never a torn one; the hidden temporary folder of a failed write is removed here, and those of a
     killed process by `remove_stale_temp_folders` at the next start. A full disk is reported as
     "no space left on <folder>" with the size the write needs (`needed_bytes`, an estimate).
+    world (many ranks): every rank calls this and writes its part into the same temporary folder;
+    rank 0 makes and renames it, and a failure on any rank fails the write on all of them.
     """
+    from .train.distributed import ONE_PROCESS, any_rank, barrier, gather_objects
+
+    world = world or ONE_PROCESS
     parent, name = os.path.split(os.path.abspath(target))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f"{TEMP_PREFIX}{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = os.path.join(parent, f"{TEMP_PREFIX}{name}-{gather_objects(os.getpid(), world)[0]}")  # rank 0's pid
+    error = None
     try:
-        os.makedirs(tmp)
+        if world.main:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier(world)
         write(tmp)
         _fsync_tree(tmp)
-        if os.path.exists(target):  # a rerun of the same step, or final/ of a resumed run: replace it
-            old = f"{tmp}.old"
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        _fsync_dir(parent)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        error = err
+    failed = any_rank(error is not None, world)
+    try:
+        if failed:
+            raise error or RuntimeError(f"writing {name}: another rank failed (its error is in its log)")
+        if world.main:
+            if os.path.exists(target):  # a rerun of the same step, or final/ of a resumed run: replace it
+                old = f"{tmp}.old"
+                os.replace(target, old)
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+            _fsync_dir(parent)
+    except BaseException as err:
+        if world.main:
+            shutil.rmtree(tmp, ignore_errors=True)
         if _disk_full(err, parent, needed_bytes):
             free = shutil.disk_usage(parent).free
             raise OSError(errno.ENOSPC, f"no space left on {parent}: writing {name} needs about "
                           f"{needed_bytes / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free "
                           f"(earlier checkpoints are intact; free space, then resume)") from None
         raise
+    finally:
+        barrier(world)  # nobody reads the target before rank 0 has renamed it
     return target
 
 
@@ -114,19 +205,25 @@ def remove_stale_temp_folders(output_dir: str) -> list[str]:
 
 
 def _disk_full(err: BaseException, folder: str, needed_bytes: int) -> bool:
-    """An ENOSPC/EDQUOT anywhere in the chain, or a write error while less than the size needed is
-    free (torch.save reports a full disk as a RuntimeError of its zip writer: "unexpected pos")."""
-    while err is not None:
+    """An ENOSPC/EDQUOT anywhere in the chain (or in a rank's failure inside torch.distributed.checkpoint's
+    CheckpointException), or a write error while less than the size needed is free (torch.save
+    reports a full disk as a RuntimeError of its zip writer: "unexpected pos")."""
+    pending, seen = [err], set()
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if isinstance(err, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < needed_bytes:
             return True
-        err = err.__cause__ or err.__context__
+        pending += [err.__cause__, err.__context__, *(exc for exc, _ in getattr(err, "failures", {}).values())]
     return False
 
 
 def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors)  # (a DTensor's numel is the whole tensor's)
 
 
 def _fsync_tree(folder: str) -> None:

@@ -39,6 +39,7 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 TRUNCATION = ("left", "error")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DISTRIBUTED_STRATEGIES = ("auto", "ddp", "fsdp2")
 
 
 def _f(default, help: str, choices: Optional[tuple] = None):
@@ -154,6 +155,7 @@ class GRPOConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
+    distributed_strategy: str = _f("auto", "Under torchrun (more than one rank): how the policy is spread. ddp: every rank holds the whole model, gradients all-reduced once per optimizer step. fsdp2: parameters, gradients and optimizer state sharded over the ranks (torch's fully_shard, one unit per decoder layer plus the root); each layer is all-gathered for its forward and backward, gradients reduce-scattered. auto: fsdp2 when parameters + gradients + AdamW's two moments would take more than half of one device's memory (a GPU's, or this host's RAM shared by its local ranks), else ddp. One process: ignored.", DISTRIBUTED_STRATEGIES)
     max_steps: int = _f(20, "Optimizer steps to train (the default run: 20 steps of 8 prompts x 8 completions; see max_train_minutes to bound the wall time instead).")
     max_train_minutes: Optional[float] = _f(None, "Stop training after this many minutes of the loop (then evaluate and save as at the end). None: no time limit.")
     seed: int = _f(42, "Seed for data order, sampling and initialisation.")

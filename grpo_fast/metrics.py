@@ -119,8 +119,8 @@ class MetricsLogger:
 class ProgressBar:
     """A rich progress bar over optimizer steps showing the key figures of the last step."""
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True):
-        self.progress, self.total = None, total
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, messages: bool = True):
+        self.progress, self.total, self.messages = None, total, messages  # messages: print() shows (rank 0's)
         if not enabled:
             return
         from rich.progress import (
@@ -149,6 +149,8 @@ class ProgressBar:
             self.progress.console.print(f"step {step}/{self.total}  {figures}")
 
     def print(self, message: str):
+        if not self.messages:
+            return
         if self.progress is not None:
             self.progress.console.print(message)
         else:

@@ -114,7 +114,10 @@ class GRPOTrainer:
         self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda),
                              amp_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None)
         self.loss_options = LossOptions.from_config(config)
-        self.ddp = distributed.data_parallel(self.model, self.world)  # None for one process
+        # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
+        self.parallel = distributed.parallelize(self.model, self.world, config.distributed_strategy)
+        self.ref_parallel = None if self.ref_model is None else distributed.parallelize(
+            self.ref_model, self.world, self.parallel.strategy, frozen=True)
         self.optimizer = setup.build_optimizer(self.model, config)
         self.scheduler = setup.build_scheduler(self.optimizer, config)
         self.state = TrainState(global_batch=config.completions_per_step * self.world.size)
@@ -297,7 +300,7 @@ class GRPOTrainer:
         options = dataclasses.replace(self.loss_options, entropy_coef=applied)
         metrics = train_step(self.model, self.optimizer, self.packer, part, options, c.max_grad_norm,
                              num_items_in_batch=max(num_items, 1.0), top_entropy_quantile=c.top_entropy_quantile,
-                             off_policy_mask_threshold=c.off_policy_mask_threshold, ddp=self.ddp, world=self.world)
+                             off_policy_mask_threshold=c.off_policy_mask_threshold, parallel=self.parallel)
         bonus_entropy = metrics.pop("bonus_entropy")
         if c.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
             state.entropy_coef = objective.adaptive_entropy_coef(
@@ -387,6 +390,14 @@ class GRPOTrainer:
         prompts, rows = [self.train_prompt_ids[i] for i in prompt_index], [self.train_rows[i] for i in prompt_index]
         if c.vllm_enable_sleep_mode:
             self.engine.wake()
+        with self._engine_weights():
+            batch = self._sample(prompts, rows, first)
+        if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
+            self.engine.sleep()
+        return batch
+
+    def _sample(self, prompts: list[list[int]], rows: list[dict], first: int) -> Rollouts:
+        c = self.config
         if c.rollout_mode == "early_exit":
             batch = rollout_modes.early_exit(self.engine, self.tokenizer, prompts, rows, c, self._next_seed)
         elif c.rollout_mode == "multi_answer":
@@ -397,9 +408,11 @@ class GRPOTrainer:
                                           temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                                           seed=prompt_seeds(self._next_seed(), len(prompts), first))
             batch = from_engine(groups, prompts, rows)
-        if c.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
-            self.engine.sleep()
         return batch
+
+    def _engine_weights(self):
+        """Where the engine samples with the policy itself (HF) under FSDP2: the whole model, gathered."""
+        return self.parallel.gathered() if self.engine_shares_weights else contextlib.nullcontext()
 
     def _next_seed(self) -> int:
         """The sampling seed of the next engine call (each call its own; a resumed run continues the sequence)."""
@@ -415,7 +428,8 @@ class GRPOTrainer:
         check = c.sampling_check_steps and self.state.step % c.sampling_check_steps == 0
         old_logp = is_weights = ref_logp = None
         if self.needs_old_logp or check:
-            trainer_logp = compute(self.model)
+            with self.parallel.gathered():  # FSDP2: one all-gather for the pass; ranks run their own micro-batches
+                trainer_logp = compute(self.model)
             stats.update(_sampling_stats(trainer_logp, batch.sampling_logp))
             # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
             old_logp = trainer_logp if self.needs_old_logp else None
@@ -429,7 +443,8 @@ class GRPOTrainer:
                               "sampling/importance_sampling_ratio/mean": flat.mean().item(),
                               "sampling/importance_sampling_ratio/max": flat.max().item()})
         if self.ref_model is not None:
-            ref_logp = compute(self.ref_model)
+            with self.ref_parallel.gathered():
+                ref_logp = compute(self.ref_model)
         return old_logp, ref_logp, is_weights, stats
 
     def _sync_weights(self):
@@ -437,7 +452,8 @@ class GRPOTrainer:
             return
         if self.config.vllm_enable_sleep_mode:
             self.engine.wake()
-        self.engine.update_weights(self.model)
+        # FSDP2: gathered layer by layer (every rank, in step); otherwise the live parameters
+        self.engine.update_weights(self.parallel.full_weights() if self.parallel.sharded else self.model)
 
     def _check_engine_sync(self, part: Rollouts) -> dict:
         """The engine's log-probs of a short greedy probe against the trainer's, after a sync; one
@@ -450,18 +466,24 @@ class GRPOTrainer:
         limit = sync_check.tolerance(getattr(self.engine, "dtype", torch.float32), setup.train_dtype(c),
                                      amp=c.mixed_precision == "bf16")
         probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
-        gap = sync_check.probe_gap(self.engine, self.model, self.packer, probe, backend=c.loss_backend)
+        gap = self._probe_gap(probe)
         if gap > limit:
             logger.warning("engine log-probs differ from the trainer's by %.3g (> %.3g) after a weight sync: syncing again",
                            gap, limit)
             self._sync_weights()
-            gap = sync_check.probe_gap(self.engine, self.model, self.packer, probe, backend=c.loss_backend)
+            gap = self._probe_gap(probe)
             if gap > limit:
                 raise RuntimeError(f"the rollout engine is out of sync with the policy after step {self.state.step}: its "
                                    f"log-probs differ from the trainer's by {gap:.3g} on average (tolerance {limit:.3g} "
                                    f"for these precisions) even after a second weight sync; training on its samples "
                                    f"would train on a stale policy")
         return {"sampling/sync_check_diff": gap}
+
+    def _probe_gap(self, probe: list[int]) -> float:
+        from .train import sync_check
+
+        with self.parallel.gathered():
+            return sync_check.probe_gap(self.engine, self.model, self.packer, probe, backend=self.config.loss_backend)
 
     def _next_prompts(self, k: int) -> list[int]:
         """The next k prompt indices in the seeded per-epoch order (wrapping into the next epoch)."""
@@ -491,10 +513,11 @@ class GRPOTrainer:
         mine = rows[self.world.rank :: self.world.size]  # under torchrun each rank grades its share
         rewards = torch.empty(0, len(self.reward_funcs), dtype=torch.float64)
         lengths, extra = torch.empty(0), torch.empty(0, len(self.eval_metrics), dtype=torch.float64)
-        if mine:
-            prompt_ids = setup.encode(mine, self.tokenizer, c)
+        prompt_ids = setup.encode(mine, self.tokenizer, c) if mine else []
+        with self._engine_weights():  # (every rank enters, its share empty or not: under FSDP2 gathering is collective)
             groups = self.engine.generate(prompt_ids, n=1, temperature=0.0,
-                                          max_new_tokens=c.eval_max_completion_length or c.max_completion_length)
+                                          max_new_tokens=c.eval_max_completion_length or c.max_completion_length) if mine else []
+        if mine:
             batch = from_engine(groups, prompt_ids, mine)
             rewards, _ = score(self.reward_funcs, batch, c.prompt_column, conversational)
             lengths = batch.completion_lengths()
@@ -549,35 +572,26 @@ class GRPOTrainer:
         return metrics
 
     def _save(self, path: Optional[str] = None, final: bool = False) -> str:
-        """A checkpoint of the whole run (or, final=True, the trained model alone into `path`)."""
-        c = self.config
-        if not self.world.main:  # rank 0 writes (the policy is the same on every rank); the others wait
-            distributed.barrier(self.world)
-            self._saved_step = self.state.step
-            return path or os.path.join(c.output_dir, f"checkpoint-{self.state.step}")
-        try:
-            return self._write(path, final)
-        finally:
-            distributed.barrier(self.world)
-
-    def _write(self, path: Optional[str], final: bool) -> str:
+        """A checkpoint of the whole run (or, final=True, the trained model alone into `path`).
+        Every rank calls it: each writes its shards, rank 0 the rest (checkpoint.py)."""
         c = self.config
         if final:
-            return checkpoint.write_atomically(
-                path, lambda tmp: checkpoint.save_model(self.model, self.tokenizer, tmp),
-                needed_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
+            def write(tmp: str) -> None:
+                whole = self.parallel.full_state_dict()  # FSDP2: gathered for rank 0 (collective)
+                if self.world.main:
+                    checkpoint.save_model(self.model, self.tokenizer, tmp, whole)
+
+            return checkpoint.write_atomically(path, write, world=self.world,
+                                               needed_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
         path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=self.model, tokenizer=self.tokenizer,
                                           optimizer=self.optimizer, scheduler=self.scheduler,
                                           state=dataclasses.asdict(self.state), config=c.to_dict(),
-                                          total_limit=c.save_total_limit)
+                                          total_limit=c.save_total_limit, parallel=self.parallel)
         self._saved_step = self.state.step
         return path
 
     def _resume(self, path: str):
         saved = checkpoint.load_trainer_state(path)
-        checkpoint.load_model_weights(self.model, path)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
         state = TrainState(**saved["state"])
         if state.global_batch and state.global_batch != self.state.global_batch:  # (0: saved before it was kept)
             raise ValueError(
@@ -587,8 +601,10 @@ class GRPOTrainer:
                 f"per_device_train_batch_size or gradient_accumulation_steps to keep the global batch (the data order "
                 f"and the next step depend on it)")
         state.global_batch = self.state.global_batch  # (a checkpoint from before it was kept: from now on)
+        checkpoint.load_model_and_optimizer(path, saved, self.model, self.optimizer)  # any world size: resharded
+        self.scheduler.load_state_dict(saved["scheduler"])
         self.state = state
-        checkpoint.set_rng_state(saved["rng"])
+        checkpoint.set_rng_state(checkpoint.rank_rng_state(saved, self.world.rank))
         self._sync_weights()
         self._saved_step = self.state.step
         logger.info("resumed from %s at step %d", path, self.state.step)
@@ -665,7 +681,7 @@ def _metrics_logger(output_dir: str, step: int):
 def _progress(config: GRPOConfig, step: int, main: bool = True):
     from .metrics import ProgressBar
 
-    return ProgressBar(config.max_steps, step, enabled=main and not config.disable_tqdm)
+    return ProgressBar(config.max_steps, step, enabled=main and not config.disable_tqdm, messages=main)
 
 
 class _OtherRankMetrics:

@@ -18,6 +18,8 @@ top_entropy_quantile, off_policy_mask_threshold, the entropy bonus (entropy_coef
 use_adaptive_entropy: its gradient from the fused pass), tool masks, tied embeddings, lm_head bias,
 cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulation, DDP.
 Anything else raises a ValueError naming the option when the trainer is built.
+DDP under accelerate / torchrun is tested on 2 CPU (gloo) processes against stock TRL's update
+(tests/integrations/test_trl_distributed.py); FSDP and DeepSpeed ZeRO-3 are refused.
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ def check_supported_trainer(trainer) -> None:
         raise ValueError("vision-language models are not supported by the fused path (images enter through the "
                          "model's own forward); use trl.GRPOTrainer")
     if getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("FSDP is not supported by the fused path (the lm_head weight is sharded); use DDP")
+        # accelerate turns FSDP on only on accelerators, so no CPU test can run TRL's FSDP path: refused, not guessed
+        raise ValueError("FSDP is not supported by the fused path: TRL's FSDP path is untested with grpo_fast's fused "
+                         "loss (which reads the whole lm_head weight, and FSDP shards it); DDP is supported (run "
+                         "without an FSDP config under accelerate launch or torchrun), or use trl.GRPOTrainer for FSDP")
     if getattr(trainer, "is_deepspeed_enabled", False) and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise ValueError("DeepSpeed ZeRO-3 is not supported by the fused path (the lm_head weight is sharded); "
                          "use ZeRO stage <= 2 or DDP")

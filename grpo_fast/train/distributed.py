@@ -10,10 +10,11 @@ controller's entropy, and the logged metrics (means over ranks, written by rank 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,11 +68,16 @@ def sum_over_ranks(values: list[float], world: World) -> list[float]:
 
 def gather_rows(rows: torch.Tensor, world: World) -> torch.Tensor:
     """Every rank's `rows` (any number each, the same trailing shape), concatenated in rank order."""
+    return rows if world.size == 1 else torch.cat(gather_objects(rows, world))
+
+
+def gather_objects(obj, world: World) -> list:
+    """Every rank's picklable `obj`, in rank order (one process: [obj])."""
     if world.size == 1:
-        return rows
-    parts: list[Optional[torch.Tensor]] = [None] * world.size
-    dist.all_gather_object(parts, rows)
-    return torch.cat(parts)
+        return [obj]
+    parts: list = [None] * world.size
+    dist.all_gather_object(parts, obj)
+    return parts
 
 
 def any_rank(flag: bool, world: World) -> bool:
@@ -111,9 +117,11 @@ def barrier(world: World) -> None:
 
 
 class DecoderForward(torch.nn.Module):
-    """The causal LM as DDP's module, its forward the decoder's (to the final hidden states). The
-    fused loss reads the lm_head weight without a forward; DDP still reduces its gradient, since its
-    hooks sit on every parameter of the module whose forward ran (docs/design.md, the spike)."""
+    """The causal LM as DDP's or FSDP2's root module, its forward the decoder's (to the final hidden
+    states). The fused loss reads the lm_head weight without a forward; DDP still reduces its
+    gradient, since its hooks sit on every parameter of the module whose forward ran, and FSDP2's
+    root keeps its own parameters (embeddings, final norm, lm_head) unsharded from its forward to
+    the end of backward (docs/design.md, the spike)."""
 
     def __init__(self, lm: torch.nn.Module, decoder: torch.nn.Module):
         super().__init__()
@@ -123,15 +131,141 @@ class DecoderForward(torch.nn.Module):
         return self._decoder[0](*args, **kwargs)
 
 
-def data_parallel(model: torch.nn.Module, world: World):
-    """DDP over the policy (None for one process): call it where the decoder would be called."""
-    if world.size == 1:
-        return None
-    from torch.nn.parallel import DistributedDataParallel
+def choose_strategy(model: torch.nn.Module, strategy: str) -> str:
+    """ddp or fsdp2 for `distributed_strategy` ("auto": fsdp2 when parameters, gradients and AdamW's
+    two float32 moments would take more than half of one device: a GPU, or this host's RAM shared by
+    the ranks on it)."""
+    if strategy != "auto":
+        return strategy
+    params = list(model.parameters())
+    need = sum(p.numel() * (2 * p.element_size() + 8) for p in params)
+    device = params[0].device
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "fsdp2" if need > 0.5 * have else "ddp"
 
+
+class Parallel:
+    """The policy (or the frozen reference) on this process's ranks, and the few things the loop asks of it.
+
+    `forward`: what to call where the decoder would be called (the DDP module or the FSDP2 root), or
+    None for one process. Under FSDP2 every forward is a collective (each layer is all-gathered), so
+    ranks must run the same number of them: `rounds(n)` is the count every rank runs, and passes
+    that are not training (the old-policy and reference log-probs, the HF engine's sampling, the
+    sync probe) run inside `gathered()`, where the whole model is unsharded
+    once (one all-gather per pass, not per micro-batch) and behaves as a plain local model.
+    """
+
+    def __init__(self, lm: torch.nn.Module, world: World, strategy: str = "none", forward=None):
+        self.lm, self.world, self.strategy, self.forward = lm, world, strategy, forward
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp2"
+
+    def rounds(self, n: int) -> int:
+        """Forward passes every rank runs when this one has `n` to run (FSDP2: the most of any rank)."""
+        if not self.sharded:
+            return n
+        t = torch.tensor([n])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _units(self) -> dict[str, torch.nn.Module]:
+        """The FSDP2 units inside the causal LM by name: its decoder layers (the root wraps the LM)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return {name: m for name, m in self.lm.named_modules() if isinstance(m, FSDPModule)}
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """The whole model unsharded on every rank (FSDP2; nothing to do otherwise): forwards inside
+        are local, so ranks may run different numbers of them. Collective: every rank enters."""
+        if not self.sharded:
+            yield
+            return
+        units = list(self._units().values())
+        self.forward.unshard()
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)  # stays whole across the forwards inside
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_reshard_after_forward(True, recurse=False)
+                unit.reshard()
+            self.forward.reshard()
+
+    def full_state_dict(self) -> Optional[dict]:
+        """FSDP2: the whole state dict on rank 0's CPU (empty on the others), for the HF copy of a
+        checkpoint; None otherwise (the live module's own). Collective. (FSDP2's state_dict() is
+        sharded even inside gathered().)"""
+        if not self.sharded:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) for every parameter of the causal LM, for the engine's weight sync.
+
+        FSDP2: gathered one decoder layer at a time (the root's parameters first), each yielded as a
+        copy before the layer is resharded, so the extra memory is one layer plus the consumer's
+        bucket, never the whole model. Collective: every rank iterates to the end, in the same order.
+        """
+        if not self.sharded:
+            yield from self.lm.named_parameters()
+            return
+        units = self._units()
+        self.forward.unshard()
+        try:
+            in_units = tuple(f"{name}." for name in units)
+            for name, param in self.lm.named_parameters():  # the root's own: embeddings, final norm, lm_head
+                if not name.startswith(in_units):
+                    yield name, param.detach().clone()
+            for prefix, unit in units.items():
+                unit.unshard()
+                for name, param in unit.named_parameters():
+                    yield f"{prefix}.{name}", param.detach().clone()
+                unit.reshard()
+        finally:
+            self.forward.reshard()
+
+
+def parallelize(model: torch.nn.Module, world: World, strategy: str = "auto", frozen: bool = False) -> Parallel:
+    """The policy wrapped for `world` (one process: as it is). DDP: the causal LM in
+    DistributedDataParallel; FSDP2: `fully_shard` on each decoder layer, then on the root (so
+    embeddings, final norm and lm_head are one unit, whole from the root's forward to the end of its
+    backward: the fused loss reads the lm_head weight there). frozen: the reference model, which is
+    never trained: sharded under FSDP2 like the policy, as it is under DDP."""
     from ..models.adapter import causal_lm_of, decoder_of
 
     lm = causal_lm_of(model)
-    device = next(lm.parameters()).device
-    return DistributedDataParallel(DecoderForward(lm, decoder_of(lm)),
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+    if world.size == 1:
+        return Parallel(lm, world)
+    strategy = choose_strategy(lm, strategy)
+    decoder = decoder_of(lm)
+    root = DecoderForward(lm, decoder)
+    if strategy == "ddp":
+        if frozen:
+            return Parallel(lm, world, "ddp")
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(lm.parameters()).device
+        return Parallel(lm, world, "ddp", DistributedDataParallel(root, device_ids=[device.index] if device.type == "cuda" else None))
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"distributed_strategy='fsdp2' shards a decoder by its layers, and {type(decoder).__name__} "
+                         f"has no .layers; use distributed_strategy='ddp'")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(root)
+    # FSDP2 takes the first unit whose forward runs as the root; the HF engine's sampling runs a
+    # layer first (inside gathered()), so settle it on the root now
+    root._get_fsdp_state()._lazy_init()
+    return Parallel(lm, world, "fsdp2", root)

@@ -33,7 +33,7 @@ import torch
 from .. import objective
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
-from .distributed import ONE_PROCESS, World, any_rank, sum_over_ranks
+from .distributed import ONE_PROCESS, Parallel, any_rank, sum_over_ranks
 from .forward import Packer, completion_hidden, policy_parts
 from .rollouts import Rollouts
 
@@ -53,16 +53,19 @@ def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
 
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
                num_items_in_batch: Optional[float] = None, *, top_entropy_quantile: float = 1.0,
-               off_policy_mask_threshold: Optional[float] = None, ddp=None, world: World = ONE_PROCESS) -> dict:
+               off_policy_mask_threshold: Optional[float] = None, parallel: Optional[Parallel] = None) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
     (loss, kl, entropy, the loss type's metrics, policy_loss, grad_norm, skipped, num_tokens) and
     `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
     TRL's adaptive controller reads). num_items_in_batch: the normaliser of dapo, cispo and vespo
     (default: this step's trainable tokens). options.entropy_coef: the bonus applied in this step.
-    ddp, world: many ranks (train/distributed.py): the decoder runs through the DDP module, gradients
-    are all-reduced at the last micro-batch only, and a non-finite loss on any rank skips the step
-    on all of them."""
-    base, weight, bias = policy_parts(model)
+    parallel: many ranks (train/distributed.py): the decoder runs through the DDP module or the FSDP2
+    root; DDP all-reduces the gradients at the last micro-batch only, FSDP2 reduce-scatters them at
+    each (its forwards are collectives, so every rank runs as many micro-batches as the busiest one,
+    the extra ones backing a zero); a non-finite loss on any rank skips the step on all of them."""
+    world = ONE_PROCESS if parallel is None else parallel.world
+    ddp = None if parallel is None else parallel.forward  # the wrapped policy, whose forward is the decoder's
+    base = policy_parts(model, whole=False)[0]
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
@@ -70,12 +73,16 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
-    if ddp is not None and not micro_batches:  # nothing to train on this rank: still meet the all-reduce
-        _zero_backward(ddp, base, packer)
+    if parallel is not None and parallel.strategy == "ddp" and not micro_batches:
+        _zero_backward(model, ddp, base, packer)  # nothing to train on this rank: still meet the all-reduce
+    for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
+        _zero_backward(model, ddp, base, packer)  # FSDP2: as many forwards and backwards as the busiest rank
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
-        with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():  # one all-reduce a step
+        no_sync = ddp is not None and parallel.strategy == "ddp" and not last
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():  # one all-reduce a step
             hidden = completion_hidden(base, mb, packer.amp_dtype, forward=ddp)
+            _, weight, bias = policy_parts(model)  # after the forward: FSDP2 has unsharded the root by now
             mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
             if batch.loss_mask is not None:
                 mask = mask & (mb.pad(batch.loss_mask) > 0)
@@ -124,7 +131,8 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     skipped = any_rank(skipped, world)
     if not skipped:
         clip = max_grad_norm if max_grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP2: a DTensor
         skipped = not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
@@ -140,12 +148,13 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     return out
 
 
-def _zero_backward(ddp, base, packer: Packer) -> None:
-    """A forward of one token through the DDP module and the backward of zero times it: a rank with
-    no trainable completion takes part in the step's gradient all-reduce with zero gradients."""
+def _zero_backward(model, forward, base, packer: Packer) -> None:
+    """A forward of one token through the wrapped policy and the backward of zero times it: a rank
+    with fewer micro-batches than another takes part in the gradient all-reduce (DDP) or in the
+    layers' all-gathers and reduce-scatters (FSDP2) with zero gradients."""
     (mb,) = packer.micro_batches([[0]], [[0]])
-    hidden = completion_hidden(base, mb, packer.amp_dtype, forward=ddp)
-    _, weight, bias = policy_parts(ddp.module.lm)  # an untied lm_head gets no gradient from the decoder
+    hidden = completion_hidden(base, mb, packer.amp_dtype, forward=forward)
+    _, weight, bias = policy_parts(model)  # an untied lm_head gets no gradient from the decoder
     zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0)
     zero.backward()
 

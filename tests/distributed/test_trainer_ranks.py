@@ -26,34 +26,81 @@ def _run(cmd, out):
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{"))), steps, load_file(out / "final" / "model.safetensors")
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, engine):
+def _one(tiny_model_dir, out, engine, *overrides):
+    return _run([sys.executable, SCRIPT, tiny_model_dir, str(out), "16", engine, *overrides], out)
+
+
+def _two(tiny_model_dir, out, engine, *overrides):
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
+                 tiny_model_dir, str(out), "8", engine, *overrides], out)
+
+
+def _sampled(out, world):
+    """Per reward call (train and eval), the completions every rank sampled, as one sorted list."""
+    ranks = [json.loads((out / f"sampled-rank{r}.json").read_text()) for r in range(world)]
+    return [sorted(tuple(ids) for rank in ranks for ids in rank[call]) for call in range(len(ranks[0]))]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory):
+    """The reference: one process, the HF engine, 16 completions per step."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    return out, *_one(tiny_model_dir, out, "hf")
+
+
+@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("ddp", "vllm"), ("fsdp2", "hf")])
+def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, strategy, engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
-    one, two = tmp_path / "one", tmp_path / "two"
-    seen1, steps1, weights1 = _run([sys.executable, SCRIPT, tiny_model_dir, str(one), "16", engine], one)
-    seen2, steps2, weights2 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                    "2", SCRIPT, tiny_model_dir, str(two), "8", engine], two)
-    assert seen1 == {"world": 1, "step": 2}
-    assert seen2 == {"world": 2, "step": 2} | ({"all_reduce_after_close": 2.0} if engine == "vllm" else {})
+        one = tmp_path / "one"
+        seen1, steps1, weights1 = _one(tiny_model_dir, one, engine)
+    else:
+        one, seen1, steps1, weights1 = one_process
+    two = tmp_path / "two"
+    seen2, steps2, weights2 = _two(tiny_model_dir, two, engine, f"distributed_strategy={strategy}")
+    assert _sampled(two, 2) == _sampled(one, 1), "2 ranks sample exactly what one process samples"
+    assert seen1 == {"world": 1, "step": 2, "strategy": "none"}
+    assert seen2 == {"world": 2, "step": 2, "strategy": strategy} | ({"all_reduce_after_close": 2.0} if engine == "vllm" else {})
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
     _assert_trained_alike(steps1, weights1, steps2, weights2, initial)
     assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2"]
     assert (two / "final").is_dir()
-    if engine == "hf":  # one checkpoint format for any number of ranks: 2 -> 1 with the same global batch
-        resumed = tmp_path / "resumed"
-        _, steps3, weights3 = _run([sys.executable, SCRIPT, tiny_model_dir, str(resumed), "16", engine,
-                                    f"resume_from_checkpoint={two / 'checkpoint-1'}"], resumed)
-        assert [s["step"] for s in steps3 if "loss" in s] == [2]
-        assert steps3[0]["reward"] == pytest.approx(steps1[-2]["reward"], rel=1e-6), "step 2 samples as before"
-        for name, w in weights1.items():
-            update = (w - initial[name]).abs().max()
-            assert (weights3[name] - w).abs().max() <= 1e-2 * update, name
-        other = subprocess.run([sys.executable, SCRIPT, tiny_model_dir, str(tmp_path / "other"), "8", engine,
-                                f"resume_from_checkpoint={two / 'checkpoint-1'}"], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
-                               capture_output=True, text=True, timeout=600)
-        assert other.returncode != 0 and "with 16 completions per step over all ranks" in other.stderr
-        assert "per_device_train_batch_size x ranks x gradient_accumulation_steps = 8 x 1 x 1 = 8" in other.stderr
+    if engine == "vllm":
+        return
+    # one checkpoint format for any number of ranks: 2 -> 1 with the same global batch
+    resumed = tmp_path / "resumed"
+    _, steps3, weights3 = _one(tiny_model_dir, resumed, engine, f"resume_from_checkpoint={two / 'checkpoint-1'}")
+    _assert_resumed_like(steps3, weights3, steps1, weights1, initial)
+    if strategy == "fsdp2":  # and 1 -> 2: a one-process checkpoint sharded over two ranks
+        resumed2 = tmp_path / "resumed2"
+        _, steps4, weights4 = _two(tiny_model_dir, resumed2, engine, "distributed_strategy=fsdp2",
+                                   f"resume_from_checkpoint={one / 'checkpoint-1'}")
+        _assert_resumed_like(steps4, weights4, steps1, weights1, initial)
+        return
+    other = subprocess.run([sys.executable, SCRIPT, tiny_model_dir, str(tmp_path / "other"), "8", engine,
+                            f"resume_from_checkpoint={two / 'checkpoint-1'}"], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode != 0 and "with 16 completions per step over all ranks" in other.stderr
+    assert "per_device_train_batch_size x ranks x gradient_accumulation_steps = 8 x 1 x 1 = 8" in other.stderr
+
+
+def _assert_resumed_like(steps, weights, steps1, weights1, initial):
+    """A run resumed from checkpoint-1 trains step 2 as the uninterrupted run did."""
+    assert [s["step"] for s in steps if "loss" in s] == [2]
+    assert steps[0]["reward"] == pytest.approx(steps1[-2]["reward"], rel=1e-6), "step 2 samples as before"
+    _assert_same_weights(weights, weights1, initial)
+
+
+def _assert_same_weights(weights, reference, initial):
+    """The same update up to float reduction order: per tensor within 1% of its largest update (Adam
+    magnifies order effects where gradients are ~0), over the whole model within 1e-3 of the update."""
+    diff = update = 0.0
+    for name, w in reference.items():
+        change = (w - initial[name]).abs().max()
+        assert change > 0 and (weights[name] - w).abs().max() <= 1e-2 * change, (name, float((weights[name] - w).abs().max()), float(change))
+        diff += float(((weights[name] - w) ** 2).sum())
+        update += float(((w - initial[name]) ** 2).sum())
+    assert diff ** 0.5 <= 1e-3 * update ** 0.5, f"relative update difference {(diff / update) ** 0.5:.2e}"
 
 
 def _assert_trained_alike(steps1, weights1, steps2, weights2, initial):
@@ -65,18 +112,14 @@ def _assert_trained_alike(steps1, weights1, steps2, weights2, initial):
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
-    for name, w in weights1.items():  # the same updates, up to reduction order (Adam magnifies it where grads ~ 0)
-        update = (w - initial[name]).abs().max()
-        assert update > 0 and (weights2[name] - w).abs().max() <= 1e-2 * update, name
+    _assert_same_weights(weights2, weights1, initial)
 
 
 def test_batch_scaled_advantages_use_every_ranks_rewards(tmp_path, tiny_model_dir):
     """scale_rewards='batch' divides by the std of the whole generation batch: 2 ranks, each holding
     half of it, must gather the other's rewards to train like one process."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    _, steps1, weights1 = _run([sys.executable, SCRIPT, tiny_model_dir, str(one), "16", "hf", "scale_rewards=batch"], one)
-    _, steps2, weights2 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                                SCRIPT, tiny_model_dir, str(two), "8", "hf", "scale_rewards=batch"], two)
+    _, steps1, weights1 = _one(tiny_model_dir, tmp_path / "one", "hf", "scale_rewards=batch")
+    _, steps2, weights2 = _two(tiny_model_dir, tmp_path / "two", "hf", "scale_rewards=batch")
     _assert_trained_alike(steps1, weights1, steps2, weights2, load_file(Path(tiny_model_dir) / "model.safetensors"))
 
 

@@ -1,7 +1,8 @@
 """Run by torchrun, or as a plain process (tests/distributed/test_trainer_ranks.py): a short GRPO run
 of the tiny model with the given engine (hf, or vllm: one in-process engine per rank); further
-`name=value` arguments override the config (resume_from_checkpoint=..., scale_rewards=batch); the
-global batch is per_device_train_batch_size x ranks."""
+`name=value` arguments override the config (resume_from_checkpoint=..., scale_rewards=batch,
+distributed_strategy=fsdp2); the global batch is per_device_train_batch_size x ranks. Each rank writes
+the completion ids it sampled, per reward call (train and eval), to sampled-rank<r>.json."""
 
 import json
 import sys
@@ -20,9 +21,18 @@ def main(model_dir: str, output_dir: str, per_device: int, engine: str, *overrid
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
                save_steps=1, engine=engine, dtype="float32", model=model_dir,
                **dict(o.split("=", 1) for o in overrides))
-    trainer = GRPOTrainer(c, [target_fraction], rows(), rows(4), model=model, tokenizer=tokenizer)
+    sampled = []
+
+    def reward(prompts, completions, completion_ids, **columns):  # records what this rank sampled, then scores it
+        sampled.append(completion_ids)
+        return target_fraction(prompts, completions, completion_ids, **columns)
+
+    reward.__name__ = "target_fraction"
+    trainer = GRPOTrainer(c, [reward], rows(), rows(4), model=model, tokenizer=tokenizer)
     trainer.train()
-    seen = {"world": trainer.world.size, "step": trainer.state.step}
+    seen = {"world": trainer.world.size, "step": trainer.state.step, "strategy": trainer.parallel.strategy}
+    rank = trainer.world.rank
+    (Path(output_dir) / f"sampled-rank{rank}.json").write_text(json.dumps(sampled))
     if engine == "vllm" and trainer.world.size > 1:  # closing an engine leaves the trainer's process group alive
         trainer.engine.close()
         total = torch.tensor([1.0])

@@ -89,13 +89,17 @@ def test_the_lock_dies_with_its_process(tmp_path):
             time.sleep(0.05)
 
 
-def test_full_disk_names_the_folder_and_size_and_leaves_no_temp_folder(tmp_path, tiny, monkeypatch):
-    real_save, calls = checkpoint.torch.save, []
+@pytest.mark.parametrize("where", ["state", "shards"])
+def test_full_disk_names_the_folder_and_size_and_leaves_no_temp_folder(tmp_path, tiny, monkeypatch, where):
+    """The disk fills while checkpoint-2 is written: in its trainer state, or in the model and
+    optimizer shards (inside torch.distributed.checkpoint, which wraps the error in its own)."""
+    real_save, states = checkpoint.torch.save, []
 
     def save(obj, path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
+        if str(path).endswith(checkpoint.STATE_FILE):
+            states.append(path)
+        if len(states) == (2 if where == "state" else 1) and (where == "state") == isinstance(path, str):
+            raise OSError(errno.ENOSPC, "No space left on device")  # ("shards": DCP saves into a buffer)
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.torch, "save", save)
