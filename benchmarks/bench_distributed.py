@@ -163,21 +163,11 @@ def timed_wait(log: CommLog, kind: str, nbytes: int, work_fn):
 
 def wrap(lm, world, strategy: str):
     """(the module to call where the decoder would be, whole weights for the engine: a function
-    returning (name, tensor) pairs): the trainer's own `parallelize`, or, in a checkout without it,
-    the same wrapping done here (DDP over DecoderForward; fully_shard per layer, then the root)."""
-    from grpo_fast.models.adapter import decoder_of
+    returning (name, tensor) pairs), from the trainer's own `parallelize`."""
     from grpo_fast.train import distributed
 
-    if hasattr(distributed, "parallelize"):
-        parallel = distributed.parallelize(lm, world, strategy)
-        return parallel.forward, parallel.full_weights
-    if strategy == "ddp":
-        return distributed.data_parallel(lm, world), lm.named_parameters
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in lm.model.layers:
-        fully_shard(layer)
-    return fully_shard(distributed.DecoderForward(lm, decoder_of(lm))), None
+    parallel = distributed.parallelize(lm, world, strategy)
+    return parallel.forward, parallel.full_weights
 
 
 def measure_ddp(shape: str, tokens: int, steps: int, world) -> dict:
@@ -280,7 +270,7 @@ def timed_comms(log: CommLog):
 
 def shard(lm, world, log: CommLog):
     """The FSDP2 root (every decoder layer a unit, then the root: embeddings, final norm and the tied
-    lm_head), every unit given the timed comms; and the trainer's whole-weights iterator, if any."""
+    lm_head), every unit given the timed comms; and the trainer's whole-weights iterator."""
     from torch.distributed.fsdp import FSDPModule
 
     root, whole_weights = wrap(lm, world, "fsdp2")
@@ -335,9 +325,8 @@ def measure_fsdp2(shape: str, tokens: int, steps: int, world) -> dict:
         return dict(count=runs[-1]["all_gather_count"], wall_s=median_of(runs, "wall_s"), copy_s=median_of(runs, "copy_s"),
                     **gathered, runs=runs)
 
-    syncs = {"per_parameter": summary(repeat(lambda: sync_weights(lambda: per_parameter_gathers(lm, log)), steps))}
-    if whole_weights is not None:
-        syncs["trainer"] = summary(repeat(lambda: sync_weights(whole_weights), steps))
+    syncs = {"per_parameter": summary(repeat(lambda: sync_weights(lambda: per_parameter_gathers(lm, log)), steps)),
+             "trainer": summary(repeat(lambda: sync_weights(whole_weights), steps))}
     return dict(
         layer_bytes=layer_bytes, units=units,
         micro_no_sync_s=median_of(no_sync, "wall_s"), micro_sync_s=median_of(synced, "wall_s"),

@@ -43,7 +43,14 @@ def join() -> World:
     if not dist.is_initialized():
         if torch.cuda.is_available():  # NCCL for the gradients, gloo for the small CPU reductions below
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        # torchrun's workers all talk to the agent's store, which outlives a restart: the keys of the
+        # failed attempt's process group (gloo's peer addresses) are still there, and a restarted
+        # worker that reads them connects to a dead peer ("Gloo connectFullMesh failed ... Connection
+        # refused"). So each attempt gets its own key space.
+        store, rank, size = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                store=dist.PrefixStore(f"grpo_fast/attempt-{attempt}", store), rank=rank, world_size=size)
     return World(dist.get_rank(), dist.get_world_size())
 
 

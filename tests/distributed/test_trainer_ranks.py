@@ -41,21 +41,26 @@ def _sampled(out, world):
     return [sorted(tuple(ids) for rank in ranks for ids in rank[call]) for call in range(len(ranks[0]))]
 
 
+_ONE_PROCESS = {}
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, tmp_path_factory):
-    """The reference: one process, the HF engine, 16 completions per step."""
-    out = tmp_path_factory.mktemp("one") / "run"
-    return out, *_one(tiny_model_dir, out, "hf")
+    """The reference runs, made once per engine: one process, 16 completions per step."""
+    def run(engine: str):
+        if engine not in _ONE_PROCESS:
+            out = tmp_path_factory.mktemp(f"one-{engine}") / "run"
+            _ONE_PROCESS[engine] = (out, *_one(tiny_model_dir, out, engine))
+        return _ONE_PROCESS[engine]
+
+    return run
 
 
-@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("ddp", "vllm"), ("fsdp2", "hf")])
+@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("ddp", "vllm"), ("fsdp2", "hf"), ("fsdp2", "vllm")])
 def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, strategy, engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
-        one = tmp_path / "one"
-        seen1, steps1, weights1 = _one(tiny_model_dir, one, engine)
-    else:
-        one, seen1, steps1, weights1 = one_process
+    one, seen1, steps1, weights1 = one_process(engine)
     two = tmp_path / "two"
     seen2, steps2, weights2 = _two(tiny_model_dir, two, engine, f"distributed_strategy={strategy}")
     assert _sampled(two, 2) == _sampled(one, 1), "2 ranks sample exactly what one process samples"
@@ -65,7 +70,9 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
     _assert_trained_alike(steps1, weights1, steps2, weights2, initial)
     assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2"]
     assert (two / "final").is_dir()
-    if engine == "vllm":
+    if engine == "vllm":  # every rank's engine took the synced weights (a rank above the bound stops the run)
+        gaps = [s["sampling/sync_check_diff"] for s in steps2 if "loss" in s]
+        assert len(gaps) == 2 and max(gaps) <= 1e-3, gaps
         return
     # one checkpoint format for any number of ranks: 2 -> 1 with the same global batch
     resumed = tmp_path / "resumed"
@@ -136,3 +143,17 @@ def test_cli_launches_torchrun_for_one_node(tmp_path, tiny_model_dir):
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 1], "eval, the step, eval: written once each"
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_from_its_checkpoint(tmp_path, tiny_model_dir, one_process):
+    """torchrun --max-restarts 1: rank 1 is killed (SIGKILL) after step 2's update, before its checkpoint;
+    torchrun restarts both workers, which resume from checkpoint-1 by themselves (TORCHELASTIC_RESTART_COUNT
+    > 0) and end with the weights of the uninterrupted run."""
+    _, _, steps1, weights1 = one_process("hf")
+    out = tmp_path / "elastic"
+    seen, steps, weights = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                 "--max-restarts", "1", SCRIPT, tiny_model_dir, str(out), "8", "hf",
+                                 "kill_rank_after_step=1:2"], out)
+    assert seen == {"world": 2, "step": 2, "strategy": "ddp", "attempt": 1}, "the restarted workers finished the run"
+    assert [s["step"] for s in steps if "loss" in s] == [1, 2], "step 2 logged once, by the restarted run"
+    _assert_same_weights(weights, weights1, load_file(Path(tiny_model_dir) / "model.safetensors"))

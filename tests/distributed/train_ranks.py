@@ -1,10 +1,12 @@
 """Run by torchrun, or as a plain process (tests/distributed/test_trainer_ranks.py): a short GRPO run
 of the tiny model with the given engine (hf, or vllm: one in-process engine per rank); further
 `name=value` arguments override the config (resume_from_checkpoint=..., scale_rewards=batch,
-distributed_strategy=fsdp2); the global batch is per_device_train_batch_size x ranks. Each rank writes
+distributed_strategy=fsdp2; kill_rank_after_step=R:N, a fault for the elastic-restart test); the global batch is per_device_train_batch_size x ranks. Each rank writes
 the completion ids it sampled, per reward call (train and eval), to sampled-rank<r>.json."""
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -18,9 +20,12 @@ from tests.trainer.common import config, rows, target_fraction
 def main(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_tiny_model(model_dir)
+    overrides = dict(o.split("=", 1) for o in overrides)
+    kill = overrides.pop("kill_rank_after_step", None)  # "R:N": rank R kills itself after step N (first attempt only)
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
-               save_steps=1, engine=engine, dtype="float32", model=model_dir,
-               **dict(o.split("=", 1) for o in overrides))
+               save_steps=1, engine=engine, dtype="float32", model=model_dir, **overrides)
+    if kill is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        _kill_after_step(*map(int, kill.split(":")))
     sampled = []
 
     def reward(prompts, completions, completion_ids, **columns):  # records what this rank sampled, then scores it
@@ -31,6 +36,8 @@ def main(model_dir: str, output_dir: str, per_device: int, engine: str, *overrid
     trainer = GRPOTrainer(c, [reward], rows(), rows(4), model=model, tokenizer=tokenizer)
     trainer.train()
     seen = {"world": trainer.world.size, "step": trainer.state.step, "strategy": trainer.parallel.strategy}
+    if kill is not None:  # which torchrun attempt finished the run
+        seen["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = trainer.world.rank
     (Path(output_dir) / f"sampled-rank{rank}.json").write_text(json.dumps(sampled))
     if engine == "vllm" and trainer.world.size > 1:  # closing an engine leaves the trainer's process group alive
@@ -40,6 +47,19 @@ def main(model_dir: str, output_dir: str, per_device: int, engine: str, *overrid
         seen["all_reduce_after_close"] = total.item()
     if trainer.world.main:
         print(json.dumps(seen), flush=True)
+
+
+def _kill_after_step(rank: int, step: int) -> None:
+    """SIGKILL this process on `rank` right after optimizer step `step` (before that step's checkpoint)."""
+    real = GRPOTrainer._optimizer_step
+
+    def optimizer_step(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if self.world.rank == rank and self.state.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    GRPOTrainer._optimizer_step = optimizer_step
 
 
 if __name__ == "__main__":
