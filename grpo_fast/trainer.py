@@ -467,12 +467,12 @@ class GRPOTrainer:
                                      amp=c.mixed_precision == "bf16")
         probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
         gap = self._probe_gap(probe)
-        if gap > limit:
+        if distributed.any_rank(gap > limit, self.world):  # (every rank re-syncs: under FSDP2 a sync is collective)
             logger.warning("engine log-probs differ from the trainer's by %.3g (> %.3g) after a weight sync: syncing again",
                            gap, limit)
             self._sync_weights()
             gap = self._probe_gap(probe)
-            if gap > limit:
+            if distributed.any_rank(gap > limit, self.world):
                 raise RuntimeError(f"the rollout engine is out of sync with the policy after step {self.state.step}: its "
                                    f"log-probs differ from the trainer's by {gap:.3g} on average (tolerance {limit:.3g} "
                                    f"for these precisions) even after a second weight sync; training on its samples "

@@ -125,8 +125,8 @@ def test_final_model_is_written_atomically(tmp_path, tiny, monkeypatch):
     before = (final / "model.safetensors").read_bytes()
     real_save_model = checkpoint.save_model
 
-    def torn(model, tokenizer, folder):
-        real_save_model(model, tokenizer, folder)
+    def torn(model, tokenizer, folder, state_dict=None):
+        real_save_model(model, tokenizer, folder, state_dict)
         with open(os.path.join(folder, "config.json"), "w") as f:
             f.write('{"torn":')
         raise KeyboardInterrupt  # killed while writing
