@@ -89,7 +89,7 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False):
         self.config = config
-        self.world = distributed.join()  # under torchrun: this rank's place; one process: World()
+        self.world = distributed.join(config.distributed_strategy)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:
             distributed.check_config(config)
         if config.max_staleness and engine is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 class World:
     rank: int = 0
     size: int = 1
+    joined: bool = False  # a torch.distributed group spans this world (torchrun), even of one rank
 
     @property
     def main(self) -> bool:
@@ -34,11 +35,12 @@ class World:
 ONE_PROCESS = World()
 
 
-def join() -> World:
+def join(strategy: str = "auto") -> World:
     """The torchrun world of this process (its default group made if nobody made it yet: NCCL with
-    one GPU per rank, else gloo), or ONE_PROCESS."""
+    one GPU per rank, else gloo), or ONE_PROCESS. A torchrun world of one rank is one process too,
+    unless `distributed_strategy='fsdp2'` asks for FSDP2 there (a check of the sharded path on one GPU)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
+    if size == 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
         return ONE_PROCESS
     if not dist.is_initialized():
         if torch.cuda.is_available():  # NCCL for the gradients, gloo for the small CPU reductions below
@@ -51,7 +53,7 @@ def join() -> World:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                                 store=dist.PrefixStore(f"grpo_fast/attempt-{attempt}", store), rank=rank, world_size=size)
-    return World(dist.get_rank(), dist.get_world_size())
+    return World(dist.get_rank(), dist.get_world_size(), joined=True)
 
 
 def check_config(config) -> None:
@@ -251,7 +253,7 @@ def parallelize(model: torch.nn.Module, world: World, strategy: str = "auto", fr
     from ..models.adapter import causal_lm_of, decoder_of
 
     lm = causal_lm_of(model)
-    if world.size == 1:
+    if not world.joined or (world.size == 1 and strategy != "fsdp2"):
         return Parallel(lm, world)
     strategy = choose_strategy(lm, strategy)
     decoder = decoder_of(lm)

@@ -139,6 +139,17 @@ def test_global_statistics_and_side_passes_train_like_one_process(tmp_path, tiny
         assert kl1 > 0 and kl2 > 0, (kl1, kl2)
 
 
+def test_fsdp2_on_one_rank_trains_like_one_process(tmp_path, tiny_model_dir, one_process):
+    """torchrun with one rank and distributed_strategy=fsdp2 runs the sharded path (a mesh of one: the
+    CPU twin of the single-GPU FSDP2 check) and trains as one plain process does."""
+    _, _, steps1, weights1 = one_process("hf")
+    out = tmp_path / "fsdp2-one"
+    seen, steps, weights = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                                 SCRIPT, tiny_model_dir, str(out), "16", "hf", "distributed_strategy=fsdp2"], out)
+    assert seen == {"world": 1, "step": 2, "strategy": "fsdp2"}
+    _assert_trained_alike(steps1, weights1, steps, weights, load_file(Path(tiny_model_dir) / "model.safetensors"))
+
+
 def test_cli_launches_torchrun_for_one_node(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo_fast.cli", "train", "--nproc_per_node", "2", "--model", tiny_model_dir,
