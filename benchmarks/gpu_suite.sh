@@ -8,8 +8,12 @@
 #   1. pytest -m gpu tests/kernels, tests/ops      -> pytest.log   (compiled kernels vs the reference)
 #   2. benchmarks/check_gpu.py --sweep              -> check_gpu.{json,md}  (matmul peak, fused vs floor)
 #   3. benchmarks/bench_loss.py --device cuda       -> bench_loss.*  (plain PyTorch / Liger / grpo_fast)
-# plus suite.log (all output) and summary.md. A failing stage is reported and the next one still runs;
-# the exit status is the number of failed stages.
+#   4. benchmarks/check_trainer_gpu.py              -> check_trainer.json (GRPOTrainer on CUDA: bf16
+#      weights, bf16 autocast, FSDP2 on one rank over NCCL; packed = padded log-probs; peak memory)
+# plus suite.log (all output, the pytest logs included) and summary.md (with check_trainer's table).
+# Each stage runs alone too: GPU_SUITE_STAGES="trainer check-gpu" bash benchmarks/gpu_suite.sh OUTDIR
+# (names: pytest-kernels pytest-ops check-gpu bench-loss trainer). A failing stage is reported and
+# the next one still runs; the exit status is the number of failed stages.
 set -u -o pipefail
 
 OUT=${1:?usage: gpu_suite.sh OUTDIR}
@@ -38,7 +42,9 @@ fi
 
 echo "== gpu_suite $(date -u +%FT%TZ) in $ROOT, git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 # a copied tree's .git can be stale: this hash names the code that runs (same command on a checkout)
-echo "sources sha1 $(cat kernels/*.py grpo_fast/ops/*.py benchmarks/*.py | sha1sum | cut -c1-12)"
+SOURCES=$(find grpo_fast kernels csrc benchmarks -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.sh' \) \
+    -not -path '*/__pycache__/*' | LC_ALL=C sort)
+echo "sources sha1 $(cat $SOURCES | sha1sum | cut -c1-12) (grpo_fast/**, kernels/**, csrc/**, benchmarks/**)"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 "$PY" -c "import grpo_fast.kernels.linear_logprobs as k; print('grpo_fast.kernels from', k.__file__)" || FAILED=$((FAILED + 1))
@@ -46,6 +52,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 stage() {  # stage NAME CAP_SECONDS LOGFILE command...   (LOGFILE: also tee the output there; - for none)
     local name=$1 cap=$2 log=$3
     shift 3
+    if [ -n "${GPU_SUITE_STAGES:-}" ] && [[ " $GPU_SUITE_STAGES " != *" $name "* ]]; then
+        return  # not asked for this run
+    fi
     local left=$((BUDGET_S - ($(date +%s) - START)))
     if [ "$left" -lt 20 ]; then
         echo "== $name: SKIPPED, suite budget spent"
@@ -80,9 +89,9 @@ stage() {  # stage NAME CAP_SECONDS LOGFILE command...   (LOGFILE: also tee the 
 
 : >"$OUT/.stages"
 # 1. correctness of the compiled kernels (one pytest per folder: a collection error in one must not hide the other)
-stage pytest-kernels 150 "$OUT/pytest.log" "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider --durations=10
+stage pytest-kernels 150 - "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider --durations=10
 if [ -d tests/ops ]; then
-    stage pytest-ops 90 "$OUT/pytest.log" "$PY" -m pytest -q -m gpu tests/ops -p no:cacheprovider --durations=10
+    stage pytest-ops 90 - "$PY" -m pytest -q -m gpu tests/ops -p no:cacheprovider --durations=10
 fi
 # 2. kernel speed against the matmul floor, and launch configurations
 stage check-gpu 150 - "$PY" benchmarks/check_gpu.py --out "$OUT" --sweep
@@ -93,6 +102,8 @@ else
     echo "== bench-loss: benchmarks/bench_loss.py not in this checkout"
     echo "| bench-loss | missing | 0 |" >>"$OUT/.stages"
 fi
+# 4. the trainer on CUDA: a few GRPO steps (bf16, autocast, FSDP2 on one rank), packed = padded
+stage trainer 120 - "$PY" benchmarks/check_trainer_gpu.py --out "$OUT"
 
 {
     echo "# gpu_suite $(date -u +%FT%TZ)"
@@ -103,7 +114,9 @@ fi
     echo
     echo "total $(($(date +%s) - START)) s, failed stages: $FAILED"
     [ -f "$OUT/check_gpu.md" ] && { echo; cat "$OUT/check_gpu.md"; }
+    [ -f "$OUT/check_trainer.md" ] && { echo; cat "$OUT/check_trainer.md"; }
 } >"$OUT/summary.md"
+rm -f "$OUT/check_trainer.md"  # in summary.md: at most 8 files come back from the device
 rm -f "$OUT/.stages"
 cat "$OUT/summary.md"
 sleep 1  # let tee flush suite.log before the folder is collected
