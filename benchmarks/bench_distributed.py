@@ -45,6 +45,7 @@ from datetime import date
 from pathlib import Path
 
 import harness
+from distributed_model import FABRICS, model_section, scaling_notes, scaling_table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,17 +63,6 @@ SHAPES = {  # LlamaConfig fields; random weights, never downloaded
     "tiny": dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
 }
-
-# The written model's hardware, bus bandwidth per GPU (what a ring collective can move per rank per
-# second). NVLink 4 (H100/H200): 900 GB/s bidirectional = 450 GB/s each way. Across nodes the ring's
-# slowest hop is the inter-node one: one 400 Gb/s NIC per GPU (8 per node, rail-optimised) = 50 GB/s.
-# Peak rates: NCCL typically reaches 70-90% of them on large messages, so the seconds are lower bounds.
-FABRICS = [("1 node, NVLink", 8, 450e9), ("2 nodes, IB 400 Gb/s per GPU", 16, 50e9),
-           ("8 nodes, IB 400 Gb/s per GPU", 64, 50e9)]
-MODEL_SIZES = [0.135e9, 1.5e9, 7e9, 32e9]
-GPU_BYTES_PER_ELEMENT = 2  # the trainer's CUDA default: bf16 weights, so bf16 grads and bf16 weight sync
-STATE_BYTES_PER_PARAM = 8  # bf16 weights + grads + AdamW's two moments (kept in the param dtype)
-
 
 # ------------------------------------------------------------------------------------------------
 # Byte counts (ring algorithms)
@@ -359,36 +349,6 @@ def run_ranks(args) -> None:
     dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------------------------
-# The written model
-# ------------------------------------------------------------------------------------------------
-
-
-def step_bytes(params: float, b: float, n: int) -> dict:
-    """Wire bytes per rank per optimizer step, for P params of b bytes each on n ranks (ring):
-    DDP all-reduce 2(N-1)/N·P·b; FSDP2 all-gathers 2·(N-1)/N·P·b per micro-batch (forward, and again in
-    backward after resharding; the root unit is gathered once, so slightly less); FSDP2 reduce-scatter
-    (N-1)/N·P·b; weight sync (FSDP2) (N-1)/N·P·b, nothing under DDP."""
-    share = (n - 1) / n * params * b
-    return dict(ddp_all_reduce=2 * share, fsdp2_all_gather_per_micro_batch=2 * share,
-                fsdp2_reduce_scatter=share, fsdp2_weight_sync=share)
-
-
-def scaling_table() -> list[dict]:
-    rows = []
-    for params in MODEL_SIZES:
-        for fabric, n, busbw in FABRICS:
-            wire = step_bytes(params, GPU_BYTES_PER_ELEMENT, n)
-            fsdp2_step = wire["fsdp2_all_gather_per_micro_batch"] + wire["fsdp2_reduce_scatter"] + wire["fsdp2_weight_sync"]
-            rows.append(dict(
-                params=params, fabric=fabric, ranks=n, busbw_GBps=busbw / 1e9, wire_bytes=wire,
-                ddp_step_s=wire["ddp_all_reduce"] / busbw, fsdp2_step_s=fsdp2_step / busbw,
-                fsdp2_per_extra_micro_batch_s=wire["fsdp2_all_gather_per_micro_batch"] / busbw,
-                ddp_memory_GB=params * (STATE_BYTES_PER_PARAM + GPU_BYTES_PER_ELEMENT) / 1e9,
-                fsdp2_memory_GB=params * (STATE_BYTES_PER_PARAM / n + GPU_BYTES_PER_ELEMENT) / 1e9))
-    return rows
-
-
 def formula_check(measured: dict) -> dict:
     """The formulas' payloads at the measured model's P and b against what the collectives moved."""
     n, params, b = measured["ranks"], measured["ddp"]["params"], 4  # fp32 on the CPU
@@ -432,8 +392,11 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: CPU from /proc/cpuinfo {report['environment']['cpu']}, {report['environment']['cores']} cores, "
         f"torch {report['environment']['torch']}. Load average {report['environment']['load_average']} at the start, "
-        f"{report['load_average_end']} at the end. **Timings are from a shared 2-core machine** (another engineer's tests "
-        "ran at the same time), so seconds vary run to run; the byte counts do not.",
+        f"{report['load_average_end']} at the end" + (
+            f". **Timings are from a shared machine** (load average above half its {report['environment']['cores']} cores: other jobs "
+            "ran at the same time), so seconds vary run to run; the byte counts do not."
+            if report["environment"]["load_average"][0] > 0.5 * report["environment"]["cores"] else
+            " (the machine otherwise idle)."),
         "",
         f"Setup: {n} ranks, {m['backend']} over loopback, one thread each (OMP_NUM_THREADS=1); {report['model_note']}; "
         f"{ddp['params'] / 1e6:.1f}M parameters (tied embeddings counted once), fp32, so {_mb(ddp['params'] * 4)} MiB of "
@@ -482,45 +445,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def model_section(rows: list[dict]) -> list[str]:
-    lines = [
-        "",
-        "## The model: bytes and seconds per step on GPUs",
-        "",
-        "P parameters of b bytes, N ranks, A micro-batches per optimizer step, ring collectives, wire bytes per rank:",
-        "",
-        "- DDP gradient all-reduce, once per step: `2(N-1)/N · P · b`; weight sync: 0 (the weights are whole on every rank).",
-        "- FSDP2 all-gathers, every micro-batch: `2 · (N-1)/N · P · b` (each layer in forward, again in backward after "
-        "`reshard_after_forward`; the root unit, embeddings and a tied lm_head, only once, so this slightly overstates).",
-        "- FSDP2 gradient reduce-scatter, once per step: `(N-1)/N · P · b`.",
-        "- Weight sync under FSDP2, once per step: `(N-1)/N · P · b` (every rank gathers the whole model for its engine).",
-        "- So a DDP step moves `2(N-1)/N·P·b`; an FSDP2 step `(2A + 2)(N-1)/N·P·b`: twice DDP's at A=1, and "
-        "each extra micro-batch adds an all-gather pass.",
-        "- Seconds = wire bytes / bus bandwidth, bandwidth term only: add about 2L+1 collective latencies per "
-        "micro-batch under FSDP2 (L layers), which matter for small models across nodes.",
-        "",
-        f"Evaluated at b = {GPU_BYTES_PER_ELEMENT} (bf16, the trainer's CUDA default; fp32 doubles every figure) and A = 1. "
-        "Bus bandwidth per GPU: NVLink 450 GB/s (H100/H200, 900 GB/s bidirectional); across nodes 50 GB/s "
-        "(one 400 Gb/s InfiniBand NIC per GPU, the inter-node hop bounds the ring). Peak rates: expect 70-90% of them, "
-        "so the seconds are lower bounds. Memory per GPU: training state at "
-        f"{STATE_BYTES_PER_PARAM} B/param (bf16 weights, grads, AdamW's 2 moments), whole under DDP, /N under FSDP2, "
-        f"plus the colocated engine's whole bf16 weights ({GPU_BYTES_PER_ELEMENT} B/param; KV cache and activations not counted).",
-        "",
-        "| params | fabric | N | DDP all-reduce GB | FSDP2 all-gathers GB / micro-batch | FSDP2 reduce-scatter GB | "
-        "weight sync GB (FSDP2) | DDP step s (all-reduce) | FSDP2 step s (A=1: gathers + reduce-scatter + sync) | "
-        "+ per extra micro-batch s | memory/GPU GB DDP / FSDP2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        w = r["wire_bytes"]
-        lines.append(
-            f"| {r['params'] / 1e9:g}B | {r['fabric']} | {r['ranks']} | {w['ddp_all_reduce'] / 1e9:.2f} | "
-            f"{w['fsdp2_all_gather_per_micro_batch'] / 1e9:.2f} | {w['fsdp2_reduce_scatter'] / 1e9:.2f} | "
-            f"{w['fsdp2_weight_sync'] / 1e9:.2f} | {r['ddp_step_s']:.4f} | {r['fsdp2_step_s']:.4f} | "
-            f"{r['fsdp2_per_extra_micro_batch_s']:.4f} | {r['ddp_memory_GB']:.1f} / {r['fsdp2_memory_GB']:.1f} |")
-    return lines
-
-
 def notes(measured: dict) -> list[str]:
     """What the measured figures say, computed from them (not written in ahead of the run)."""
     ddp, fsdp = measured["ddp"], measured["fsdp2"]
@@ -546,29 +470,6 @@ def notes(measured: dict) -> list[str]:
                      f"{t['wall_s'] - t['seconds'] - t['copy_s']:.3f} s outside its collectives and the engine copy: FSDP2's "
                      "copy-out of each gathered unit into its parameters and the clone() of each tensor it yields.")
     return lines
-
-
-def scaling_notes(rows: list[dict]) -> list[str]:
-    """What the written model's table says for sizing a run."""
-    at = {(r["params"], r["ranks"]): r for r in rows}
-    big, node, nodes = MODEL_SIZES[-1], FABRICS[0][1], FABRICS[-1][1]
-    return [
-        f"Bytes per rank hardly grow with N ((N-1)/N -> 1): from {FABRICS[1][1]} to {nodes} ranks a rank's bytes grow "
-        f"{at[(big, nodes)]['wire_bytes']['ddp_all_reduce'] / at[(big, FABRICS[1][1])]['wire_bytes']['ddp_all_reduce']:.2f}x, "
-        "so with a fixed global batch the communication time stays flat while each rank's compute shrinks: "
-        "more ranks raise the communication's share of a step.",
-        f"Leaving the node costs {FABRICS[0][2] / FABRICS[1][2]:.0f}x (450 vs 50 GB/s per GPU): at {big / 1e9:g}B an "
-        f"FSDP2 step's communication is {at[(big, node)]['fsdp2_step_s']:.2f} s on one NVLink node and "
-        f"{at[(big, nodes)]['fsdp2_step_s']:.2f} s on {nodes // 8} nodes, plus "
-        f"{at[(big, nodes)]['fsdp2_per_extra_micro_batch_s']:.2f} s per extra micro-batch; FSDP2's communication "
-        "overlaps with compute (the next layer's all-gather during this one's), DDP's all-reduce with the backward, "
-        "the weight sync with nothing (the engine waits for it).",
-        f"Memory decides the strategy before bandwidth does: DDP keeps {STATE_BYTES_PER_PARAM} B/param of state whole on "
-        f"every GPU (7B: {at[(7e9, node)]['ddp_memory_GB']:.0f} GB with the engine's copy before KV cache and activations, "
-        f"tight on an 80 GB H100, room on a 141 GB H200; 32B: {at[(big, node)]['ddp_memory_GB']:.0f} GB, on no GPU), so past "
-        "a few billion parameters the choice is FSDP2 and its twice-per-micro-batch all-gathers; the engine's whole "
-        "weights stay on every GPU either way.",
-    ]
 
 
 # ------------------------------------------------------------------------------------------------
