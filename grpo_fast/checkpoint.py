@@ -69,7 +69,6 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
         whole = parallel.full_state_dict()  # FSDP2: gathered for rank 0's HF copy (collective)
         if world.main:
             save_model(model, tokenizer, tmp, whole)
-        if world.main:
             torch.save({"state": state, "scheduler": scheduler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
                         "config": config, "world_size": world.size}, os.path.join(tmp, STATE_FILE))
 

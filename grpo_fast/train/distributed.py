@@ -1,11 +1,12 @@
 """Many processes under torchrun: the world a trainer runs in, the few collectives its step needs,
-and the policy wrapped for data parallelism.
+and the policy wrapped for data parallelism (DDP) or sharded (FSDP2).
 
 One process per GPU (NCCL) or per CPU slot (gloo). Each rank samples, scores and trains on its own
-whole groups; DDP averages the gradients. What must be global is made so here: the dapo
-normaliser (the all-rank token count), the skip decision of a step, the adaptive entropy
-controller's entropy, and the logged metrics (means over ranks, written by rank 0). A single process
-(no WORLD_SIZE, or 1) has `World()` and none of this runs.
+whole groups; DDP averages the gradients, FSDP2 reduce-scatters them into its shards. What must be
+global is made so here: the dapo normaliser (the all-rank token count), the skip decision of a step,
+the adaptive entropy controller's entropy, and the logged metrics (means over ranks, written by rank
+0). A single process (no WORLD_SIZE, or 1) has `World()` and none of this runs. docs/design.md,
+"Many ranks", explains the rules that keep FSDP2's collectives in step.
 """
 
 from __future__ import annotations
