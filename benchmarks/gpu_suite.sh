@@ -7,9 +7,9 @@
 # C++ extension, no network). Stages, each under `timeout`, each writing into OUTDIR (<= 8 files):
 #   1. pytest -m gpu tests/kernels, tests/ops      -> pytest.log   (compiled kernels vs the reference)
 #   2. benchmarks/check_gpu.py --sweep              -> check_gpu.{json,md}  (matmul peak, fused vs floor)
-#   3. benchmarks/bench_loss.py --device cuda       -> bench_loss.*  (plain PyTorch / Liger / grpo_fast)
-#   4. benchmarks/check_trainer_gpu.py              -> check_trainer.json (GRPOTrainer on CUDA: bf16
+#   3. benchmarks/check_trainer_gpu.py              -> check_trainer.json (GRPOTrainer on CUDA: bf16
 #      weights, bf16 autocast, FSDP2 on one rank over NCCL; packed = padded log-probs; peak memory)
+#   4. benchmarks/bench_loss.py --device cuda       -> bench_loss.*  (plain PyTorch / Liger / grpo_fast)
 # plus suite.log (all output, the pytest logs included) and summary.md (with check_trainer's table).
 # Each stage runs alone too: GPU_SUITE_STAGES="trainer check-gpu" bash benchmarks/gpu_suite.sh OUTDIR
 # (names: pytest-kernels pytest-ops check-gpu bench-loss trainer). A failing stage is reported and
@@ -95,15 +95,16 @@ if [ -d tests/ops ]; then
 fi
 # 2. kernel speed against the matmul floor, and launch configurations
 stage check-gpu 90 - "$PY" benchmarks/check_gpu.py --out "$OUT" --sweep
-# 3. the loss benchmark against plain PyTorch and Liger
+# 3. the trainer on CUDA: a few GRPO steps (bf16, autocast, FSDP2 on one rank), packed = padded
+#    (before the loss benchmark, whose figures exist already: a cut by the budget falls on those)
+stage trainer 90 - "$PY" benchmarks/check_trainer_gpu.py --out "$OUT"
+# 4. the loss benchmark against plain PyTorch and Liger
 if [ -f benchmarks/bench_loss.py ]; then
     stage bench-loss 150 - "$PY" benchmarks/bench_loss.py --device cuda --out "$OUT"
 else
     echo "== bench-loss: benchmarks/bench_loss.py not in this checkout"
     echo "| bench-loss | missing | 0 |" >>"$OUT/.stages"
 fi
-# 4. the trainer on CUDA: a few GRPO steps (bf16, autocast, FSDP2 on one rank), packed = padded
-stage trainer 90 - "$PY" benchmarks/check_trainer_gpu.py --out "$OUT"
 
 {
     echo "# gpu_suite $(date -u +%FT%TZ)"
