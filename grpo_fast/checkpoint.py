@@ -66,9 +66,8 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
     def write(tmp: str) -> None:
         save_sharded(model, optimizer, os.path.join(tmp, DCP_FOLDER))
         rngs = gather_objects(rng_state(), world)
-        whole = parallel.full_state_dict()  # FSDP2: gathered for rank 0's HF copy (collective)
+        _save_whole_model(model, tokenizer, tmp, parallel)
         if world.main:
-            save_model(model, tokenizer, tmp, whole)
             torch.save({"state": state, "scheduler": scheduler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
                         "config": config, "world_size": world.size}, os.path.join(tmp, STATE_FILE))
 
@@ -79,6 +78,19 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_final_model(target: str, model, tokenizer, parallel) -> str:
+    """The trained model alone, as an HF folder at `target`, atomically (every rank calls this)."""
+    return write_atomically(target, lambda tmp: _save_whole_model(model, tokenizer, tmp, parallel),
+                            needed_bytes=_tensor_bytes(model.parameters()), world=parallel.world)
+
+
+def _save_whole_model(model, tokenizer, folder: str, parallel) -> None:
+    """Rank 0 writes the whole model as an HF folder (FSDP2: gathered to it first, a collective)."""
+    whole = parallel.full_state_dict()
+    if parallel.world.main:
+        save_model(model, tokenizer, folder, whole)
 
 
 def _model_and_optimizer(model, optimizer) -> dict:

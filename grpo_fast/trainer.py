@@ -576,13 +576,7 @@ class GRPOTrainer:
         Every rank calls it: each writes its shards, rank 0 the rest (checkpoint.py)."""
         c = self.config
         if final:
-            def write(tmp: str) -> None:
-                whole = self.parallel.full_state_dict()  # FSDP2: gathered for rank 0 (collective)
-                if self.world.main:
-                    checkpoint.save_model(self.model, self.tokenizer, tmp, whole)
-
-            return checkpoint.write_atomically(path, write, world=self.world,
-                                               needed_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
+            return checkpoint.save_final_model(path, self.model, self.tokenizer, self.parallel)
         path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=self.model, tokenizer=self.tokenizer,
                                           optimizer=self.optimizer, scheduler=self.scheduler,
                                           state=dataclasses.asdict(self.state), config=c.to_dict(),

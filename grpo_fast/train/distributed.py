@@ -103,8 +103,7 @@ def reduce_metrics(metrics: dict, world: World) -> dict:
     for counts, min / max for extremes, else the mean (NaN where no rank has a value)."""
     if world.size == 1:
         return metrics
-    gathered: list[Optional[dict]] = [None] * world.size
-    dist.all_gather_object(gathered, metrics)
+    gathered = gather_objects(metrics, world)
     out = {}
     for name in dict.fromkeys(n for m in gathered for n in m):
         values = [m[name] for m in gathered if isinstance(m.get(name), (int, float)) and math.isfinite(m[name])]
@@ -176,7 +175,11 @@ class Parallel:
         return self.strategy == "fsdp2"
 
     def rounds(self, n: int) -> int:
-        """Forward passes every rank runs when this one has `n` to run (FSDP2: the most of any rank)."""
+        """Forward and backward passes a step runs when this rank has `n` micro-batches: FSDP2 the
+        most of any rank (its forwards are collectives), DDP at least one (its gradient all-reduce
+        must meet), one process `n`."""
+        if self.strategy == "ddp":
+            return max(n, 1)
         if not self.sharded:
             return n
         t = torch.tensor([n])

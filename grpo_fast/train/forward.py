@@ -18,18 +18,15 @@ from .attention import packed_attention, supports_packed_attention
 from .packing import PackedMicroBatch, pack_sequences, plan_micro_batches
 
 
-def policy_parts(model, whole: bool = True):
+def policy_parts(model):
     """(decoder ending at the final hidden state, lm_head weight [V, H], lm_head bias [V] or None).
 
     Found the same way as in the TRL integration (through PEFT wrappers; refuses a head that is not a
     plain Linear, whose adapter the fused op would silently drop). A sharded (FSDP2) weight is
     gathered whole, and its shape checked, so that a shard never passes for the whole weight.
-    whole=False: the weight as it is now, unchecked (FSDP2: sharded until the root's forward runs).
     """
     lm = causal_lm_of(model)
     head = lm.get_output_embeddings()
-    if not whole:
-        return decoder_of(lm), head.weight, head.bias
     unshard_head(head)
     weight, bias = output_head(lm)
     if hasattr(weight, "full_tensor") or tuple(weight.shape) != (head.out_features, head.in_features):

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from .. import objective
+from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
 from .distributed import ONE_PROCESS, Parallel, any_rank, sum_over_ranks
@@ -64,8 +65,8 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     each (its forwards are collectives, so every rank runs as many micro-batches as the busiest one,
     the extra ones backing a zero); a non-finite loss on any rank skips the step on all of them."""
     world = ONE_PROCESS if parallel is None else parallel.world
-    ddp = None if parallel is None else parallel.forward  # the wrapped policy, whose forward is the decoder's
-    base = policy_parts(model, whole=False)[0]
+    wrapped = None if parallel is None else parallel.forward  # DDP module or FSDP2 root: its forward is the decoder's
+    base = decoder_of(causal_lm_of(model))  # (the lm_head weight is read after each forward: FSDP2 unshards it there)
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
@@ -73,15 +74,13 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
-    if parallel is not None and parallel.strategy == "ddp" and not micro_batches:
-        _zero_backward(model, ddp, base, packer)  # nothing to train on this rank: still meet the all-reduce
     for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
-        _zero_backward(model, ddp, base, packer)  # FSDP2: as many forwards and backwards as the busiest rank
+        _zero_backward(model, wrapped, base, packer)  # the collectives of the passes this rank lacks
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
-        no_sync = ddp is not None and parallel.strategy == "ddp" and not last
-        with ddp.no_sync() if no_sync else contextlib.nullcontext():  # one all-reduce a step
-            hidden = completion_hidden(base, mb, packer.amp_dtype, forward=ddp)
+        no_sync = parallel is not None and parallel.strategy == "ddp" and not last
+        with wrapped.no_sync() if no_sync else contextlib.nullcontext():  # one all-reduce a step
+            hidden = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped)
             _, weight, bias = policy_parts(model)  # after the forward: FSDP2 has unsharded the root by now
             mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
             if batch.loss_mask is not None:
@@ -119,7 +118,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
             loss = loss * scale
             if not torch.isfinite(loss):
                 skipped = True
-                if ddp is None:
+                if wrapped is None:
                     break  # (under DDP every rank runs its last backward: the gradients' all-reduce must meet)
             loss.backward()
             loss_sum += float(loss.detach())
