@@ -41,7 +41,7 @@ def group_of(name: str) -> str:
     return next((g for g, keys in GROUPS if any(k in name for k in keys)), "other")
 
 
-def profile_step() -> dict:
+def profile_step(overrides: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -50,7 +50,7 @@ def profile_step() -> dict:
 
     out = tempfile.mkdtemp(prefix="profile_train_")
     c = GRPOConfig(max_steps=2, eval_before_train=False, eval_steps=0, save_final=False, disable_tqdm=True,
-                   output_dir=os.path.join(out, "run"))
+                   output_dir=os.path.join(out, "run"), **overrides)
     trainer = GRPOTrainer.from_config(c)
     step, captured = trainer._optimizer_step, {}
 
@@ -72,7 +72,7 @@ def profile_step() -> dict:
     for name, t, _ in ops:
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + t
     top = sorted(ops, key=lambda o: -o[1])[:15]
-    return {"wall_s": captured["wall_s"], "profiled_self_cpu_s": total, "completion_tokens": captured["tokens"],
+    return {"precision": trainer.precision_summary(), "wall_s": captured["wall_s"], "profiled_self_cpu_s": total, "completion_tokens": captured["tokens"],
             "sequences": captured["sequences"], "threads": torch.get_num_threads(),
             "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top_ops": [{"op": n, "self_cpu_s": t, "calls": k} for n, t, k in top]}
@@ -102,7 +102,8 @@ def markdown(result: dict, command: str, env: dict) -> str:
     lines = ["# The train part of a default-run step, profiled (CPU)", "",
              f"`{command}` on {harness.describe(env)}. Second step of the default run ({p['sequences']} completions, "
              f"{p['completion_tokens']} completion tokens): its optimizer step (forward, fused loss, backward, optimizer) "
-             f"took {p['wall_s']:.1f} s wall, {p['profiled_self_cpu_s']:.1f} s of op self time under torch.profiler.", "",
+             f"took {p['wall_s']:.1f} s wall, {p['profiled_self_cpu_s']:.1f} s of op self time under torch.profiler. "
+             f"{p.get('precision', '').capitalize()}.", "",
              "| group | self CPU (s) | share |", "| --- | --- | --- |"]
     lines += [f"| {g} | {t:.2f} | {t / p['profiled_self_cpu_s']:.0%} |" for g, t in p["groups"].items()]
     lines += ["", "| op | self CPU (s) | calls |", "| --- | --- | --- |"]
@@ -116,11 +117,15 @@ def markdown(result: dict, command: str, env: dict) -> str:
 def main() -> None:
     import argparse
 
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    result = {"profile": profile_step(), "matmul": matmul_rates()}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16"],
+                        help="the run's mixed_precision (auto: the default of this CPU)")
+    parser.add_argument("--name", default=OUT.name, help="result files benchmarks/results/NAME.{md,json}")
+    args = parser.parse_args()
+    result = {"profile": profile_step({"mixed_precision": args.mixed_precision}), "matmul": matmul_rates()}
     command, env = harness.command_line(__file__), harness.environment()
     text = markdown(result, command, env)
-    harness.write_results(OUT, {"command": command, "environment": env, **result}, text)
+    harness.write_results(OUT.with_name(args.name), {"command": command, "environment": env, **result}, text)
     print(text)
 
 

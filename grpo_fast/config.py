@@ -64,7 +64,7 @@ class GRPOConfig:
     reward_weights: Optional[list] = _f(None, "One weight per reward function (TRL). None: all 1.")
     dtype: str = _f("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
     bf16: Optional[bool] = _f(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
-    mixed_precision: str = _f("no", "bf16: run the policy's decoder under torch.autocast in bfloat16 (matmuls in bf16; weights, optimizer state, the lm_head and the fused loss stay in the training dtype), in training and in the old-policy and reference passes. On this project's AMX CPU (Sapphire Rapids) the default run's decoder forward+backward took 9.7 s instead of 13.5 s per 64 sequences (its matmuls 3.3x faster; casts and float32 elementwise work remain); on CPUs without bf16 matmul hardware (no avx512_bf16, no AMX) torch emulates it, about 100x slower than float32, and the trainer warns.", ("no", "bf16"))
+    mixed_precision: str = _f("auto", "bf16: run the policy's decoder under torch.autocast in bfloat16 (matmuls in bf16; weights, optimizer state, the lm_head and the fused loss stay in the training dtype), in training and in the old-policy and reference passes. no: the decoder in the training dtype. auto: bf16 on a CPU with bf16 matmul hardware (AMX or avx512_bf16) when the weights are float32, no elsewhere (CUDA trains bfloat16 weights by default; CPUs without that hardware would emulate bf16, about 100x slower than float32, and the trainer warns when bf16 is asked for there). On an AMX Xeon the default run's train part took 0.xx of its float32 time (README).", ("auto", "no", "bf16"))
 
     # ---- generation --------------------------------------------------------------------------
     engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINES)
@@ -78,6 +78,7 @@ class GRPOConfig:
     vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of GPU memory vLLM may take (GPU only).")
     vllm_enable_sleep_mode: bool = _f(False, "Put vLLM to sleep (free its memory) during the training part of a step (GPU only).")
     vllm_max_model_length: Optional[int] = _f(None, "vLLM's context length. None: max_prompt_length + the longest sequence after the prompt (max_completion_length; more with the early_exit and multi_answer rollout modes).")
+    vllm_dtype: str = _f("auto", "dtype the vLLM engine samples in (trl vllm-serve's --dtype). auto: the training dtype, except on a CPU with bf16 matmul hardware (AMX or avx512_bf16), where a bfloat16 engine generates faster (2.3x the float32 tokens/s on an AMX Xeon, 1.3x on an avx512_bf16 EPYC): bfloat16 there. A bf16 engine turns the IS correction on by default.", DTYPES)
 
     # ---- batch -------------------------------------------------------------------------------
     per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.")

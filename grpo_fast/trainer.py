@@ -111,8 +111,8 @@ class GRPOTrainer:
         self.engine = engine if engine is not None else setup.build_engine(config, self.model, self.tokenizer, self.model_path)
         if config.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
             setup.check_partial_rollouts(self.engine, config)
-        self.packer = Packer(self.model, config.token_budget(cuda=next(self.model.parameters()).is_cuda),
-                             amp_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None)
+        cuda = next(self.model.parameters()).is_cuda
+        self.packer = Packer(self.model, config.token_budget(cuda=cuda), amp_dtype=setup.amp_dtype(config, cuda))
         self.loss_options = LossOptions.from_config(config)
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         self.parallel = distributed.parallelize(self.model, self.world, config.distributed_strategy)
@@ -125,10 +125,14 @@ class GRPOTrainer:
         self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
         use_is = config.vllm_importance_sampling_correction
         if use_is is None:  # on where the sampler's log-probs differ from the trainer's: precision, or stale tokens
-            precisions = {getattr(self.engine, "dtype", torch.float32), setup.train_dtype(config)}
+            precisions = {getattr(self.engine, "dtype", torch.float32), self._trainer_precision()}
             use_is = precisions != {torch.float32} or config.max_staleness > 0
         self.use_is = use_is and not self.engine_shares_weights
-        self.needs_old_logp = config.num_iterations > 1 or config.steps_per_generation > 1 or self.use_is
+        # one update per generation batch: the old policy is the one being trained, so the step's own
+        # forward gives the IS weights (train_step's importance_weights) and no old-policy pass runs
+        on_policy = config.num_iterations == 1 and config.steps_per_generation == 1
+        self.is_in_step = self.use_is and on_policy
+        self.needs_old_logp = not on_policy or (self.use_is and not self.is_in_step)
         self.metrics_logger = None
         self._saved_step = None  # the step of the last checkpoint this process wrote or resumed from
 
@@ -178,6 +182,8 @@ class GRPOTrainer:
         c = self.config
         self.metrics_logger = _metrics_logger(c.output_dir, self.state.step) if self.world.main else _OtherRankMetrics()
         bar = _progress(c, self.state.step, self.world.main)
+        if self.world.main:
+            bar.print(self.precision_summary())
         last = {}
         try:
             if c.eval_before_train and self.state.step == 0 and self.eval_rows is not None:
@@ -300,7 +306,8 @@ class GRPOTrainer:
         options = dataclasses.replace(self.loss_options, entropy_coef=applied)
         metrics = train_step(self.model, self.optimizer, self.packer, part, options, c.max_grad_norm,
                              num_items_in_batch=max(num_items, 1.0), top_entropy_quantile=c.top_entropy_quantile,
-                             off_policy_mask_threshold=c.off_policy_mask_threshold, parallel=self.parallel)
+                             off_policy_mask_threshold=c.off_policy_mask_threshold, parallel=self.parallel,
+                             importance_weights=self._is_weights if self.is_in_step else None)
         bonus_entropy = metrics.pop("bonus_entropy")
         if c.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
             state.entropy_coef = objective.adaptive_entropy_coef(
@@ -425,7 +432,7 @@ class GRPOTrainer:
         c, stats = self.config, {}
         compute = lambda m: completion_logprobs(m, self.packer, batch.prompt_ids, batch.completion_ids,
                                                temperature=c.temperature, backend=c.loss_backend)
-        check = c.sampling_check_steps and self.state.step % c.sampling_check_steps == 0
+        check = c.sampling_check_steps and self.state.step % c.sampling_check_steps == 0 and not self.is_in_step
         old_logp = is_weights = ref_logp = None
         if self.needs_old_logp or check:
             with self.parallel.gathered():  # FSDP2: one all-gather for the pass; ranks run their own micro-batches
@@ -433,10 +440,8 @@ class GRPOTrainer:
             stats.update(_sampling_stats(trainer_logp, batch.sampling_logp))
             # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
             old_logp = trainer_logp if self.needs_old_logp else None
-        if self.use_is:
-            is_weights = [importance_weights(o, s, mode=c.vllm_importance_sampling_mode, cap=c.vllm_importance_sampling_cap,
-                                             clip_min=c.vllm_importance_sampling_clip_min)
-                          for o, s in zip(old_logp, batch.sampling_logp, strict=True)]
+        if self.use_is and not self.is_in_step:
+            is_weights = [self._is_weights(o, s) for o, s in zip(old_logp, batch.sampling_logp, strict=True)]
             flat = torch.cat(is_weights) if is_weights else torch.zeros(0)
             if flat.numel():
                 stats.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
@@ -446,6 +451,12 @@ class GRPOTrainer:
             with self.ref_parallel.gathered():
                 ref_logp = compute(self.ref_model)
         return old_logp, ref_logp, is_weights, stats
+
+    def _is_weights(self, trainer_logp: torch.Tensor, sampling_logp: torch.Tensor) -> torch.Tensor:
+        """The IS weights of one completion (TRL's modes), from the trainer's and the sampler's log-probs."""
+        c = self.config
+        return importance_weights(trainer_logp, sampling_logp, mode=c.vllm_importance_sampling_mode,
+                                  cap=c.vllm_importance_sampling_cap, clip_min=c.vllm_importance_sampling_clip_min)
 
     def _sync_weights(self):
         if self.engine_shares_weights:
@@ -462,9 +473,7 @@ class GRPOTrainer:
 
         if self.engine_shares_weights:
             return {}
-        c = self.config
-        limit = sync_check.tolerance(getattr(self.engine, "dtype", torch.float32), setup.train_dtype(c),
-                                     amp=c.mixed_precision == "bf16")
+        limit = sync_check.tolerance(getattr(self.engine, "dtype", torch.float32), self._trainer_precision())
         probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
         gap = self._probe_gap(probe)
         if distributed.any_rank(gap > limit, self.world):  # (every rank re-syncs: under FSDP2 a sync is collective)
@@ -478,6 +487,20 @@ class GRPOTrainer:
                                    f"for these precisions) even after a second weight sync; training on its samples "
                                    f"would train on a stale policy")
         return {"sampling/sync_check_diff": gap}
+
+    def precision_summary(self) -> str:
+        """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
+        name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
+        weights = next(self.model.parameters()).dtype
+        engine = "shares the policy" if self.engine_shares_weights else name(getattr(self.engine, "dtype", weights))
+        amp = f"{name(self.packer.amp_dtype)} autocast" if self.packer.amp_dtype else "no autocast"
+        is_mode = (f"on ({self.config.vllm_importance_sampling_mode}{', from the step' if self.is_in_step else ''})"
+                   if self.use_is else "off")
+        return f"precision: weights {name(weights)}, decoder {amp}, engine {engine}, IS correction {is_mode}"
+
+    def _trainer_precision(self) -> torch.dtype:
+        """The dtype the trainer's log-probs are computed in: the decoder's autocast dtype, else the weights'."""
+        return self.packer.amp_dtype or next(self.model.parameters()).dtype
 
     def _probe_gap(self, probe: list[int]) -> float:
         from .train import sync_check

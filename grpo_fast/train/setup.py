@@ -133,10 +133,11 @@ def encode(rows, tokenizer, config) -> list[list[int]]:
 # ---- policy, reference, engine --------------------------------------------------------------
 
 
-def train_dtype(config) -> torch.dtype:
+def train_dtype(config, cuda: Optional[bool] = None) -> torch.dtype:
+    """The policy weights' dtype: config.dtype / bf16; auto: bfloat16 on CUDA, float32 on the CPU."""
     bf16 = config.use_bf16
     if bf16 is None:
-        bf16 = torch.cuda.is_available()
+        bf16 = torch.cuda.is_available() if cuda is None else cuda
     if config.dtype == "float16":
         return torch.float16
     return torch.bfloat16 if bf16 else torch.float32
@@ -148,12 +149,36 @@ def cpu_has_bf16_matmul() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def _bf16_cpu(cuda: bool) -> bool:
+    """Where the "auto" precisions pick bf16 over float32: a CPU whose matmuls run bf16 in hardware
+    (decided from its features, not its vendor; benchmarks/results/precision_cpu.md)."""
+    return not cuda and cpu_has_bf16_matmul()
+
+
+def amp_dtype(config, cuda: bool) -> Optional[torch.dtype]:
+    """The autocast dtype of the decoder (config.mixed_precision), None for none. auto: bf16 on a
+    CPU with bf16 matmul hardware when the weights are float32."""
+    mode = config.mixed_precision
+    if mode == "auto":
+        mode = "bf16" if _bf16_cpu(cuda) and train_dtype(config, cuda) == torch.float32 else "no"
+    return torch.bfloat16 if mode == "bf16" else None
+
+
+def engine_dtype(config, cuda: bool) -> torch.dtype:
+    """The vLLM engine's dtype (config.vllm_dtype). auto: the training dtype, bf16 on a CPU with bf16
+    matmul hardware."""
+    if config.vllm_dtype != "auto":
+        return getattr(torch, config.vllm_dtype)
+    return torch.bfloat16 if _bf16_cpu(cuda) else train_dtype(config, cuda)
+
+
 def warn_emulated_bf16(config, model) -> None:
     """A warning, before any work, when bf16 was asked for on a CPU that would emulate it."""
     if next(model.parameters()).is_cuda or cpu_has_bf16_matmul():
         return
     asked = [what for what, on in (("mixed_precision='bf16'", config.mixed_precision == "bf16"),
-                                   ("bfloat16 weights", train_dtype(config) == torch.bfloat16)) if on]
+                                   ("bfloat16 weights", train_dtype(config) == torch.bfloat16),
+                                   ("vllm_dtype='bfloat16'", config.vllm_dtype == "bfloat16")) if on]
     if asked:
         warnings.warn(f"{' and '.join(asked)} on a CPU without bf16 matmul hardware (no avx512_bf16, no AMX): "
                       f"torch emulates bf16 there, about 100x slower than float32; use float32 on this machine",
@@ -230,7 +255,8 @@ def build_engine(config, model, tokenizer, model_path):
         tokenizer.save_pretrained(model_path)
     # max_prompt_length=None leaves the engine's context to the model's own limit
     max_model_len = config.vllm_max_model_length or _context_limit(model.config) or 2048
-    engine = make_engine("vllm", model_path=model_path, dtype=str(train_dtype(config)).replace("torch.", ""),
+    cuda = next(model.parameters()).is_cuda
+    engine = make_engine("vllm", model_path=model_path, dtype=str(engine_dtype(config, cuda)).replace("torch.", ""),
                          max_model_len=max_model_len, seed=config.seed,
                          gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                          enable_sleep_mode=config.vllm_enable_sleep_mode)

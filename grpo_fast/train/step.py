@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ from .. import objective
 from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
-from .distributed import ONE_PROCESS, Parallel, any_rank, sum_over_ranks
+from .distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
 from .forward import Packer, completion_hidden, policy_parts
 from .rollouts import Rollouts
 
@@ -54,7 +54,8 @@ def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
 
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
                num_items_in_batch: Optional[float] = None, *, top_entropy_quantile: float = 1.0,
-               off_policy_mask_threshold: Optional[float] = None, parallel: Optional[Parallel] = None) -> dict:
+               off_policy_mask_threshold: Optional[float] = None, parallel: Optional[Parallel] = None,
+               importance_weights: Optional[Callable] = None) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
     (loss, kl, entropy, the loss type's metrics, policy_loss, grad_norm, skipped, num_tokens) and
     `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
@@ -63,7 +64,11 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     parallel: many ranks (train/distributed.py): the decoder runs through the DDP module or the FSDP2
     root; DDP all-reduces the gradients at the last micro-batch only, FSDP2 reduce-scatters them at
     each (its forwards are collectives, so every rank runs as many micro-batches as the busiest one,
-    the extra ones backing a zero); a non-finite loss on any rank skips the step on all of them."""
+    the extra ones backing a zero); a non-finite loss on any rank skips the step on all of them.
+    importance_weights: on-policy IS correction (one update per generation batch): `f(trainer_logp [C],
+    sampling_logp [C]) -> IS weights [C]` of a completion, applied to the log-probs of this step's own
+    forward (a no-grad lm_head pass per micro-batch), which are the old policy's here: no separate
+    old-policy pass. Adds the `sampling/...` diagnostics of the engine-trainer gap to the metrics."""
     world = ONE_PROCESS if parallel is None else parallel.world
     wrapped = None if parallel is None else parallel.forward  # DDP module or FSDP2 root: its forward is the decoder's
     base = decoder_of(causal_lm_of(model))  # (the lm_head weight is read after each forward: FSDP2 unshards it there)
@@ -74,6 +79,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
+    sampling_gap = _SamplingGap()  # with importance_weights: the engine-trainer log-prob gap and IS ratios
     for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
         _zero_backward(model, wrapped, base, packer)  # the collectives of the passes this rank lacks
     for k, mb in enumerate(micro_batches):
@@ -88,6 +94,9 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
             advantages = batch.advantages[mb.rows].to(weight.device)
             old_logp = None if batch.old_logp is None else mb.pad(batch.old_logp)
             is_weights = None if batch.is_weights is None else mb.pad(batch.is_weights)
+            if importance_weights is not None:
+                is_weights = _in_step_is_weights(hidden, weight, bias, mb, batch, options, importance_weights,
+                                                 sampling_gap)
             is_ratio = None
             if options.loss_type == "vespo":  # vespo folds the IS ratio into its sequence weight
                 is_ratio, is_weights = is_weights, None
@@ -142,6 +151,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     bonus_entropy = sum_over_ranks(bonus_entropy, world)  # TRL's controller reads the all-rank token mean
     out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
     out["policy_loss"] = policy_sum if not skipped else float("nan")
+    out.update(sampling_gap.metrics(world))
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
                num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
     return out
@@ -156,6 +166,42 @@ def _zero_backward(model, forward, base, packer: Packer) -> None:
     _, weight, bias = policy_parts(model)  # an untied lm_head gets no gradient from the decoder
     zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0)
     zero.backward()
+
+
+class _SamplingGap:
+    """The engine-trainer diagnostics of an in-step IS correction, over all ranks: mean and max
+    |trainer - sampler| log-prob gap per token, min / mean / max IS weight (as the trainer's
+    separate old-policy pass reports them)."""
+
+    def __init__(self):
+        self.gaps, self.weights = [], []
+
+    def add(self, gap: torch.Tensor, weights: torch.Tensor) -> None:
+        self.gaps.append(gap)
+        self.weights.append(weights)
+
+    def metrics(self, world) -> dict:
+        gaps, weights = (gather_rows(torch.cat(x) if x else torch.zeros(0), world) for x in (self.gaps, self.weights))
+        if not gaps.numel():
+            return {}
+        return {"sampling/logp_diff_mean": gaps.mean().item(), "sampling/logp_diff_max": gaps.max().item(),
+                "sampling/importance_sampling_ratio/min": weights.min().item(),
+                "sampling/importance_sampling_ratio/mean": weights.mean().item(),
+                "sampling/importance_sampling_ratio/max": weights.max().item()}
+
+
+def _in_step_is_weights(hidden, weight, bias, mb, batch: Rollouts, options: LossOptions, importance_weights: Callable,
+                        gap: _SamplingGap) -> torch.Tensor:
+    """The micro-batch's IS weights (b, Tc), each completion's from this forward's own log-probs (no grad)."""
+    with torch.no_grad():
+        logp = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mb.completion_mask, bias=bias,
+                                      temperature=options.temperature, backend=options.backend).cpu()
+    out = torch.zeros_like(logp)
+    for j, (i, trainer) in enumerate(zip(mb.rows, mb.unpad(logp), strict=True)):
+        sampling = batch.sampling_logp[i]
+        out[j, : len(trainer)] = weights = importance_weights(trainer, sampling)
+        gap.add(torch.nan_to_num((trainer - sampling).abs(), nan=0.0), weights)
+    return out.to(mb.target_ids.device)
 
 
 def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages, is_weights, options: LossOptions,

@@ -28,10 +28,10 @@ PROBE_TOKENS = 16
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.15, torch.bfloat16: 0.15}
 
 
-def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, amp: bool) -> float:
+def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype) -> float:
     """The bound for an engine computing in `engine_dtype` and a trainer in `trainer_dtype`
     (bf16 when its decoder runs under autocast)."""
-    sides = [engine_dtype, torch.bfloat16 if amp else trainer_dtype]
+    sides = [engine_dtype, trainer_dtype]
     return max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16]) for d in sides)
 
 

@@ -44,7 +44,7 @@ def _args(tiny_path, prompts_file, out, *extra):
             "--reward_funcs", "tests.trainer.common:target_fraction", "--num_generations", "4",
             "--per_device_train_batch_size", "8", "--max_prompt_length", "32", "--max_completion_length", "8",
             "--max_tokens_per_microbatch", "128", "--learning_rate", "3e-2", "--max_steps", "4", "--save_steps", "1",
-            "--output_dir", str(out), *extra]
+            "--mixed_precision", "no", "--output_dir", str(out), *extra]
 
 
 def test_kill9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, tiny_path, prompts_file, reference):

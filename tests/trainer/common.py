@@ -13,10 +13,12 @@ def rows(n=24):
 
 
 def config(tmp_path, **overrides):
+    """A tiny, fast run in float32 (the engine too): tests compare numbers, which the bf16 CPU defaults would loosen."""
     fields = dict(
         reward_funcs=["target_fraction"], num_generations=4, per_device_train_batch_size=16,
         max_prompt_length=32, max_completion_length=8, max_tokens_per_microbatch=128, learning_rate=3e-2,
         max_steps=2, engine="hf", output_dir=str(tmp_path / "run"), disable_tqdm=True, eval_max_samples=8,
+        mixed_precision="no", vllm_dtype="float32",  # numbers compared in float32, whatever this CPU's bf16 defaults
     )
     fields.update(overrides)
     return GRPOConfig(**fields)

@@ -2,14 +2,15 @@
 whole step computed the plain way (padded batch, materialised logits, grpo_fast.objective)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 from grpo_fast import objective
 from grpo_fast.objective import grpo_loss_reference
-from grpo_fast.train.forward import Packer, attention_mode
-from grpo_fast.train.rollouts import Rollouts
+from grpo_fast.train.forward import Packer, attention_mode, completion_logprobs
+from grpo_fast.train.rollouts import Rollouts, importance_weights
 from grpo_fast.train.step import LossOptions, train_step
 from tests.helpers import assert_close, scaled
 
@@ -197,3 +198,41 @@ def test_gradient_checkpointing_step_matches_whole_batch_reference(tiny):
     assert metrics["num_micro_batches"] >= 2
     for name, grad in expected.items():
         assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"checkpointed grad {name}")
+
+
+# One update per generation batch: the IS weights come from the step's own forward (no old-policy
+# pass), and must equal those of the separate pass the trainer runs otherwise.
+@pytest.mark.parametrize("loss_type, mode", [("dapo", "sequence_mask"), ("grpo", "token_truncate"),
+                                             ("vespo", "token_mask")])
+def test_in_step_importance_weights_match_a_separate_old_policy_pass(tiny, loss_type, mode):
+    model, _ = tiny
+    model.train()
+    options = LossOptions(loss_type=loss_type, temperature=0.8, backend="cpu")
+    batch = _batch(seed=6)
+    batch.old_logp = None  # on-policy: the loss takes old = its own log-probs, detached
+    packer = Packer(model, max_tokens=24)  # several micro-batches
+    trainer = completion_logprobs(model, packer, batch.prompt_ids, batch.completion_ids, temperature=0.8, backend="cpu")
+    g = torch.Generator().manual_seed(7)
+    batch.sampling_logp = [t + 0.3 * torch.randn(len(t), generator=g) for t in trainer]  # an engine in bf16, say
+    weigh = functools.partial(importance_weights, mode=mode, cap=1.2, clip_min=0.3)
+    batch.is_weights = [weigh(t, s) for t, s in zip(trainer, batch.sampling_logp, strict=True)]
+    flat = torch.cat(batch.is_weights)
+    bound = (flat == 0) | (flat == 0.3) | (flat == 1.2)
+    assert 0 < bound.sum() < len(flat), "the bounds must bind on some tokens, not all"
+    separate = CaptureGrads(model)
+    expected = train_step(model, separate, packer, batch, options, max_grad_norm=0.0)
+    in_step = CaptureGrads(model)
+    got = train_step(model, in_step, packer, dataclasses.replace(batch, is_weights=None), options, max_grad_norm=0.0,
+                     importance_weights=weigh)
+    assert got["num_micro_batches"] >= 2
+    for name, grad in separate.grads.items():
+        assert_close(in_step.grads[name], grad, atol=scaled(1e-5, grad), rtol=1e-4, name=f"{loss_type}/{mode} grad {name}")
+    assert_close(torch.tensor(got["loss"]), torch.tensor(expected["loss"]), atol=scaled(1e-5, expected["loss"]), name="loss")
+    gaps = torch.cat([(t - s).abs() for t, s in zip(trainer, batch.sampling_logp, strict=True)
+                      if len(t) and s is not None])
+    kept = torch.cat([w for w, c in zip(batch.is_weights, batch.completion_ids, strict=True) if c])
+    for name, value in (("sampling/logp_diff_mean", gaps.mean()), ("sampling/logp_diff_max", gaps.max()),
+                        ("sampling/importance_sampling_ratio/min", kept.min()),
+                        ("sampling/importance_sampling_ratio/mean", kept.mean()),
+                        ("sampling/importance_sampling_ratio/max", kept.max())):
+        assert_close(torch.tensor(got[name]), value, atol=scaled(1e-5, value), name=name)
