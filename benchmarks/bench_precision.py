@@ -33,6 +33,7 @@ import harness  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 OUT = ROOT / "benchmarks" / "results" / "precision_cpu"
 PRECISIONS = {"float32": ["--mixed_precision", "no", "--vllm_dtype", "float32"], "bf16": []}
+COMPLETIONS = 64  # completions per step of the default run (8 prompts x 8)
 PARTS = ("time/generate", "time/logprob", "time/train", "time/weight_sync", "time/sync_check")
 
 
@@ -63,7 +64,13 @@ def collect(out: Path) -> dict:
             "steps": len(steps), "mean_step_s": sum(r["step_time"] for r in steps) / len(steps),
             "parts_s": {p: sum(r.get(p, 0.0) for r in steps) / len(steps) for p in PARTS},
             "eval_s": sum(r["time/eval"] for r in rows if "time/eval" in r),
+            # per token, since the two precisions' runs learn different answer lengths
+            "generated_tokens_per_s": sum(r["completions/mean_length"] * COMPLETIONS for r in steps)
+            / sum(r["time/generate"] for r in steps),
+            "train_ms_per_token": 1000 * sum(r["time/train"] for r in steps) / sum(r["num_tokens"] for r in steps),
+            "mean_completion_length": sum(r["completions/mean_length"] for r in steps) / len(steps),
             "eval_history": evals, "reward_history": [(r["step"], r["reward"]) for r in steps],
+            "note": (out / "note").read_text().strip() if (out / "note").exists() else None,
             "sync_check_diff_max": max((r.get("sampling/sync_check_diff", 0.0) for r in steps), default=0.0)}
 
 
@@ -88,17 +95,23 @@ def markdown(runs: dict, command: str, env: dict) -> str:
                      f"{100 * (a1 - a0):+.1f} |")
     paired = [s for s in seeds if f"float32:{s}" in ok and f"bf16:{s}" in ok]
     if paired:
-        lines += ["", "| seed | bf16 wall / float32 wall | bf16 step / float32 step | accuracy bf16 - float32 (points) |",
-                  "| --- | --- | --- | --- |"]
+        lines += ["", "| seed | bf16 / float32: wall | step | generation per token | train per token | mean answer length "
+                  "(tokens) | accuracy bf16 - float32 (points) |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for s in paired:
             f, b = ok[f"float32:{s}"], ok[f"bf16:{s}"]
             lines.append(f"| {s} | {b['wall_s'] / f['wall_s']:.2f} | {b['mean_step_s'] / f['mean_step_s']:.2f} | "
+                         f"{f['generated_tokens_per_s'] / b['generated_tokens_per_s']:.2f} | "
+                         f"{b['train_ms_per_token'] / f['train_ms_per_token']:.2f} | "
+                         f"{b['mean_completion_length']:.1f} vs {f['mean_completion_length']:.1f} | "
                          f"{100 * (b['eval_history'][-1][1] - f['eval_history'][-1][1]):+.1f} |")
     for precision in PRECISIONS:
         final = [ok[n]["eval_history"][-1][1] for n in ok if n.startswith(precision + ":")]
         if final:
             lines.append(f"\n{precision}: final held-out accuracy {', '.join(f'{a:.1%}' for a in final)} "
                          f"(mean {sum(final) / len(final):.1%}, spread {max(final) - min(final):.1%}).")
+    notes = [f"- {name}: {r['note']}" for name, r in sorted(ok.items()) if r.get("note")]
+    if notes:  # written by hand into a run folder's `note` file: what the figures above cannot say
+        lines += ["", "Notes on single runs:", *notes]
     lines += ["", "![held-out accuracy over wall-clock minutes](precision_cpu.png)"]
     return "\n".join(lines) + "\n"
 
