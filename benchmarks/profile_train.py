@@ -103,7 +103,7 @@ def markdown(result: dict, command: str, env: dict) -> str:
              f"`{command}` on {harness.describe(env)}. Second step of the default run ({p['sequences']} completions, "
              f"{p['completion_tokens']} completion tokens): its optimizer step (forward, fused loss, backward, optimizer) "
              f"took {p['wall_s']:.1f} s wall, {p['profiled_self_cpu_s']:.1f} s of op self time under torch.profiler. "
-             f"{p.get('precision', '').capitalize()}.", "",
+             f"{p.get('precision', '')[:1].upper()}{p.get('precision', '')[1:]}.", "",
              "| group | self CPU (s) | share |", "| --- | --- | --- |"]
     lines += [f"| {g} | {t:.2f} | {t / p['profiled_self_cpu_s']:.0%} |" for g, t in p["groups"].items()]
     lines += ["", "| op | self CPU (s) | calls |", "| --- | --- | --- |"]

@@ -124,15 +124,15 @@ class GRPOTrainer:
         # the HF engine samples with the policy itself: its log-probs are the trainer's, no IS needed
         self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
         use_is = config.vllm_importance_sampling_correction
-        if use_is is None:  # on where the sampler's log-probs differ from the trainer's: precision, or stale tokens
-            precisions = {getattr(self.engine, "dtype", torch.float32), self._trainer_precision()}
-            use_is = precisions != {torch.float32} or config.max_staleness > 0
+        if use_is is None:
+            use_is = setup.default_is_correction(getattr(self.engine, "dtype", torch.float32), self._trainer_precision(),
+                                                 config.max_staleness)
         self.use_is = use_is and not self.engine_shares_weights
         # one update per generation batch: the old policy is the one being trained, so the step's own
         # forward gives the IS weights (train_step's importance_weights) and no old-policy pass runs
         on_policy = config.num_iterations == 1 and config.steps_per_generation == 1
         self.is_in_step = self.use_is and on_policy
-        self.needs_old_logp = not on_policy or (self.use_is and not self.is_in_step)
+        self.needs_old_logp = not on_policy
         self.metrics_logger = None
         self._saved_step = None  # the step of the last checkpoint this process wrote or resumed from
 

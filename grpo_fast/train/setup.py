@@ -172,6 +172,13 @@ def engine_dtype(config, cuda: bool) -> torch.dtype:
     return torch.bfloat16 if _bf16_cpu(cuda) else train_dtype(config, cuda)
 
 
+def default_is_correction(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, max_staleness: int) -> bool:
+    """vllm_importance_sampling_correction=None: on where the sampler's log-probs differ from the
+    trainer's, i.e. either side computes below float32 (the engine's dtype; the trainer's weights or
+    autocast), or tokens are stale (partial rollouts)."""
+    return {engine_dtype, trainer_dtype} != {torch.float32} or max_staleness > 0
+
+
 def warn_emulated_bf16(config, model) -> None:
     """A warning, before any work, when bf16 was asked for on a CPU that would emulate it."""
     if next(model.parameters()).is_cuda or cpu_has_bf16_matmul():

@@ -98,8 +98,9 @@ def test_groups_join_a_round_as_slots_free_up(tmp_path, tiny_path):
 
 
 def trainer_is_on(trainer) -> bool:
-    """Stale tokens need the proximal-policy pass and the IS correction, on by default here."""
-    return trainer.use_is and trainer.needs_old_logp
+    """Stale tokens need the IS correction against the proximal policy, on by default here: with one update
+    per generation batch the proximal log-probs come from the training forward itself, else from a pass."""
+    return trainer.use_is and (trainer.is_in_step or trainer.needs_old_logp)
 
 
 def test_synchronous_runs_log_zero_rollout_metrics(tmp_path, tiny):

@@ -123,6 +123,30 @@ def test_prompt_over_max_length_errors_when_configured(tmp_path, tiny):
     assert max(map(len, trainer.train_prompt_ids)) == 32  # cut from the left to max_prompt_length
 
 
+@pytest.mark.parametrize("bf16_hardware", [True, False])
+def test_auto_precisions_follow_the_cpu_features(monkeypatch, bf16_hardware):
+    """mixed_precision / vllm_dtype 'auto': bf16 on a CPU with bf16 matmul hardware, float32 on one
+    without; CUDA keeps its bf16 weights without autocast; explicit settings win; the IS correction
+    defaults on as soon as either side computes below float32."""
+    from grpo_fast.config import GRPOConfig
+    from grpo_fast.train import setup
+
+    monkeypatch.setattr(setup, "cpu_has_bf16_matmul", lambda: bf16_hardware)
+    cpu_dtype = torch.bfloat16 if bf16_hardware else torch.float32
+    default = GRPOConfig()
+    assert setup.amp_dtype(default, cuda=False) == (torch.bfloat16 if bf16_hardware else None)
+    assert setup.engine_dtype(default, cuda=False) == cpu_dtype
+    assert setup.amp_dtype(default, cuda=True) is None and setup.engine_dtype(default, cuda=True) == torch.bfloat16
+    assert setup.amp_dtype(GRPOConfig(dtype="bfloat16"), cuda=False) is None  # bf16 weights: nothing to autocast
+    pinned = GRPOConfig(mixed_precision="no", vllm_dtype="float32")
+    assert setup.amp_dtype(pinned, cuda=False) is None and setup.engine_dtype(pinned, cuda=False) == torch.float32
+    assert setup.amp_dtype(GRPOConfig(mixed_precision="bf16"), cuda=False) == torch.bfloat16
+    assert setup.default_is_correction(cpu_dtype, setup.amp_dtype(default, cuda=False) or torch.float32, 0) == bf16_hardware
+    assert not setup.default_is_correction(torch.float32, torch.float32, 0)
+    assert setup.default_is_correction(torch.float32, torch.bfloat16, 0)  # autocast alone differs from the engine
+    assert setup.default_is_correction(torch.float32, torch.float32, 1)  # stale tokens
+
+
 def test_mixed_precision_bf16_runs_decoder_in_bf16_keeps_weights_fp32(tmp_path, tiny):
     model, tokenizer = tiny
     seen = set()
