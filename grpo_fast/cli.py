@@ -22,7 +22,7 @@ import sys
 import time
 import typing
 
-from .config import GRPOConfig, field_types
+from .config import GRPOConfig, field_types, read_yaml
 
 
 def _parse_value(name: str, annotation):
@@ -100,13 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
-    overrides = {k: v for k, v in vars(args).items()
-                 if k not in ("command", "config", "resume", "args", "debug", "nproc_per_node")}
+    """The config of `train`/`eval`: defaults < --config file < command-line options. On resume, the
+    run's saved config takes the defaults' place and what is given is checked against it (resume.py)."""
+    given = {k: v for k, v in vars(args).items()
+             if k not in ("command", "config", "resume", "args", "debug", "nproc_per_node")}
     if getattr(args, "resume", False):
-        overrides.setdefault("resume_from_checkpoint", "latest")
+        given.setdefault("resume_from_checkpoint", "latest")
+    file_values = read_yaml(args.config) if args.config else {}
+    spec = given.get("resume_from_checkpoint", file_values.get("resume_from_checkpoint"))
+    if args.command == "train" and spec is not None:
+        from .resume import resumed_config
+
+        output_dir = given.get("output_dir", file_values.get("output_dir", GRPOConfig.output_dir))
+        return resumed_config({**file_values, **given}, output_dir, spec)
     if args.config:
-        return GRPOConfig.from_yaml(args.config, **overrides)
-    return GRPOConfig.from_dict({}, **overrides)
+        return GRPOConfig.from_yaml(args.config, **given)
+    return GRPOConfig.from_dict({}, **given)
 
 
 def cmd_train(config: GRPOConfig) -> dict:
@@ -207,7 +216,7 @@ def main(argv=None) -> int:
         return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
     try:
         config = config_from_args(args)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # (OSError: a config file or checkpoint that is not there)
         print(f"grpo-fast {args.command}: {err}", file=sys.stderr)
         return 2
     _set_log_level(config.log_level)

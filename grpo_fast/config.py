@@ -173,6 +173,7 @@ class GRPOConfig:
     save_final: bool = _f(True, "Save the trained model (HF format) to output_dir/final at the end.")
     save_total_limit: Optional[int] = _f(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.")
     resume_from_checkpoint: Optional[str] = _f(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
+    resume_override: Optional[list] = _f(None, "Resume only: config fields to change from the run's saved values (e.g. learning_rate,beta); the new values take effect (a learning rate or AdamW option reaches the restored optimizer and scheduler) and are logged. A resumed run otherwise keeps every option it was trained with, and a differing one is refused, except run control (max_steps, max_train_minutes, save_*, logging_steps, eval_*, log_level, log_completions, disable_tqdm, sampling_check_steps, max_signal_free_steps, output_dir) and the execution layout (per_device_train_batch_size and gradient_accumulation_steps at the same global batch, distributed_strategy, max_tokens_per_microbatch, loss_backend, gradient_checkpointing, vllm_gpu_memory_utilization, vllm_enable_sleep_mode), which may change freely. While partial rollouts have groups in flight, model, dataset, task, prompt_column, num_generations, max_prompt_length, max_completion_length, max_staleness, rollout_mode and seed cannot be overridden.")
     overwrite_output_dir: bool = _f(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
     max_signal_free_steps: int = _f(10, "Stop with an error after this many steps in a row without a training signal: no finite reward in the whole step, or the step skipped for a non-finite loss (each such step warns). Groups whose rewards all agree are normal and do not count. 0: never stop.")
     log_level: str = _f("warning", "Log level of grpo_fast and of vLLM (the CLI sets vLLM's before it starts). warning keeps vLLM's repeated CPU notices out of a run's log.", LOG_LEVELS)
@@ -245,16 +246,22 @@ class GRPOConfig:
 
     @classmethod
     def from_yaml(cls, path, **overrides) -> "GRPOConfig":
-        import yaml
-
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: a config file must be a mapping of field: value, got {type(values).__name__}")
+        values = read_yaml(path)
         try:
             return cls.from_dict(values, **overrides)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{path}: {err}") from None
+
+
+def read_yaml(path) -> dict:
+    """The field: value mapping of a YAML config file."""
+    import yaml
+
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: a config file must be a mapping of field: value, got {type(values).__name__}")
+    return values
 
 
 def field_names() -> list[str]:
@@ -345,6 +352,13 @@ def _validate(c: GRPOConfig) -> None:
             _fail("reward_weights", c.reward_weights, f"one weight per reward function ({len(c.reward_funcs)}: {c.reward_funcs})")
         if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in c.reward_weights):
             _fail("reward_weights", c.reward_weights, "finite numbers")
+    if c.resume_override is not None:
+        unknown = [n for n in c.resume_override if n not in field_names()]
+        if unknown:
+            _fail("resume_override", c.resume_override, f"config field names (unknown: {unknown})")
+        if c.resume_from_checkpoint is None:
+            _fail("resume_override", c.resume_override, "None on a fresh run (it changes a resumed run's saved options: "
+                  "pass --resume)")
     if not c.reward_funcs:
         _fail("reward_funcs", c.reward_funcs, "at least one reward function name")
     if not 0 < c.top_entropy_quantile <= 1:

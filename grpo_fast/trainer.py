@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import checkpoint, objective, run_folder
+from . import checkpoint, objective, resume, run_folder
 from .config import GRPOConfig
 from .rewards.registry import reward_name
 from .rollout.base import prompt_seeds
@@ -96,6 +96,7 @@ class GRPOTrainer:
             setup.check_partial_rollouts(engine, config)
         self.eval_metrics = dict(eval_metrics or {})
         self.resume_path = None if evaluate_only else run_folder.check_start(config)
+        self.resume_overrides = [] if evaluate_only else self._check_resume()
         self.reward_funcs = setup.check_reward_funcs(reward_funcs, config)
         self.train_rows = setup.as_rows(train_dataset, config.prompt_column, "train_dataset")
         self.eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, config.prompt_column, "eval_dataset")
@@ -175,6 +176,8 @@ class GRPOTrainer:
                     return {}
             elif c.overwrite_output_dir and main:
                 run_folder.clear_run_files(c.output_dir)
+            if main:
+                resume.write_run_config(c)  # what a resume reads when no checkpoint was written yet
             distributed.barrier(self.world)
             return self._train_loop(stop)
 
@@ -207,7 +210,7 @@ class GRPOTrainer:
             self.metrics_logger.close()
             raise TrainingInterrupted(
                 f"{stop.name} at step {self.state.step}: checkpoint saved to {path}; continue with "
-                f"`grpo-fast train --output_dir {c.output_dir} --resume` (resume_from_checkpoint='latest')", stop.signum)
+                f"`{self._resume_command()}` (resume_from_checkpoint='latest')", stop.signum)
         if self.eval_rows is not None and (not self.state.eval_history or self.state.eval_history[-1][0] != self.state.step):
             last = self._log_eval(bar)
         if c.save_final:
@@ -607,6 +610,20 @@ class GRPOTrainer:
         self._saved_step = self.state.step
         return path
 
+    def _check_resume(self) -> list[str]:
+        """A resumed run keeps its saved options (resume.py): refused before any model loads; the overrides."""
+        c = self.config
+        if self.resume_path is None and c.resume_from_checkpoint is None:
+            return []
+        saved, in_flight = resume.saved_config(c.output_dir, self.resume_path)
+        source = self.resume_path or os.path.join(c.output_dir, resume.RUN_CONFIG_FILE)
+        return resume.check_resume(c, saved, source, in_flight)
+
+    def _resume_command(self) -> str:
+        """The command that continues this run: the output folder holds every other option."""
+        ranks = f" --nproc_per_node {self.world.size}" if self.world.size > 1 else ""
+        return f"grpo-fast train --output_dir {self.config.output_dir} --resume{ranks}"
+
     def _resume(self, path: str):
         saved = checkpoint.load_trainer_state(path)
         state = TrainState(**saved["state"])
@@ -620,6 +637,11 @@ class GRPOTrainer:
         state.global_batch = self.state.global_batch  # (a checkpoint from before it was kept: from now on)
         checkpoint.load_model_and_optimizer(path, saved, self.model, self.optimizer)  # any world size: resharded
         self.scheduler.load_state_dict(saved["scheduler"])
+        if self.resume_overrides:
+            resume.apply_optimizer_overrides(self.optimizer, self.scheduler, self.config, self.resume_overrides)
+            if "entropy_coef" in self.resume_overrides:
+                state.entropy_coef = None  # the new coefficient, not the saved (possibly adapted) one
+            logger.warning("%s", resume.describe_overrides(saved.get("config"), self.config, self.resume_overrides))
         self.state = state
         checkpoint.set_rng_state(checkpoint.rank_rng_state(saved, self.world.rank))
         self._sync_weights()

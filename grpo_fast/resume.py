@@ -1,0 +1,170 @@
+"""A resumed run is the same run: its options come from the run's saved config, not from the defaults.
+
+A checkpoint keeps the whole config it was trained with (`trainer_state.pt["config"]`), and every
+start writes it to `<output_dir>/run_config.json` too (a run killed before its first checkpoint
+resumes from step 0 with it). On resume:
+
+- `resumed_config` (the CLI): every option not given on the command line (or in `--config`) comes
+  from the saved config; the given ones are checked by `check_resume`.
+- `check_resume` (the CLI and `GRPOTrainer` alike, before any model loads): a field that differs
+  from the saved value is refused in one line listing each (`name: saved -> given`), unless it is
+  run control (`RUN_CONTROL`: how long to train, what to log and save; free), execution layout
+  (`LAYOUT`: how the same global batch is spread and computed; free, the global batch is checked
+  when the checkpoint loads), or named in `resume_override`. An override takes effect (a new
+  learning rate or AdamW option reaches the optimizer and scheduler: `apply_optimizer_overrides`)
+  and is logged. Options the partial-rollout pool depends on (`IN_FLIGHT`) can never change while
+  groups are in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Optional
+
+RUN_CONFIG_FILE = "run_config.json"
+
+# How long to train, when to evaluate, log and save: a resumed run may change these freely.
+RUN_CONTROL = ("max_steps", "max_train_minutes", "save_steps", "save_total_limit", "save_final", "logging_steps",
+               "eval_steps", "eval_before_train", "eval_max_samples", "eval_max_completion_length", "log_level",
+               "disable_tqdm", "log_completions", "sampling_check_steps", "max_signal_free_steps", "output_dir",
+               "resume_from_checkpoint", "overwrite_output_dir", "resume_override")
+# How the same global batch is spread over ranks and micro-batches and which kernels compute it: free too
+# (resuming on more or fewer ranks, or another machine, needs them; the global batch itself is checked).
+LAYOUT = ("per_device_train_batch_size", "gradient_accumulation_steps", "distributed_strategy",
+          "max_tokens_per_microbatch", "loss_backend", "gradient_checkpointing", "vllm_gpu_memory_utilization",
+          "vllm_enable_sleep_mode")
+# What the groups carried over by partial rollouts were sampled and sized with: never overridden while
+# groups are in flight (they would continue under other lengths, group sizes or prompts).
+IN_FLIGHT = ("model", "dataset", "task", "task_train_size", "prompt_column", "num_generations", "max_prompt_length",
+             "max_completion_length", "vllm_max_model_length", "max_staleness", "rollout_mode", "seed")
+# The AdamW and schedule options an override pushes into the restored optimizer and scheduler.
+OPTIMIZER_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+
+def free_fields() -> tuple[str, ...]:
+    return RUN_CONTROL + LAYOUT
+
+
+def saved_config(output_dir: str, checkpoint_path: Optional[str]) -> tuple[Optional[dict], bool]:
+    """(the config the run was trained with, whether partial rollouts have groups in flight): the
+    checkpoint's, else the run folder's run_config.json; (None, False) when neither exists."""
+    if checkpoint_path is not None:
+        import torch
+
+        from .checkpoint import STATE_FILE
+
+        # mmap: checkpoints from before the optimizer moved to torch.distributed.checkpoint hold it here
+        state = torch.load(os.path.join(checkpoint_path, STATE_FILE), map_location="cpu", weights_only=False,
+                           mmap=True)
+        return state.get("config"), bool(state.get("state", {}).get("in_flight"))
+    path = os.path.join(output_dir, RUN_CONFIG_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f), False
+    return None, False
+
+
+def write_run_config(config) -> None:
+    """`<output_dir>/run_config.json`, atomically (the config a resume of this run reads first)."""
+    path = os.path.join(config.output_dir, RUN_CONFIG_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(config.to_dict(), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def resumed_config(given: dict, output_dir: str, spec: str):
+    """The CLI's config for `--resume`: the saved config with the given options over it, checked.
+
+    given: the options named on the command line or in --config. output_dir, spec: where to look
+    (spec: 'latest' or a checkpoint folder)."""
+    from .checkpoint import list_checkpoints, resolve_checkpoint
+    from .config import GRPOConfig
+
+    if spec == "latest" and not list_checkpoints(output_dir):
+        path = None  # killed before its first checkpoint: run_config.json, or nothing to read (the trainer says so)
+    else:
+        path = resolve_checkpoint(spec, output_dir)
+    saved, in_flight = saved_config(output_dir, path)
+    if saved is None:
+        return GRPOConfig.from_dict({}, **given)
+    base = {k: v for k, v in _explicit(_known(saved)).items() if k != "resume_override"}  # overrides: this time's only
+    config = GRPOConfig.from_dict(base, **given)
+    check_resume(config, saved, path or os.path.join(output_dir, RUN_CONFIG_FILE), in_flight)
+    return config
+
+
+def check_resume(config, saved: Optional[dict], source: str, in_flight: bool = False) -> list[str]:
+    """Refuse what a resumed run may not change; return the overridden field names (for the log).
+
+    saved: the saved config (None: nothing to compare). in_flight: the checkpoint carries groups."""
+    if saved is None:
+        return []
+    override = list(config.resume_override or [])
+    ours, theirs = _explicit(config.to_dict()), _explicit(_known(saved))
+    changed = [n for n in ours if n in theirs and ours[n] != theirs[n] and n not in free_fields()]
+    frozen = [n for n in changed if in_flight and n in IN_FLIGHT]
+    if frozen:
+        raise ValueError(f"resume: {source} has groups in flight (partial rollouts), which need the saved "
+                         f"{_listing(frozen, theirs, ours)}; no resume_override can change these while groups are "
+                         f"in flight (resume without them, or start a fresh run)")
+    refused = [n for n in changed if n not in override]
+    if refused:
+        raise ValueError(f"resume: options differ from the run's saved config ({source}): "
+                         f"{_listing(refused, theirs, ours)}; a resumed run keeps its options (leave these out), or "
+                         f"name them in --resume_override {','.join(refused)} to change them")
+    return [n for n in override if n in changed]
+
+
+def apply_optimizer_overrides(optimizer, scheduler, config, overridden: list[str]) -> None:
+    """Push overridden AdamW options into the restored optimizer (load_state_dict restored the saved ones)
+    and a new learning rate into the scheduler's base, so the next step and the logged value use it."""
+    names = [n for n in overridden if n in OPTIMIZER_FIELDS]
+    if not names:
+        return
+    for group in optimizer.param_groups:
+        group["weight_decay"] = config.weight_decay
+        group["betas"] = (config.adam_beta1, config.adam_beta2)
+        group["eps"] = config.adam_epsilon
+        group["initial_lr"] = config.learning_rate
+    scheduler.base_lrs = [config.learning_rate for _ in optimizer.param_groups]
+    factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
+    for group, factor in zip(optimizer.param_groups, factors, strict=True):
+        group["lr"] = config.learning_rate * factor
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def describe_overrides(saved: Optional[dict], config, overridden: list[str]) -> str:
+    theirs = _known(saved or {})
+    return "resume_override: " + "; ".join(f"{n}: {theirs.get(n)!r} -> {getattr(config, n)!r}" for n in overridden)
+
+
+def _known(saved: dict) -> dict:
+    """The saved values of fields this version has (a field added since keeps its default)."""
+    from .config import field_names
+
+    names = set(field_names())
+    return {k: v for k, v in saved.items() if k in names}
+
+
+def _explicit(values: dict) -> dict:
+    """The config's values with a derived vllm_max_model_length (the default the config fills in) as None,
+    so that it follows max_prompt_length and max_completion_length instead of pinning them."""
+    from .config import GRPOConfig
+
+    values = dict(values)
+    if values.get("vllm_max_model_length") is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            derived = GRPOConfig.from_dict({**values, "vllm_max_model_length": None}).vllm_max_model_length
+        if derived == values["vllm_max_model_length"]:
+            values["vllm_max_model_length"] = None
+    return values
+
+
+def _listing(names: list[str], saved: dict, given: dict) -> str:
+    return ", ".join(f"{n}: {saved.get(n)!r} -> {given.get(n)!r}" for n in names)
