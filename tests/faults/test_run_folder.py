@@ -106,7 +106,7 @@ def test_full_disk_names_the_folder_and_size_and_leaves_no_temp_folder(tmp_path,
     with pytest.raises(OSError, match=r"no space left on .*run: writing checkpoint-2 needs about \d+ MiB"):
         _train(tmp_path, tiny, max_steps=3, save_steps=1)
     out = tmp_path / "run"
-    assert sorted(os.listdir(out)) == [".lock", "checkpoint-1", "metrics.jsonl", "tensorboard"]
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint-1", "metrics.jsonl", "run_config.json", "tensorboard"]
     assert os.path.exists(out / "checkpoint-1" / checkpoint.STATE_FILE)
 
 

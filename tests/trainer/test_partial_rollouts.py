@@ -27,7 +27,8 @@ def _records(output_dir):
         return [r for r in map(json.loads, f) if "reward" in r]
 
 
-def _run(tmp_path, tiny_path, out, max_steps, rounds=None, **overrides):
+def _run(tmp_path, tiny_path, out, max_steps, rounds=None, printed_resume=False, **overrides):
+    from grpo_fast.cli import build_parser, config_from_args
     from tests.tiny_model import load_tiny_model
 
     model, tokenizer = load_tiny_model(tiny_path)
@@ -35,6 +36,8 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, **overrides):
     c = config(tmp_path, engine="vllm", output_dir=str(tmp_path / out), max_steps=max_steps, num_generations=4,
                per_device_train_batch_size=8, max_completion_length=24, save_steps=2, save_total_limit=None, save_final=False,
                eval_before_train=False, **{"max_staleness": 1, "rollout_overprovision": 1.0, **overrides})
+    if printed_resume:  # the config of `grpo-fast train --output_dir OUT --resume`, as an interrupted run prints it
+        c = config_from_args(build_parser().parse_args(["train", "--output_dir", c.output_dir, "--resume"]))
     trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
     if rounds is not None:  # record each round: the pool before it, the batch it trained
         run_round = trainer._partial_round
@@ -81,7 +84,7 @@ def test_partial_rollouts_carry_over_bound_staleness_and_resume_exactly(tmp_path
     state = torch.load(tmp_path / "whole" / "checkpoint-2" / "trainer_state.pt", weights_only=False)["state"]
     assert state["in_flight"] and state["policy_version"] == 2
     shutil.copytree(tmp_path / "whole", tmp_path / "split")
-    resumed, resumed_lines = _run(tmp_path, tiny_path, "split", 3, resume_from_checkpoint="latest")
+    resumed, resumed_lines = _run(tmp_path, tiny_path, "split", 3, printed_resume=True)
     a, b = lines[-1], resumed_lines[-1]
     assert b["step"] == 3 and a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
     assert a["rollout/carried_over"] == b["rollout/carried_over"] and a["loss"] == b["loss"], (a, b)
