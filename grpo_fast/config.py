@@ -115,7 +115,7 @@ class GRPOConfig:
     num_iterations: int = _f(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.")
     mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss (DAPO).")
     vllm_importance_sampling_correction: Optional[bool] = _f(None, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward per generation batch, or only an lm_head pass per micro-batch when each batch trains once; never with the HF engine, which samples with the policy itself). None: on when the engine (vllm_dtype) or the trainer (its weights, or the decoder under mixed_precision) computes in bf16/fp16 — so on with the bf16 CPU defaults of an AMX or avx512_bf16 CPU — or with max_staleness >= 1 (stale tokens); off when both are float32, where vLLM and the trainer agree (measured on SmolLM2, CPU: mean |diff| 6e-6).")
-    vllm_importance_sampling_mode: str = _f("sequence_mask", "IS correction mode (TRL): truncate clamps the ratio at the cap; mask zeroes it beyond the cap; per token or per sequence.", IS_MODES)
+    vllm_importance_sampling_mode: Optional[str] = _f(None, "IS correction mode (TRL): truncate clamps the ratio at the cap; mask zeroes it beyond the cap; per token or per sequence. None: sequence_mask (TRL's default), or token_mask with loss_type=vespo, which folds per-token ratios into its sequence weight and needs a token-level mode (as TRL requires; the run's first line says which).", (None, *IS_MODES))
     vllm_importance_sampling_cap: float = _f(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).")
     vllm_importance_sampling_clip_min: Optional[float] = _f(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
     sampling_check_steps: int = _f(10, "Every this many steps, compute the trainer's log-probs of the sampled tokens even when nothing else needs them, to log sampling/logp_diff_mean (engine vs trainer). 0: only when they are computed anyway.")
@@ -184,7 +184,7 @@ class GRPOConfig:
         _validate(self)  # first: the default below reads fields whose types it checks
         if self.vllm_max_model_length is None and self.max_prompt_length is not None:
             self.vllm_max_model_length = self.max_prompt_length + self.max_sequence_completion
-        for message in option_warnings(LossOptions.from_config(self)):
+        for message in [*option_warnings(LossOptions.from_config(self)), *_unused_option_warnings(self)]:
             warnings.warn(message, stacklevel=3)
 
     # ------------------------------------------------------------------------------------------
@@ -214,6 +214,13 @@ class GRPOConfig:
         if self.rollout_mode == "multi_answer":
             return self.max_thought_length + self.max_completion_length
         return self.max_completion_length
+
+    @property
+    def is_mode(self) -> str:
+        """vllm_importance_sampling_mode resolved: TRL's sequence_mask, or token_mask for vespo."""
+        if self.vllm_importance_sampling_mode is not None:
+            return self.vllm_importance_sampling_mode
+        return "token_mask" if self.loss_type == "vespo" else "sequence_mask"
 
     def token_budget(self, cuda: bool) -> int:
         """max_tokens_per_microbatch, or its device default, never below one whole sequence."""
@@ -377,13 +384,23 @@ def _validate(c: GRPOConfig) -> None:
     if c.entropy_coef_min > c.entropy_coef_max:
         _fail("entropy_coef_min", c.entropy_coef_min, f"<= entropy_coef_max ({c.entropy_coef_max})")
     if c.loss_type == "vespo" and c.vllm_importance_sampling_correction is not False \
-            and c.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
+            and c.vllm_importance_sampling_mode not in (None, "token_truncate", "token_mask"):
         _fail("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode,
               "'token_truncate' or 'token_mask' with loss_type='vespo' (it folds the per-token IS ratios into its "
               "sequence weight, as TRL requires), or vllm_importance_sampling_correction=False")
     _validate_partial_rollouts(c)
     if c.bf16 and c.dtype not in ("auto", "bfloat16"):
         _fail("bf16", c.bf16, f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'")
+
+
+def _unused_option_warnings(c: GRPOConfig) -> list[str]:
+    """Options set away from their defaults that this configuration never reads."""
+    default = {f.name: f.default for f in dataclasses.fields(c)}
+    out = []
+    if not c.max_staleness and c.rollout_overprovision != default["rollout_overprovision"]:
+        out.append(f"rollout_overprovision={c.rollout_overprovision} has no effect with max_staleness=0 (it sizes the "
+                   f"rounds of partial rollouts, max_staleness >= 1)")
+    return out
 
 
 def _validate_partial_rollouts(c: GRPOConfig) -> None:

@@ -129,6 +129,10 @@ class GRPOTrainer:
             use_is = setup.default_is_correction(getattr(self.engine, "dtype", torch.float32), self._trainer_precision(),
                                                  config.max_staleness)
         self.use_is = use_is and not self.engine_shares_weights
+        if config.vllm_importance_sampling_correction and self.engine_shares_weights:
+            warnings.warn("vllm_importance_sampling_correction=True has no effect with the HF engine: it samples with "
+                          "the policy itself, so its log-probs are the trainer's (the correction stays off)",
+                          stacklevel=2)
         # one update per generation batch: the old policy is the one being trained, so the step's own
         # forward gives the IS weights (train_step's importance_weights) and no old-policy pass runs
         on_policy = config.num_iterations == 1 and config.steps_per_generation == 1
@@ -458,7 +462,7 @@ class GRPOTrainer:
     def _is_weights(self, trainer_logp: torch.Tensor, sampling_logp: torch.Tensor) -> torch.Tensor:
         """The IS weights of one completion (TRL's modes), from the trainer's and the sampler's log-probs."""
         c = self.config
-        return importance_weights(trainer_logp, sampling_logp, mode=c.vllm_importance_sampling_mode,
+        return importance_weights(trainer_logp, sampling_logp, mode=c.is_mode,
                                   cap=c.vllm_importance_sampling_cap, clip_min=c.vllm_importance_sampling_clip_min)
 
     def _sync_weights(self):
@@ -497,7 +501,9 @@ class GRPOTrainer:
         weights = next(self.model.parameters()).dtype
         engine = "shares the policy" if self.engine_shares_weights else name(getattr(self.engine, "dtype", weights))
         amp = f"{name(self.packer.amp_dtype)} autocast" if self.packer.amp_dtype else "no autocast"
-        is_mode = (f"on ({self.config.vllm_importance_sampling_mode}{', from the step' if self.is_in_step else ''})"
+        picked = " (vespo's token-level mode)" if self.config.vllm_importance_sampling_mode is None \
+            and self.config.loss_type == "vespo" else ""
+        is_mode = (f"on ({self.config.is_mode}{picked}{', from the step' if self.is_in_step else ''})"
                    if self.use_is else "off")
         return f"precision: weights {name(weights)}, decoder {amp}, engine {engine}, IS correction {is_mode}"
 

@@ -185,7 +185,8 @@ def warn_emulated_bf16(config, model) -> None:
         return
     asked = [what for what, on in (("mixed_precision='bf16'", config.mixed_precision == "bf16"),
                                    ("bfloat16 weights", train_dtype(config) == torch.bfloat16),
-                                   ("vllm_dtype='bfloat16'", config.vllm_dtype == "bfloat16")) if on]
+                                   ("vllm_dtype='bfloat16'", config.vllm_dtype == "bfloat16" and config.engine != "hf"))
+             if on]
     if asked:
         warnings.warn(f"{' and '.join(asked)} on a CPU without bf16 matmul hardware (no avx512_bf16, no AMX): "
                       f"torch emulates bf16 there, about 100x slower than float32; use float32 on this machine",

@@ -52,10 +52,48 @@ def test_vespo_needs_a_token_level_is_mode_and_trl_warnings_are_kept():
     error naming both options; luspo without sequence level warns."""
     with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='sequence_mask'.*loss_type='vespo'.*"
                                          r"vllm_importance_sampling_correction=False"):
-        GRPOConfig(loss_type="vespo")
+        GRPOConfig(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
+    assert GRPOConfig(loss_type="vespo").is_mode == "token_mask"  # the default mode: vespo's token-level one
+    assert GRPOConfig().is_mode == "sequence_mask"  # TRL's default elsewhere
     GRPOConfig(loss_type="vespo", vllm_importance_sampling_mode="token_truncate")
     GRPOConfig(loss_type="vespo", vllm_importance_sampling_correction=False)
     with pytest.warns(UserWarning, match="luspo.*sequence"):
         GRPOConfig(loss_type="luspo")
     with pytest.warns(UserWarning, match="sequence.*dapo.*length"):
         GRPOConfig(loss_type="dapo", importance_sampling_level="sequence")
+
+
+def test_options_this_configuration_never_reads_warn_by_name():
+    with pytest.warns(UserWarning, match=r"rollout_overprovision=1.0 has no effect with max_staleness=0"):
+        GRPOConfig(rollout_overprovision=1.0)
+
+
+
+def test_the_emulated_bf16_warning_leaves_out_an_engine_that_is_not_used(tiny, recwarn, monkeypatch):
+    from grpo_fast.train import setup
+
+    monkeypatch.setattr(setup, "cpu_has_bf16_matmul", lambda: False)  # as on an AVX2-only CPU
+    setup.warn_emulated_bf16(GRPOConfig(vllm_dtype="bfloat16", mixed_precision="no"), tiny[0])
+    assert [w for w in recwarn if "vllm_dtype='bfloat16'" in str(w.message)], "the warning itself must still fire"
+    recwarn.clear()
+    setup.warn_emulated_bf16(GRPOConfig(engine="hf", vllm_dtype="bfloat16", mixed_precision="no"), tiny[0])
+    assert not [w for w in recwarn if "100x slower" in str(w.message)]
+
+
+def test_vespo_trains_with_the_defaults_and_an_explicit_is_correction_on_hf_warns(tmp_path, tiny):
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.trainer.common import config, rows, target_fraction
+
+    c = config(tmp_path, loss_type="vespo", max_steps=1, save_final=False, eval_before_train=False)
+    trainer = GRPOTrainer(c, [target_fraction], rows(), model=tiny[0], tokenizer=tiny[1])
+    assert "IS correction off" in trainer.precision_summary()  # the HF engine: nothing to correct
+    trainer.use_is = True  # where it resolves on (a bf16 or stale vLLM engine), the run's first line names the mode
+    assert "on (token_mask (vespo's token-level mode)" in trainer.precision_summary()
+    trainer.use_is = False
+    import math
+
+    last = trainer.train()
+    assert trainer.state.step == 1 and math.isfinite(last["loss"]) and last["grad_norm"] > 0, last
+    with pytest.warns(UserWarning, match="vllm_importance_sampling_correction=True has no effect with the HF engine"):
+        GRPOTrainer(config(tmp_path, output_dir=str(tmp_path / "is"), vllm_importance_sampling_correction=True),
+                    [target_fraction], rows(), model=tiny[0], tokenizer=tiny[1])
