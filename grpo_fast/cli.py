@@ -2,7 +2,7 @@
 
     grpo-fast train                          SmolLM2-135M-Instruct on the arithmetic task (the default run)
     grpo-fast train --config run.yaml --max_steps 100 --engine hf --learning_rate 5e-6
-    grpo-fast train --output_dir out --resume           continue from out/checkpoint-* (latest)
+    grpo-fast train --output_dir out --resume           continue from out/checkpoint-* (latest), with the run's options
     grpo-fast train --nproc_per_node 2                  one node, 2 ranks (torchrun; or run torchrun yourself)
     grpo-fast eval --model out/final --task arithmetic  held-out accuracy of a model
     grpo-fast bench                                     the fused-loss benchmark (benchmarks/bench_loss.py)
@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a policy with GRPO", description=__doc__, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="a YAML file of GRPOConfig fields")
-    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in output_dir")
+    train.add_argument("--resume", action="store_true",
+                       help="resume from the latest checkpoint in output_dir, with the run's saved options: give only "
+                            "what changes. Run control (max_steps, max_train_minutes, save_*, logging_steps, eval_*, "
+                            "log_level, ...) and the layout (ranks, micro-batches, backend) may change; any other "
+                            "changed option is refused unless named in --resume_override")
     train.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     train.add_argument("--nproc_per_node", type=int, default=1,
                        help="ranks on this node: relaunch under torchrun --standalone with this many processes (one "
