@@ -34,7 +34,7 @@ from torch._C import DispatchKey
 
 from .. import objective
 from ..objective import DEFAULT_OPTIONS, LossOptions
-from . import backends
+from . import backends, registry
 from .linear_logprobs import Rows, check_targets, fake_grads, masked_linear_logprobs, validate_linear
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
@@ -141,9 +141,8 @@ def _loss_backward(ctx, grad_loss, *_):
     return (*scaled, *[None] * (len(_ARG_NAMES) - 3))
 
 
-_loss_op = torch.library.custom_op("grpo_fast::fused_linear_grpo_loss", _loss_forward, mutates_args=(), schema=SCHEMA)
-_loss_op.register_fake(_loss_fake)
-_loss_op.register_autograd(_loss_backward, setup_context=_setup_context)
+_loss_op = registry.define("fused_linear_grpo_loss", SCHEMA, _loss_forward, fake=_loss_fake, backward=_loss_backward,
+                           setup_context=_setup_context)
 
 
 def fused_linear_grpo_loss(
