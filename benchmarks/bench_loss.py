@@ -25,6 +25,11 @@ the inputs, during the runs: peak RSS (ru_maxrss) minus RSS before the first run
 process per (implementation, size); torch.cuda.max_memory_allocated minus the allocated bytes
 before on GPU. It includes the gradients themselves (grad_weight V x H, grad_hidden N x H),
 which every implementation must return.
+First call (CPU): what a user's process sees. A fresh process per (implementation, size) imports
+torch, builds the inputs, then imports the implementation and runs one forward + backward with no
+warm-up: its peak RSS (VmHWM, reset after the inputs are built) minus the RSS then. It adds to the
+memory above whatever the first call loads (libraries, thread pools), and the same for every
+implementation; `modules` counts the Python modules the call imported.
 """
 
 from __future__ import annotations
@@ -216,6 +221,30 @@ def _timed(step, inputs, device) -> float:
     return harness.time_call(step, device)
 
 
+def first_call_worker(impl, sizes, dtype_name, device):
+    """Prints one JSON line per size: the first call of `impl` in this fresh process (see the module
+    docstring), its extra peak RSS and the modules it imported. One size per process."""
+    import torch
+
+    assert len(sizes) == 1 and device == "cpu", "first-call mode: one CPU size per process"
+    text = sizes[0]
+    row = dict(impl=impl, size=text, dtype=dtype_name, device=device, mode="first-call", threads=torch.get_num_threads())
+    inputs = make_inputs(parse_size(text), getattr(torch, dtype_name), device)
+    harness.release_memory()
+    modules = len(sys.modules)
+    try:
+        with harness.PeakMemory(device, reset_rss_peak=True) as memory:
+            start = time.perf_counter()
+            make_step(impl, inputs, device)()
+            row["first_call_s"] = time.perf_counter() - start
+    except ImportError as err:
+        row["unavailable"] = f"{type(err).__name__}: {err}"
+    else:
+        row.update(first_call_mb=memory.extra_bytes / 2**20, modules=len(sys.modules) - modules,
+                   dynamo="torch._dynamo" in sys.modules)
+    print("RESULT " + json.dumps(row), flush=True)
+
+
 def worker(impls, sizes, dtype_name, device, warmup, repeats, mode):
     """Prints one JSON line per (impl, size).
 
@@ -279,7 +308,7 @@ def run_worker(args, impls, sizes, mode, timeout, warmup, repeats):
         stdout, why = _text(err.stdout), f"timed out after {timeout:.0f}s"
     rows = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
     done = {(r["impl"], r["size"]) for r in rows}
-    rows += [dict(impl=i, size=s, failed=why) for i in impls for s in sizes if (i, s) not in done]
+    rows += [dict(impl=i, size=s, mode=mode, failed=why) for i in impls for s in sizes if (i, s) not in done]
     return rows
 
 
@@ -298,7 +327,12 @@ def summarise(rows):
             cell["times"] += r["times_s"]
         if "extra_peak_mb" in r:
             cell["mem"].append(r["extra_peak_mb"])
-        if "times_s" not in r:
+        if r.get("mode") == "first-call":
+            if "first_call_mb" in r:
+                cell.update(first_call_mb=r["first_call_mb"], first_call_modules=r["modules"])
+            elif not cell["note"]:
+                cell["note"] = f"first call: {r.get('unavailable') or r.get('failed')}"
+        elif "times_s" not in r:
             cell["note"] = r.get("unavailable") or r.get("failed")
         elif r.get("note"):
             cell["note"] = r["note"]
@@ -323,13 +357,20 @@ def markdown(summary, args, command, env) -> str:
              "implementation (it includes the gradients every implementation returns). TFLOP/s counts the "
              "3 matmuls (6 N H V); `% floor` = floor time / time, the fraction of the measured matmul rate "
              "achieved.", ""]
+    if args.device == "cpu":
+        lines += ["First call: a fresh process per implementation imports torch and builds the inputs, then "
+                  "imports the implementation and runs one forward + backward with no warm-up; its extra peak "
+                  "RSS over the RSS after the inputs (what a user's process sees: the libraries and thread pools "
+                  "the first call loads included), and the Python modules that call imported.", ""]
     refs = PRESETS[args.preset].get("refs", [])
     for size, impls in summary.items():
         floor, plain, liger = (impls.get(k, {}).get("best_s") for k in ("floor", "plain", "liger"))
         plain_mem = impls.get("plain", {}).get("extra_peak_mb")
+        plain_first = impls.get("plain", {}).get("first_call_mb")
+        first = args.device == "cpu"
         ref_cells = [(impls.get(r, {}).get("best_s"), impls.get(r, {}).get("extra_peak_mb")) for r in refs]
         head = ["impl", "best s", "median s", "x plain", "x liger", "x floor", "TFLOP/s", "% floor", "extra peak MB",
-                "x plain mem"] + [f"x {r}" for r in refs] + [f"x {r} mem" for r in refs]
+                "x plain mem"] + (["first call MB", "x plain first", "modules"] if first else []) + [f"x {r}" for r in refs] + [f"x {r} mem" for r in refs]
         lines += [f"## B x T x H x V = {size.replace('x', ' x ')}", "", "| " + " | ".join(head) + " |",
                   "|" + " --- |" * len(head)]
         for impl, c in impls.items():
@@ -339,7 +380,7 @@ def markdown(summary, args, command, env) -> str:
             t, mem = c["best_s"], c["extra_peak_mb"]
             cells = [impl, f"{t:.3f}", f"{c['median_s']:.3f}", _ratio(t, plain), _ratio(t, liger), _ratio(t, floor),
                      f"{flops(size) / t / 1e12:.3f}", f"{100 * floor / t:.0f}%" if floor else "-", f"{mem:.0f}",
-                     _ratio(mem, plain_mem)] + [_ratio(t, rt) for rt, _ in ref_cells] + [_ratio(mem, rm) for _, rm in ref_cells]
+                     _ratio(mem, plain_mem)] + (_first_call_cells(c, plain_first) if first else []) + [_ratio(t, rt) for rt, _ in ref_cells] + [_ratio(mem, rm) for _, rm in ref_cells]
             lines.append("| " + " | ".join(cells) + " |")
         notes = [f"{impl}: {c['note']}" for impl, c in impls.items() if "best_s" in c and c["note"]]
         lines += [""] + notes + ([""] if notes else [])
@@ -354,6 +395,12 @@ def _method(args) -> str:
                 "(other agents were running tests and benchmarks): interleaving exposes all implementations "
                 "to the same load, and the best run is the least disturbed one.")
     return f"Time: best (and median) of {args.repeats} runs after {args.warmup} warm-up, one process per implementation."
+
+
+def _first_call_cells(cell, plain_first) -> list[str]:
+    if "first_call_mb" not in cell:
+        return ["-", "-", "-"]
+    return [f"{cell['first_call_mb']:.0f}", _ratio(cell["first_call_mb"], plain_first), str(cell["first_call_modules"])]
 
 
 def _ratio(x, ref) -> str:
@@ -410,6 +457,8 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     sizes = args.sizes.split(",") if args.sizes else preset["sizes"]
+    if args.worker and args.mode == "first-call":
+        return first_call_worker(args.worker, sizes, args.dtype, args.device)
     if args.worker:
         return worker(args.worker.split(","), sizes, args.dtype, args.device, args.warmup, args.repeats, args.mode)
 
@@ -431,8 +480,10 @@ def main(argv=None):
             new = run_worker(args, impls_, sizes_, mode, min(args.timeout, left), warmup, repeats)
         rows.extend(new)
         for row in new:
-            what = row.get("unavailable") or row.get("failed") or f"best {min(row['times_s']):.3f} s" + (
-                f"  extra peak {row['extra_peak_mb']:.0f} MB" if "extra_peak_mb" in row else "")
+            what = row.get("unavailable") or row.get("failed") or (
+                f"first call {row['first_call_s']:.3f} s  extra peak {row['first_call_mb']:.0f} MB  "
+                f"{row['modules']} modules" if "first_call_mb" in row else f"best {min(row['times_s']):.3f} s" + (
+                    f"  extra peak {row['extra_peak_mb']:.0f} MB" if "extra_peak_mb" in row else ""))
             print(f"{label:12s} {row['impl']:7s} {row['size']:22s} {what}", flush=True)
         summary = summarise(rows)  # rewrite after every worker: a timeout keeps what was measured
         result = dict(command=command, machine=harness.describe(env), environment=env, args=vars(args), summary=summary,
@@ -445,6 +496,8 @@ def main(argv=None):
         for size in sizes:
             for impl in impls:
                 run([impl], [size], "memory", 0, 1, "memory")
+                if impl != "floor":  # the floor is no library a user calls
+                    run([impl], [size], "first-call", 0, 0, "first call")
         for r in range(args.rounds):
             for size in sizes:
                 run(impls, [size], "interleave", args.warmup, args.repeats, f"time round {r + 1}")

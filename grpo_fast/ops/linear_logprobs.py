@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, registry
 
 
 def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> str:
@@ -95,7 +95,6 @@ class Rows:
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("grpo_fast::linear_logprobs", mutates_args=())
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
                      mask: Optional[Tensor], temperature: float, backend: str,
                      entropy_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -108,12 +107,10 @@ def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tar
     return rows.put(logp), rows.put(entropy), rows.put(lse)
 
 
-@_linear_logprobs.register_fake
-def _(hidden, weight, bias, target_ids, mask, temperature, backend, entropy_grad):
+def _linear_logprobs_fake(hidden, weight, bias, target_ids, mask, temperature, backend, entropy_grad):
     return tuple(hidden.new_empty(target_ids.shape, dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("grpo_fast::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
                               mask: Optional[Tensor], lse: Tensor, grad_logp: Tensor, temperature: float, backend: str,
                               needs: list[bool], entropy: Optional[Tensor],
@@ -140,8 +137,8 @@ def fake_grads(hidden, weight, bias, needs) -> tuple[Tensor, Tensor, Tensor]:
                  for t, want in zip((hidden, weight, bias), wanted, strict=True))
 
 
-@_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, backend, needs, entropy, grad_entropy):
+def _linear_logprobs_backward_fake(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, backend, needs,
+                                   entropy, grad_entropy):
     return fake_grads(hidden, weight, bias, needs)
 
 
@@ -166,7 +163,15 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None, None)
 
 
-_linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
+registry.define("linear_logprobs_backward",
+                "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, Tensor lse, "
+                "Tensor grad_logp, float temperature, str backend, bool[] needs, Tensor? entropy, "
+                "Tensor? grad_entropy) -> (Tensor, Tensor, Tensor)",
+                _linear_logprobs_backward, fake=_linear_logprobs_backward_fake)
+registry.define("linear_logprobs",
+                "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, float temperature, "
+                "str backend, bool entropy_grad) -> (Tensor, Tensor, Tensor)",
+                _linear_logprobs, fake=_linear_logprobs_fake, backward=_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
