@@ -30,6 +30,7 @@ import torch
 
 from . import checkpoint, objective, resume, run_folder
 from .config import GRPOConfig
+from .metrics import Pooled
 from .rewards.registry import reward_name
 from .rollout.base import prompt_seeds
 from .train import distributed, partial_rollouts, rollout_modes, setup, shaping
@@ -152,7 +153,8 @@ class GRPOTrainer:
         train_rows, eval_rows = setup.datasets_from_config(config)
         funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
                                  lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
-                                 num_generations=config.num_generations)
+                                 num_generations=config.num_generations * (  # lead: a prompt's graded completions
+                                     config.answers_per_thought if config.rollout_mode == "multi_answer" else 1))
         eval_metrics = task_eval_metrics(config.task) if config.dataset is None else None
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
 
@@ -452,7 +454,7 @@ class GRPOTrainer:
             flat = torch.cat(is_weights) if is_weights else torch.zeros(0)
             if flat.numel():
                 stats.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
-                              "sampling/importance_sampling_ratio/mean": flat.mean().item(),
+                              "sampling/importance_sampling_ratio/mean": Pooled.of(flat),
                               "sampling/importance_sampling_ratio/max": flat.max().item()})
         if self.ref_model is not None:
             with self.ref_parallel.gathered():
@@ -586,6 +588,8 @@ class GRPOTrainer:
         m = setup.reward_metrics(part, self.reward_funcs, self.config)
         m.update(stats)
         m.update({k: v for k, v in step_metrics.items() if k != "skipped"})
+        trained = trainable_tokens(part, self.loss_options)  # the loss's token means pool over ranks by tokens
+        m.update({k: Pooled.weighted(m[k], trained) for k in objective.METRIC_NAMES if k != "policy_loss" and k in m})
         m.update(times)
         m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
         tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))
@@ -698,7 +702,7 @@ def _sampling_stats(old: list[torch.Tensor], sampling: list[torch.Tensor]) -> di
     if not diffs:
         return {}
     flat = torch.nan_to_num(torch.cat(diffs), nan=0.0)
-    return {"sampling/logp_diff_mean": flat.mean().item(), "sampling/logp_diff_max": flat.max().item()}
+    return {"sampling/logp_diff_mean": Pooled.of(flat), "sampling/logp_diff_max": flat.max().item()}
 
 
 def _sync_time(start: float) -> float:
