@@ -259,6 +259,9 @@ class GRPOTrainer:
         # (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)
         tokens = distributed.sum_over_ranks([trainable_tokens(batch, self.loss_options)], self.world)[0] / self.world.size
         num_items = tokens / min(c.steps_per_generation, len(batch) // self.group_size)
+        # the round's sampling figures (rollout/*: tokens generated, carried over, ...) count once: they go
+        # with the first logged step of the round (as TRL logs a generation's figures once)
+        once = {name: stats.pop(name) for name in list(stats) if name.startswith("rollout/")}
         logged = {}
         for k, part in enumerate(parts):  # train steps
             start = time.perf_counter()
@@ -271,7 +274,9 @@ class GRPOTrainer:
                     self.state.policy_version += 1
                 with _timed(step_times, "time/sync_check"):
                     step_metrics.update(self._check_engine_sync(part))
-            logged = self._log(self._step_metrics(part, batch, step_metrics, stats, step_times), bar)
+            logged = self._log(self._step_metrics(part, batch, step_metrics, {**stats, **once}, step_times), bar)
+            if self._logs_step(self.state.step):
+                once = {}
             if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
                 logged = self._log_eval(bar) or logged
         if c.save_steps and self.state.step // c.save_steps > first_step // c.save_steps:
@@ -603,9 +608,13 @@ class GRPOTrainer:
         metrics = distributed.reduce_metrics(metrics, self.world)
         step = self.state.step
         bar.update(step, metrics)
-        if step % self.config.logging_steps == 0 or step == self.config.max_steps:
+        if self._logs_step(step):
             return self.metrics_logger.log(step, metrics)
         return metrics
+
+    def _logs_step(self, step: int) -> bool:
+        """Whether optimizer step `step` writes a metrics line."""
+        return step % self.config.logging_steps == 0 or step == self.config.max_steps
 
     def _save(self, path: Optional[str] = None, final: bool = False) -> str:
         """A checkpoint of the whole run (or, final=True, the trained model alone into `path`).
