@@ -425,6 +425,10 @@ def _validate_variants(c: GRPOConfig) -> None:
         _fail("num_generations", c.num_generations,
               f"early_exit_points + 1 = {c.early_exit_points + 1} with rollout_mode='early_exit' (a serial group is the "
               f"early_exit_points cuts plus the full completion); set num_generations or early_exit_points to match")
+    if c.rollout_mode == "early_exit" and c.early_exit_points > c.max_completion_length:
+        _fail("early_exit_points", c.early_exit_points, f"at most max_completion_length ({c.max_completion_length}) "
+              f"with rollout_mode='early_exit': a completion of L tokens has at most L distinct cut positions, so more "
+              f"cuts would coincide")
     if not c.early_exit_text.strip():
         _fail("early_exit_text", c.early_exit_text, "a non-blank text (it tells the model to answer now)")
     if c.thought_end is not None and not c.thought_end.strip():
@@ -446,10 +450,16 @@ def _validate_variants(c: GRPOConfig) -> None:
         _fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
     if c.rollout_mode != "parallel":
         for name, off in (("dynamic_sampling", False), ("difficulty_weighting", False), ("reward_noise_rate", None),
-                          ("partial_credit_judge", None)):
+                          ("partial_credit_judge", None), ("multi_objective_aggregation", "sum_then_normalize")):
             if getattr(c, name) != off:
-                _fail(name, getattr(c, name), f"{off} with rollout_mode={c.rollout_mode!r}: it shapes the advantages of "
-                      f"parallel groups, and {c.rollout_mode} groups get their own (README, 'GRPO variants')")
+                _fail(name, getattr(c, name), f"{off!r} with rollout_mode={c.rollout_mode!r}: it shapes the advantages "
+                      f"of parallel groups, and {c.rollout_mode} groups get their own from the weighted sum of the "
+                      f"rewards (README, 'GRPO variants')")
+    if c.rollout_mode == "early_exit" and first in outside_01:  # (train/shaping.py: what each mode trains on)
+        _fail("reward_funcs", c.reward_funcs, f"a 0/1 verifier first with rollout_mode='early_exit', not {first!r}: the "
+              f"serial reward replaces the first function's value (its correctness is all it keeps), so {first!r}'s "
+              f"length term would never train; S-GRPO's decay is the length term (put 'math' first, {first!r} after it "
+              f"to add it with its weight)")
 
 
 def _coerce_numeric_strings(c: GRPOConfig) -> None:

@@ -3,6 +3,10 @@ live progress bar. Names follow TRL (reward, reward_std, rewards/<func>/mean, kl
 
 All output lands in the run's output_dir. TensorBoard and matplotlib load lazily; a missing one
 is reported once and skipped (the jsonl file is always written).
+
+How a metric combines over ranks is declared here (`reduction`, `Pooled`, `combine`), so that N
+ranks log what one process with the same global batch logs: counts add up, extremes stay
+extremes, and a mean or std over values (rewards, lengths) is pooled from every rank's values.
 """
 
 from __future__ import annotations
@@ -12,10 +16,112 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_KEYS = ("reward", "eval/accuracy", "completions/mean_length", "step_time")
+
+# Counts (and rates of counts): a rank's figure is its share of the whole, so the ranks' figures add up.
+SUMMED = frozenset({
+    "num_tokens", "num_micro_batches", "tokens_per_second", "rewards/non_finite",
+    "rollout/generated_tokens", "rollout/reprefill_tokens", "rollout/carried_over", "rollout/dropped_stale",
+    "rollout/in_flight",
+})
+
+
+def reduction(name: str) -> str:
+    """How the ranks' values of the scalar metric `name` combine: "sum" for the counts of `SUMMED`;
+    "max" / "min" for a name whose last part has the word max / min (`completions/max_length`,
+    `sampling/logp_diff_max`, `.../importance_sampling_ratio/min`); else "mean" (a per-rank mean over
+    equal shares of the batch, or a figure every rank has alike). Values that need more than one
+    number to pool exactly (a mean or std over a rank's own values) are `Pooled` instead."""
+    if name in SUMMED:
+        return "sum"
+    words = name.rsplit("/", 1)[-1].split("_")
+    if "max" in words:
+        return "max"
+    if "min" in words:
+        return "min"
+    return "mean"
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """The mean or the (sample) std of a set of values, kept as (count, mean, sum of squared
+    deviations) so that ranks' sets pool exactly (Chan et al.'s update): the logged figure is the
+    statistic of all ranks' values together, as one process computes it. `n` may be a weight (a
+    token count) when only the mean is asked for."""
+
+    stat: str  # "mean" or "std"
+    n: float
+    mean: float
+    m2: float = 0.0
+
+    @classmethod
+    def of(cls, values, stat: str = "mean") -> "Pooled":
+        """Of a 1-D tensor (or sequence) of values; NaN values are missing and left out."""
+        import torch
+
+        x = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+        x = x[~x.isnan()]
+        if not x.numel():
+            return cls(stat, 0, math.nan)
+        mean = x.mean()
+        return cls(stat, x.numel(), mean.item(), float(((x - mean) ** 2).sum()))
+
+    @classmethod
+    def weighted(cls, mean: float, weight: float) -> "Pooled":
+        """A mean over `weight` items (a token mean over its tokens): ranks give the weighted mean."""
+        return cls("mean", float(weight), float(mean))
+
+    def __add__(self, other: "Pooled") -> "Pooled":
+        assert self.stat == other.stat, (self, other)
+        if not other.n:
+            return self
+        if not self.n:
+            return other
+        n = self.n + other.n
+        delta = other.mean - self.mean
+        return Pooled(self.stat, n, self.mean + delta * other.n / n, self.m2 + other.m2 + delta ** 2 * self.n * other.n / n)
+
+    @property
+    def value(self) -> float:
+        if self.stat == "mean":
+            return self.mean if self.n else math.nan
+        return math.sqrt(max(self.m2, 0.0) / (self.n - 1)) if self.n > 1 else 0.0  # torch.std's; 0 for one value
+
+
+def combine(per_rank: Sequence[dict]) -> dict:
+    """One value per metric from every rank's metrics (the union of their names, in first-seen order):
+    `Pooled` values pooled, scalars combined by `reduction` over the ranks that have a finite value
+    (NaN where none has). One rank's dict comes back with its `Pooled` values resolved."""
+    out = {}
+    for name in dict.fromkeys(n for m in per_rank for n in m):
+        values = [m[name] for m in per_rank if name in m]
+        if len(per_rank) == 1 and not isinstance(values[0], Pooled):
+            out[name] = values[0]
+            continue
+        if isinstance(values[0], Pooled):
+            total = values[0]
+            for v in values[1:]:
+                total = total + v
+            out[name] = total.value
+            continue
+        finite = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+        how = reduction(name)
+        if not finite:
+            out[name] = math.nan
+        elif how == "sum":
+            out[name] = sum(finite)
+        elif how == "max":
+            out[name] = max(finite)
+        elif how == "min":
+            out[name] = min(finite)
+        else:
+            out[name] = sum(finite) / len(finite)
+    return out
 
 
 def _clean(value):

@@ -30,6 +30,7 @@ import torch
 
 from . import checkpoint, objective, resume, run_folder
 from .config import GRPOConfig
+from .metrics import Pooled
 from .rewards.registry import reward_name
 from .rollout.base import prompt_seeds
 from .train import distributed, partial_rollouts, rollout_modes, setup, shaping
@@ -152,7 +153,8 @@ class GRPOTrainer:
         train_rows, eval_rows = setup.datasets_from_config(config)
         funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
                                  lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
-                                 num_generations=config.num_generations)
+                                 num_generations=config.num_generations * (  # lead: a prompt's graded completions
+                                     config.answers_per_thought if config.rollout_mode == "multi_answer" else 1))
         eval_metrics = task_eval_metrics(config.task) if config.dataset is None else None
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
 
@@ -257,6 +259,9 @@ class GRPOTrainer:
         # (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)
         tokens = distributed.sum_over_ranks([trainable_tokens(batch, self.loss_options)], self.world)[0] / self.world.size
         num_items = tokens / min(c.steps_per_generation, len(batch) // self.group_size)
+        # the round's sampling figures (rollout/*: tokens generated, carried over, ...) count once: they go
+        # with the first logged step of the round (as TRL logs a generation's figures once)
+        once = {name: stats.pop(name) for name in list(stats) if name.startswith("rollout/")}
         logged = {}
         for k, part in enumerate(parts):  # train steps
             start = time.perf_counter()
@@ -269,7 +274,9 @@ class GRPOTrainer:
                     self.state.policy_version += 1
                 with _timed(step_times, "time/sync_check"):
                     step_metrics.update(self._check_engine_sync(part))
-            logged = self._log(self._step_metrics(part, batch, step_metrics, stats, step_times), bar)
+            logged = self._log(self._step_metrics(part, batch, step_metrics, {**stats, **once}, step_times), bar)
+            if self._logs_step(self.state.step):
+                once = {}
             if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
                 logged = self._log_eval(bar) or logged
         if c.save_steps and self.state.step // c.save_steps > first_step // c.save_steps:
@@ -452,7 +459,7 @@ class GRPOTrainer:
             flat = torch.cat(is_weights) if is_weights else torch.zeros(0)
             if flat.numel():
                 stats.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
-                              "sampling/importance_sampling_ratio/mean": flat.mean().item(),
+                              "sampling/importance_sampling_ratio/mean": Pooled.of(flat),
                               "sampling/importance_sampling_ratio/max": flat.max().item()})
         if self.ref_model is not None:
             with self.ref_parallel.gathered():
@@ -586,6 +593,8 @@ class GRPOTrainer:
         m = setup.reward_metrics(part, self.reward_funcs, self.config)
         m.update(stats)
         m.update({k: v for k, v in step_metrics.items() if k != "skipped"})
+        trained = trainable_tokens(part, self.loss_options)  # the loss's token means pool over ranks by tokens
+        m.update({k: Pooled.weighted(m[k], trained) for k in objective.METRIC_NAMES if k != "policy_loss" and k in m})
         m.update(times)
         m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
         tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))
@@ -599,9 +608,13 @@ class GRPOTrainer:
         metrics = distributed.reduce_metrics(metrics, self.world)
         step = self.state.step
         bar.update(step, metrics)
-        if step % self.config.logging_steps == 0 or step == self.config.max_steps:
+        if self._logs_step(step):
             return self.metrics_logger.log(step, metrics)
         return metrics
+
+    def _logs_step(self, step: int) -> bool:
+        """Whether optimizer step `step` writes a metrics line."""
+        return step % self.config.logging_steps == 0 or step == self.config.max_steps
 
     def _save(self, path: Optional[str] = None, final: bool = False) -> str:
         """A checkpoint of the whole run (or, final=True, the trained model alone into `path`).
@@ -698,7 +711,7 @@ def _sampling_stats(old: list[torch.Tensor], sampling: list[torch.Tensor]) -> di
     if not diffs:
         return {}
     flat = torch.nan_to_num(torch.cat(diffs), nan=0.0)
-    return {"sampling/logp_diff_mean": flat.mean().item(), "sampling/logp_diff_max": flat.max().item()}
+    return {"sampling/logp_diff_mean": Pooled.of(flat), "sampling/logp_diff_max": flat.max().item()}
 
 
 def _sync_time(start: float) -> float:

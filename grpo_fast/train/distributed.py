@@ -4,15 +4,15 @@ and the policy wrapped for data parallelism (DDP) or sharded (FSDP2).
 One process per GPU (NCCL) or per CPU slot (gloo). Each rank samples, scores and trains on its own
 whole groups; DDP averages the gradients, FSDP2 reduce-scatters them into its shards. What must be
 global is made so here: the dapo normaliser (the all-rank token count), the skip decision of a step,
-the adaptive entropy controller's entropy, and the logged metrics (means over ranks, written by rank
-0). A single process (no WORLD_SIZE, or 1) has `World()` and none of this runs. docs/design.md,
-"Many ranks", explains the rules that keep FSDP2's collectives in step.
+the adaptive entropy controller's entropy, and the logged metrics (combined over the ranks as
+`metrics.reduction` declares each, written by rank 0). A single process (no WORLD_SIZE, or 1) has
+`World()` and none of this runs. docs/design.md, "Many ranks", explains the rules that keep FSDP2's
+collectives in step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -94,30 +94,13 @@ def any_rank(flag: bool, world: World) -> bool:
     return bool(sum_over_ranks([float(flag)], world)[0])
 
 
-# Metrics that are not a mean over the ranks: counts add up, extremes stay extremes.
-_SUMMED = ("num_tokens", "tokens_per_second", "rewards/non_finite", "num_micro_batches")
-
-
 def reduce_metrics(metrics: dict, world: World) -> dict:
-    """One value per metric over the ranks that have a finite one (the union of their names): sums
-    for counts, min / max for extremes, else the mean (NaN where no rank has a value)."""
-    if world.size == 1:
-        return metrics
-    gathered = gather_objects(metrics, world)
-    out = {}
-    for name in dict.fromkeys(n for m in gathered for n in m):
-        values = [m[name] for m in gathered if isinstance(m.get(name), (int, float)) and math.isfinite(m[name])]
-        if not values:
-            out[name] = float("nan")
-        elif name in _SUMMED:
-            out[name] = sum(values)
-        elif name.endswith(("min_length", "/min")):
-            out[name] = min(values)
-        elif name.endswith(("max_length", "/max")):
-            out[name] = max(values)
-        else:
-            out[name] = sum(values) / len(values)
-    return out
+    """One value per metric over every rank's values, as `metrics.combine` declares it (sums for
+    counts, min / max for extremes, pooled means and stds from all ranks' values, else the mean
+    over the ranks); one process: its own values, `Pooled` ones resolved."""
+    from ..metrics import combine
+
+    return combine(gather_objects(metrics, world))
 
 
 def barrier(world: World) -> None:

@@ -6,7 +6,8 @@ both. Each entry of the returned `Rollouts` is one trained sequence; tokens the 
 sample for it are masked out of the loss (`loss_mask`) and carry a NaN sampling log-prob.
 
 early_exit (S-GRPO), per prompt: one full completion; m cut positions spread over its tokens (one
-drawn uniformly in each of m equal spans, seeded); each cut continues from prompt + prefix +
+drawn uniformly in each of m equal spans, seeded; distinct unless the completion is shorter than m,
+which is warned about); each cut continues from prompt + prefix +
 `early_exit_text` for at most `early_exit_answer_length` tokens. The serial group, in exit order,
 is the m cuts (shortest first), then the full completion. A cut trains on prefix + injected text +
 answer with the injected text masked, and is graded on its answer alone.
@@ -20,6 +21,7 @@ own sequence, an answer as thought + answer with the thought masked, graded on t
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from typing import Callable
@@ -28,6 +30,9 @@ import torch
 
 from ..rollout.base import prompt_seeds
 from .rollouts import Rollouts
+
+logger = logging.getLogger(__name__)
+_warned = {"short": False}
 
 
 def _sampling(c) -> dict:
@@ -51,8 +56,14 @@ def _empty() -> dict:
 
 
 def cut_positions(length: int, m: int, rng: random.Random) -> list[int]:
-    """m prefix lengths in [0, length), non-decreasing: one drawn uniformly in each of m equal spans."""
-    return [min(int((i + rng.random()) * length / m), max(length - 1, 0)) for i in range(m)]
+    """m prefix lengths in [0, length), non-decreasing: one drawn uniformly in each of m equal spans
+    (span i holds the positions in [i length / m, (i + 1) length / m)). With length >= m every span
+    holds a position and the cuts are distinct; a shorter length has fewer positions than cuts, so
+    some coincide (`early_exit` warns)."""
+    if length < m:
+        return [min(int((i + rng.random()) * length / m), max(length - 1, 0)) for i in range(m)]
+    bounds = [-(-i * length // m) for i in range(m + 1)]  # ceil(i length / m): span i is [bounds[i], bounds[i + 1])
+    return [lo + int(rng.random() * (hi - lo)) for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, next_seed: Callable[[], int]) -> Rollouts:
@@ -61,10 +72,18 @@ def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict],
     seeds = prompt_seeds(next_seed(), len(prompt_ids))
     full = [g[0] for g in engine.generate(prompt_ids, n=1, max_new_tokens=c.max_completion_length, seed=seeds, **_sampling(c))]
     injected = tokenizer.encode(c.early_exit_text, add_special_tokens=False)
-    cuts = []
+    cuts, short = [], []
     for completion, seed in zip(full, seeds, strict=True):  # the cuts fall in the reasoning: not on an ending EOS
         body = len(completion.token_ids) - (completion.finish_reason == "stop")
         cuts.append(cut_positions(body, m, random.Random(seed)))
+        if body < m:
+            short.append(body)
+    if short and not _warned["short"]:  # once a process; `early_exit/short_completion_frac` counts them every step
+        _warned["short"] = True
+        logger.warning("early_exit_points=%d is more than the reasoning length of %d of %d full completions (shortest "
+                       "%d tokens): their cuts coincide, so a serial group answers the same prefix more than once. "
+                       "Lower early_exit_points (the metric early_exit/short_completion_frac counts such completions)",
+                       m, len(short), len(full), min(short))
     requests = [p + full[i].token_ids[:k] + injected for i, p in enumerate(prompt_ids) for k in cuts[i]]
     answers = [g[0] for g in engine.generate(requests, n=1, max_new_tokens=c.early_exit_answer_length,
                                              seed=prompt_seeds(next_seed(), len(requests)), **_sampling(c))]

@@ -332,25 +332,31 @@ def weighted_mean(rewards: torch.Tensor, weights) -> float:
 
 
 def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], config) -> dict:
-    """TRL's per-step reward and completion metrics for the completions of one step."""
+    """TRL's per-step reward and completion metrics for the completions of one step. `reward`,
+    `reward_std` and `frac_reward_zero_std_step` are of the rewards the advantages came from
+    (`batch.trained_rewards`: partial credit, early_exit's serial reward), `rewards/<func>/*` of each
+    function's values as scored. Means and stds over values are `Pooled`: on many ranks they are of
+    all ranks' values (metrics.py)."""
+    from ..metrics import Pooled
+
     G = config.group_size
-    total = weighted_rewards(batch.rewards, config.reward_weights).view(-1, G)
-    group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in total])
+    trained = batch.rewards if batch.trained_rewards is None else batch.trained_rewards
+    total = weighted_rewards(trained, config.reward_weights)
+    groups = total.view(-1, G)
+    group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in groups])
     lengths = batch.completion_lengths()
     clipped = torch.tensor([r == "length" for r in batch.finish_reason], dtype=torch.float32)
     m = {
-        "reward": weighted_mean(batch.rewards, config.reward_weights),
-        "reward_std": group_std.mean().item(),
-        "frac_reward_zero_std_step": zero_std_groups(batch.rewards, config.reward_weights, G).float().mean().item(),
-        "completions/mean_length": lengths.mean().item(),
+        "reward": Pooled.of(total),
+        "reward_std": Pooled.of(group_std),  # the mean of the groups' stds
+        "frac_reward_zero_std_step": Pooled.of(zero_std_groups(trained, config.reward_weights, G).double()),
+        "completions/mean_length": Pooled.of(lengths),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": clipped.mean().item(),
-        "advantages/abs_mean": batch.advantages.abs().mean().item(),
+        "completions/clipped_ratio": Pooled.of(clipped),
+        "advantages/abs_mean": Pooled.of(batch.advantages.abs()),
     }
     for j, f in enumerate(reward_funcs):
-        col = batch.rewards[:, j]
-        known = col[~col.isnan()]
-        m[f"rewards/{reward_name(f)}/mean"] = known.mean().item() if known.numel() else float("nan")
-        m[f"rewards/{reward_name(f)}/std"] = known.std().item() if known.numel() > 1 else 0.0
+        m[f"rewards/{reward_name(f)}/mean"] = Pooled.of(batch.rewards[:, j])
+        m[f"rewards/{reward_name(f)}/std"] = Pooled.of(batch.rewards[:, j], "std")
     return m

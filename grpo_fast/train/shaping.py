@@ -7,10 +7,17 @@
                                credit (groups with no correct answer: the first reward becomes
                                sigmoid(beta (judge score - gamma))); then GRPO-LEAD's difficulty
                                weights and Stable GRPO's noise-aware weights multiply them
-    rollout_mode=early_exit    S-GRPO: decaying rewards over each serial group, advantage r - mean(r)
+    rollout_mode=early_exit    S-GRPO: the first reward becomes the decaying serial reward of each
+                               serial group (1/2^(i-1) for its i-th correct member, else 0), the
+                               other functions' rewards are added with their weights as in
+                               parallel mode; advantage r - mean(r) of that weighted sum
     rollout_mode=multi_answer  GRPO-MA: answers get the group advantage over their prompt's K x M
                                answers, thoughts the advantage of their mean answer reward over the
-                               prompt's K thoughts
+                               prompt's K thoughts (rewards: the weighted sum of every function's)
+
+Every mode leaves the rewards its advantages came from in `batch.trained_rewards` (n, k): the
+logged `reward` is their weighted sum, so what is logged is what trained. What a mode cannot
+honour is refused by name in `config.py` before any work (`_validate_variants`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_c
                conversational: bool = False, world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
     """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge. Under
     torchrun, `batch` is this rank's share of the generation batch (whole groups, the same size on
-    every rank): statistics over the whole batch (`scale_rewards="batch"`) use every rank's rewards."""
+    every rank): statistics over the whole batch (`scale_rewards="batch"`) use every rank's rewards.
+    Sets `batch.trained_rewards`: the scored rewards as the mode reshaped them (module docstring)."""
     if c.rollout_mode == "early_exit":
         return _serial_advantages(batch, c)
     if c.rollout_mode == "multi_answer":
@@ -42,6 +50,7 @@ def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_c
     ok = correct(rewards)
     if judge is not None:
         rewards, stats = _partial_credit(batch, ok, c, judge, prompt_column, conversational)
+    batch.trained_rewards = rewards
     mine = slice(None)
     if c.scale_rewards == "batch" and world.size > 1:  # the std over all ranks' rewards, as one process has it
         mine = slice(world.rank * len(rewards), (world.rank + 1) * len(rewards))
@@ -85,18 +94,29 @@ def _partial_credit(batch: Rollouts, ok: torch.Tensor, c, judge, prompt_column: 
 
 
 def _serial_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
-    ok = correct(batch.rewards).view(-1, c.num_generations)
+    G = c.num_generations
+    ok = correct(batch.rewards).view(-1, G)
     serial = torch.stack([objective.decaying_serial_rewards(group) for group in ok])  # (P, m + 1)
-    adv = serial - serial.mean(1, keepdim=True)
+    rewards = batch.rewards.clone()
+    rewards[:, 0] = serial.reshape(-1).double()  # the verifier's value becomes the serial reward
+    batch.trained_rewards = rewards
+    total = weighted_rewards(rewards, c.reward_weights).view(-1, G)  # (P, m + 1); never NaN: column 0 is known
+    adv = total - total.mean(1, keepdim=True)
     first = [int(group.nonzero()[0]) if group.any() else None for group in ok]  # exit index of the first right one
     found = [f for f in first if f is not None]
+    bodies = [len(ids) - (reason == "stop") for ids, reason, kind in
+              zip(batch.completion_ids, batch.finish_reason, batch.kind or ["full"] * len(batch), strict=True)
+              if kind == "full"]
     stats = {"early_exit/serial_reward_mean": serial.mean().item(),
-             "early_exit/first_correct_exit": sum(found) / len(found) if found else float("nan")}
+             "early_exit/first_correct_exit": sum(found) / len(found) if found else float("nan"),
+             # full completions shorter than early_exit_points: some of their cuts coincide (rollout_modes.py)
+             "early_exit/short_completion_frac": sum(b < c.early_exit_points for b in bodies) / max(len(bodies), 1)}
     return adv.reshape(-1).float(), stats
 
 
 def _thought_answer_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
     K, M = c.num_generations, c.answers_per_thought
+    batch.trained_rewards = batch.rewards
     total = torch.nan_to_num(weighted_rewards(batch.rewards, c.reward_weights), nan=0.0).view(-1, K * (1 + M))
     thought, answer = objective.thought_answer_advantages(total[:, K:].reshape(-1, K, M))
     adv = torch.cat([thought, answer.flatten(1)], dim=1)

@@ -132,6 +132,32 @@ def test_cut_positions_spread_one_per_span():
             assert all(i * length / m <= k < (i + 1) * length / m for i, k in enumerate(cuts)), cuts
 
 
+def test_cut_positions_are_distinct_when_the_completion_has_room():
+    import random
+
+    rng = random.Random(1)
+    for length, m in [(10, 7), (8, 3), (7, 7), (100, 7), (13, 5)]:
+        for _ in range(200):  # (the old draw, floor of a point in each span, gave the same cut twice at a span's edge)
+            cuts = rollout_modes.cut_positions(length, m, rng)
+            assert len(set(cuts)) == m and cuts == sorted(cuts) and all(0 <= k < length for k in cuts), (length, m, cuts)
+            assert all(i * length / m <= k < (i + 1) * length / m for i, k in enumerate(cuts)), cuts
+
+
+def test_completions_shorter_than_the_cuts_are_warned_about(hf, monkeypatch, caplog):
+    engine, tokenizer = hf
+    c = GRPOConfig(rollout_mode="early_exit", early_exit_points=7, num_generations=8, early_exit_text="ANSWER:",
+                   early_exit_answer_length=2, max_completion_length=10, max_prompt_length=8, per_device_train_batch_size=16)
+    c.max_completion_length = 4  # as if every completion ended (EOS) after at most 4 tokens: fewer than the 7 cuts
+    monkeypatch.setitem(rollout_modes._warned, "short", False)
+    with caplog.at_level("WARNING", logger="grpo_fast.train.rollout_modes"):
+        batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds())
+        rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds())
+    warned = [r.getMessage() for r in caplog.records if "early_exit_points=7" in r.getMessage()]
+    assert len(warned) == 1 and "of 2 full completions" in warned[0] and "cuts coincide" in warned[0], warned
+    cuts = [_first_masked(mask) for mask, kind in zip(batch.loss_mask, batch.kind, strict=True) if kind == "cut"]
+    assert len(set(cuts[:7])) < 7, "the test should have made coinciding cuts"
+
+
 def test_early_exit_config_needs_m_plus_one_generations():
     with pytest.raises(ValueError, match=r"num_generations=4 .*early_exit_points \+ 1 = 8"):
         GRPOConfig(rollout_mode="early_exit", num_generations=4)

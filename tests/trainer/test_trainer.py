@@ -207,3 +207,22 @@ def test_the_is_correction_default_follows_the_engines_dtype(tmp_path, tiny, eng
     engine = HFEngine(copy.deepcopy(model).to(engine_dtype), tokenizer)
     trainer = GRPOTrainer(config(tmp_path), [target_fraction], rows(), model=model, tokenizer=tokenizer, engine=engine)
     assert not trainer.engine_shares_weights and trainer.use_is == expected
+
+
+@pytest.mark.parametrize("overrides, logged, with_rollout", [
+    (dict(num_iterations=2), [1, 2], [1]),  # μ = 2: the round's two steps; its sampling figures on the first
+    (dict(steps_per_generation=2, logging_steps=2), [2], [2]),  # the first step unlogged: on the first logged one
+], ids=["iterations2", "steps_per_generation2-logging_steps2"])
+def test_a_rounds_rollout_figures_are_logged_once(tmp_path, tiny, overrides, logged, with_rollout):
+    """rollout/* figures describe a generation round: logged with the first logged optimizer step of
+    the round, so that summed over a run's lines they count each round once."""
+    model, tokenizer = tiny
+    c = config(tmp_path, max_steps=2, eval_before_train=False, save_final=False, per_device_train_batch_size=8,
+               **overrides)
+    GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
+    lines = _records(c.output_dir)
+    assert [r["step"] for r in lines] == logged
+    assert [r["step"] for r in lines if any(k.startswith("rollout/") for k in r)] == with_rollout
+    assert all("reward" in r and "frac_reward_zero_std" in r for r in lines), "the round's other figures stay on every line"
+    if "num_iterations" in overrides:  # one slice trained twice: the first line's completions are the round's
+        assert lines[0]["rollout/generated_tokens"] == lines[0]["completions/mean_length"] * 8

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_fast import objective
-from grpo_fast.train import shaping
+from grpo_fast.metrics import combine
+from grpo_fast.train import setup, shaping
 from grpo_fast.train.rollouts import Rollouts
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
@@ -87,6 +88,67 @@ def test_early_exit_advantages_are_decaying_rewards_minus_their_mean(tmp_path):
     assert stats["early_exit/first_correct_exit"] == 1.0
 
 
+def _funcs(*names):
+    out = []
+    for name in names:
+        f = lambda prompts, completions, completion_ids, **kw: None  # noqa: E731 (named only: reward_metrics reads the name)
+        f.__name__ = name
+        out.append(f)
+    return out
+
+
+def test_early_exit_adds_the_other_weighted_rewards_to_the_serial_reward(tmp_path):
+    """The first reward's correctness becomes the serial reward; the second is added with its weight,
+    as in parallel mode (a missing value counts as nothing); the logged reward is their weighted mean."""
+    c = config(tmp_path, rollout_mode="early_exit", early_exit_points=3, num_generations=4, reward_funcs=["v", "short"],
+               reward_weights=[2.0, 0.5])
+    batch = _scored([[0.0, 0.2], [1.0, 0.4], [1.0, math.nan], [0.7, -0.8]])
+    batch.advantages, _ = shaping.advantages(batch, c)
+    adv = batch.advantages
+    total = torch.tensor([2 * 0.0 + 0.5 * 0.2, 2 * 1.0 + 0.5 * 0.4, 2 * 0.5, 2 * 0.25 + 0.5 * -0.8], dtype=torch.float64)
+    assert torch.allclose(adv, (total - total.mean()).float(), rtol=1e-6), (adv, total - total.mean())
+    assert batch.trained_rewards[:, 0].tolist() == [0.0, 1.0, 0.5, 0.25] and batch.rewards[0, 1] == 0.2
+    logged = combine([setup.reward_metrics(batch, _funcs("v", "short"), c)])
+    assert logged["reward"] == pytest.approx(total.mean().item(), rel=1e-12), "the logged reward is what trained"
+    assert logged["rewards/v/mean"] == pytest.approx(2.7 / 4, rel=1e-12), "each function's own values as scored"
+    heavier = config(tmp_path, rollout_mode="early_exit", early_exit_points=3, num_generations=4,
+                     reward_funcs=["v", "short"], reward_weights=[2.0, 5.0])
+    assert not torch.allclose(shaping.advantages(batch, heavier)[0], adv), "the second weight reaches the advantages"
+
+
+def test_partial_credit_is_logged_as_it_trained(tmp_path):
+    c = config(tmp_path, num_generations=2, per_device_train_batch_size=4, partial_credit_judge="x:y",
+               partial_credit_beta=5.0, partial_credit_gamma=0.5)
+    batch = _scored([0.0, 0.0, 1.0, 0.0])
+    batch.advantages, _ = shaping.advantages(batch, c, lambda prompts, completions, completion_ids, **kw: [1.0, 0.0])
+    credit = [1 / (1 + math.exp(-2.5)), 1 / (1 + math.exp(2.5))]
+    logged = combine([setup.reward_metrics(batch, _funcs("v"), c)])
+    assert logged["reward"] == pytest.approx((sum(credit) + 1.0) / 4, rel=1e-6)
+    assert logged["rewards/v/mean"] == 0.25
+
+
+def test_rollout_modes_refuse_what_they_cannot_train(tmp_path):
+    early = dict(rollout_mode="early_exit", early_exit_points=3, num_generations=4)
+    for first in ("lead", "math_length"):  # the serial reward would replace their length term
+        with pytest.raises(ValueError, match=rf"reward_funcs=\['{first}'\].*rollout_mode='early_exit'.*length term"):
+            config(tmp_path, reward_funcs=[first], **early)
+    assert config(tmp_path, reward_funcs=["math", "lead"], reward_weights=[1.0, 0.5], **early).reward_funcs[1] == "lead"
+    multi = dict(rollout_mode="multi_answer", num_generations=2, answers_per_thought=2, per_device_train_batch_size=12)
+    for mode in (early, multi):
+        with pytest.raises(ValueError, match=r"multi_objective_aggregation='normalize_then_sum'.*'sum_then_normalize' with "
+                                             rf"rollout_mode='{mode['rollout_mode']}'"):
+            config(tmp_path, reward_funcs=["a", "b"], multi_objective_aggregation="normalize_then_sum", **mode)
+    with pytest.raises(ValueError, match=r"early_exit_points=9.*at most max_completion_length \(8\).*coincide"):
+        config(tmp_path, rollout_mode="early_exit", early_exit_points=9, num_generations=10, per_device_train_batch_size=20,
+               max_completion_length=8)
+
+
+def test_multi_answer_lead_groups_a_prompts_answers(tmp_path, tiny_path):
+    c = config(tmp_path, model=tiny_path, reward_funcs=["lead"], rollout_mode="multi_answer", num_generations=2,
+               answers_per_thought=3, per_device_train_batch_size=16, task_train_size=8)
+    assert GRPOTrainer.from_config(c).reward_funcs[0].group == 6, "lead's z-scores over a prompt's K x M answers"
+
+
 def test_multi_answer_advantages_per_thought_and_per_answer(tmp_path):
     c = config(tmp_path, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2, per_device_train_batch_size=6)
     nan = math.nan
@@ -119,6 +181,37 @@ def test_early_exit_run_trains_on_serial_groups(tmp_path, tiny):
                                early_exit_text="ANSWER:", early_exit_answer_length=4)
     assert moved and trainer.state.generation_calls == 2, "a full completion, then the answers of its cuts"
     assert "early_exit/serial_reward_mean" in _step_line(trainer)
+
+
+def test_early_exit_second_reward_weight_changes_the_update(tmp_path, tiny_path):
+    """Two reward functions with weights: the second weight reaches the update (it did not: the serial
+    reward alone trained while the logged reward included it), and the logged reward is the weighted
+    sum that trained: the serial reward's mean plus the second weight times the second reward's mean."""
+    from tests.tiny_model import load_tiny_model
+
+    def shorter(prompts, completions, completion_ids, **kw):  # differs within a serial group: cuts are shorter
+        return [-len(ids) / 8 for ids in completion_ids]
+
+    runs = []
+    for weight in (0.1, 3.0):
+        model, tokenizer = load_tiny_model(tiny_path)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        c = config(tmp_path / f"w{weight}", max_steps=1, eval_before_train=False, rollout_mode="early_exit",
+                   early_exit_points=3, num_generations=4, early_exit_text="ANSWER:", early_exit_answer_length=4,
+                   reward_funcs=["target_fraction", "shorter"], reward_weights=[1.0, weight])
+        trainer = GRPOTrainer(c, [target_fraction, shorter], rows(), model=model, tokenizer=tokenizer)
+        trainer.train()
+        line = _step_line(trainer)
+        update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+        runs.append((line, update))
+        assert line["reward"] == pytest.approx(line["early_exit/serial_reward_mean"] + weight * line["rewards/shorter/mean"],
+                                               rel=1e-9), "the logged reward is the combined reward that trained"
+    (a, update_a), (b, update_b) = runs
+    assert a["rewards/shorter/mean"] == b["rewards/shorter/mean"] != 0, "the same samples in both runs"
+    assert not b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (a["grad_norm"], b["grad_norm"])
+    diff = max((update_a[n] - update_b[n]).abs().max().item() for n in update_a)
+    size = max(u.abs().max().item() for u in update_a.values())
+    assert diff > 1e-2 * size, f"the updates differ by {diff:.3g} at most (largest update {size:.3g})"
 
 
 def test_multi_answer_run_trains_thoughts_and_answers(tmp_path, tiny):
