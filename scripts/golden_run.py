@@ -1,0 +1,86 @@
+"""One golden run: a fixed-seed `grpo-fast train` of the tests' tiny model for 3 steps, summarised.
+
+    python scripts/golden_run.py CASE OUT_DIR        # writes OUT_DIR/summary.json and prints its path
+
+CASE is one of CASES below. The summary holds the run's metrics.jsonl rows (times and memory left out)
+and, per weight tensor of final/, its float64 sum, sum of magnitudes and norm, plus one sha256 over all the weights'
+bytes. `tests/golden/test_golden_run.py` compares the summaries with the committed goldens (within the
+last bits that differ between CPU kinds); `scripts/golden_compare.sh BASE` runs every case at a base
+commit and at the working tree on one machine and compares them bitwise.
+
+Everything here goes through the command line as a user types it, so the same file drives an older
+checkout of grpo_fast (run it with that checkout on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+COMMON = ["--disable_tqdm", "--reward_funcs", "tests.trainer.common:target_fraction", "--num_generations", "4",
+          "--per_device_train_batch_size", "8", "--max_prompt_length", "32", "--max_completion_length", "12",
+          "--max_tokens_per_microbatch", "256", "--learning_rate", "3e-2", "--max_steps", "3", "--seed", "0",
+          "--mixed_precision", "no", "--vllm_dtype", "float32", "--save_steps", "0", "--eval_steps", "0"]
+CASES = {
+    "hf_beta_mu2": ["--engine", "hf", "--beta", "0.04", "--num_iterations", "2"],
+    "vllm": ["--engine", "vllm"],
+    "vllm_partial": ["--engine", "vllm", "--max_staleness", "1"],
+    "early_exit": ["--engine", "vllm", "--rollout_mode", "early_exit", "--early_exit_points", "3"],
+}
+STOP_IDS = [2, *range(259, 279)]  # 21 of the 320 token ids end a completion (~6.5% a token)
+# left out of the comparison: they measure the machine, not the run
+UNSTABLE = ("time", "memory", "tokens_per_second", "wall")
+
+
+def run(case: str, out: str) -> str:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread: bitwise repeatable on one machine
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from grpo_fast.cli import main
+    from tests.tiny_model import build_tiny_model
+
+    os.makedirs(out, exist_ok=True)
+    model = build_tiny_model(os.path.join(out, "tiny"))
+    with open(os.path.join(model, "generation_config.json")) as f:
+        generation = json.load(f)
+    generation["eos_token_id"] = STOP_IDS  # completions of many lengths, up to the budget: partial rollouts carry some
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"prompt": f"question {i}", "answer": str(i)}) + "\n" for i in range(24))
+    run_dir = os.path.join(out, "run")
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own folder: a rerun starts afresh
+    code = main(["train", "--model", model, "--dataset", data, "--output_dir", run_dir, *COMMON, *CASES[case]])
+    if code != 0:
+        raise SystemExit(f"golden case {case}: grpo-fast train exited {code}")
+    path = os.path.join(out, "summary.json")
+    with open(path, "w") as f:
+        json.dump(summarise(run_dir), f, indent=1, sort_keys=True)
+    return path
+
+
+def summarise(run_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [{k: v for k, v in json.loads(line).items() if not any(u in k for u in UNSTABLE)} for line in f]
+    weights = load_file(os.path.join(run_dir, "final", "model.safetensors"))
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(weights[name].contiguous().view(-1).numpy().tobytes())
+    return {"rows": rows, "weights_sha256": digest.hexdigest(),
+            "weights": {name: [w.sum().item(), w.abs().sum().item(), w.norm().item()]
+                        for name, w in sorted((n, t.double()) for n, t in weights.items())}}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.*
+    if len(sys.argv) != 3 or sys.argv[1] not in CASES:
+        raise SystemExit(f"usage: python scripts/golden_run.py {{{','.join(CASES)}}} OUT_DIR")
+    print(run(sys.argv[1], sys.argv[2]))

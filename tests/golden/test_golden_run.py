@@ -1,0 +1,89 @@
+"""The golden runs: fixed-seed 3-step runs of the tiny model (scripts/golden_run.py) against the committed
+summaries in tests/golden/goldens/. Refactors keep behaviour: a change here means the training changed.
+
+The goldens are written by hand (`python scripts/golden_run.py CASE OUT`, then copy OUT/summary.json to
+tests/golden/goldens/CASE.json), never by this test. What is compared:
+- counts (integers) exactly; rewards and lengths to 1e-9 relative: they come from the sampled tokens, so
+  one token sampled differently moves them by far more, while float64 sums of the same values may differ
+  in the last bit between CPU kinds (AVX2 and AVX-512 reduce in another order);
+- every other value within 1e-4 relative (the loss relative to the advantages' magnitude, the terms it
+  sums: it is a near-zero difference by construction);
+- the engine/trainer gaps where the tokens are fresh (float rounding of the same numbers on two paths)
+  against their float32 bound, 1e-3, not against a golden: they measure the machine's rounding, not the
+  run (stale tokens' gaps, with partial rollouts, are real and compared as the rest);
+- the final weights per tensor: the norm within 1e-5 relative, the sum within 1e-5 of the sum of magnitudes.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_fast.rollout import vllm_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDENS = Path(__file__).parent / "goldens"
+CASES = ("hf_beta_mu2", "vllm", "vllm_partial", "early_exit")
+SAMPLED = ("reward", "length")  # keys that come straight from the sampled tokens
+GAPS = ("sampling/logp_diff", "sampling/sync_check_diff")
+RATIOS = ("sampling/importance_sampling_ratio",)
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    """Every case run once, two at a time (one thread each, so the 2-core machine runs both)."""
+    out, results = tmp_path_factory.mktemp("golden"), {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    for pair in (CASES[:2], CASES[2:]):
+        procs = {case: subprocess.Popen([sys.executable, "scripts/golden_run.py", case, str(out / case)], cwd=ROOT,
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for case in pair}
+        for case, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{case}: {stderr[-3000:]}"
+            results[case] = json.loads(Path(stdout.strip().splitlines()[-1]).read_text())
+    return results
+
+
+def _mismatches(got: dict, want: dict) -> list[str]:
+    bad = []
+    if len(got["rows"]) != len(want["rows"]):
+        return [f"{len(got['rows'])} metrics rows, the golden has {len(want['rows'])}"]
+    for i, (g, w) in enumerate(zip(got["rows"], want["rows"], strict=True)):
+        if g.keys() != w.keys():
+            bad.append(f"row {i}: keys differ: {sorted(g.keys() ^ w.keys())}")
+            continue
+        for key, expected in w.items():
+            value = g[key]
+            if key.startswith(GAPS) and expected < 1e-3:  # fresh tokens: rounding of the same numbers
+                ok = value < 1e-3
+            elif key.startswith(RATIOS) and abs(expected - 1) < 1e-3:
+                ok = abs(value - 1) < 1e-3
+            elif isinstance(expected, int) and not isinstance(expected, bool):
+                ok = value == expected
+            elif key.startswith(SAMPLED) or "length" in key:
+                ok = math.isclose(value, expected, rel_tol=1e-9)
+            elif key == "loss":
+                ok = abs(value - expected) <= 1e-4 * max(abs(expected), w.get("advantages/abs_mean", 0.0))
+            else:
+                ok = math.isclose(value, expected, rel_tol=1e-4, abs_tol=0.0) or value == expected
+            if not ok:
+                bad.append(f"row {i} (step {w.get('step')}): {key} = {value!r}, golden {expected!r}")
+    for name, (s, l1, norm) in want["weights"].items():
+        gs, _, gnorm = got["weights"][name]
+        if not (abs(gs - s) <= 1e-5 * l1 and math.isclose(gnorm, norm, rel_tol=1e-5)):
+            bad.append(f"weight {name}: sum {gs!r} norm {gnorm!r}, golden sum {s!r} norm {norm!r}")
+    return bad
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_run(case, summaries):
+    want = json.loads((GOLDENS / f"{case}.json").read_text())
+    bad = _mismatches(summaries[case], want)
+    assert not bad, f"{case}: {len(bad)} mismatches with tests/golden/goldens/{case}.json; first: " + "; ".join(bad[:8])
