@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .loss_types import loss_type
 from .objective import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -220,7 +221,7 @@ class GRPOConfig:
         """vllm_importance_sampling_mode resolved: TRL's sequence_mask, or token_mask for vespo."""
         if self.vllm_importance_sampling_mode is not None:
             return self.vllm_importance_sampling_mode
-        return "token_mask" if self.loss_type == "vespo" else "sequence_mask"
+        return "token_mask" if loss_type(self.loss_type).takes_is_ratio else "sequence_mask"
 
     def token_budget(self, cuda: bool) -> int:
         """max_tokens_per_microbatch, or its device default, never below one whole sequence."""
@@ -383,10 +384,10 @@ def _validate(c: GRPOConfig) -> None:
             _fail(name, getattr(c, name), "a finite number >= 0")
     if c.entropy_coef_min > c.entropy_coef_max:
         _fail("entropy_coef_min", c.entropy_coef_min, f"<= entropy_coef_max ({c.entropy_coef_max})")
-    if c.loss_type == "vespo" and c.vllm_importance_sampling_correction is not False \
+    if loss_type(c.loss_type).takes_is_ratio and c.vllm_importance_sampling_correction is not False \
             and c.vllm_importance_sampling_mode not in (None, "token_truncate", "token_mask"):
         _fail("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode,
-              "'token_truncate' or 'token_mask' with loss_type='vespo' (it folds the per-token IS ratios into its "
+              f"'token_truncate' or 'token_mask' with loss_type={c.loss_type!r} (it folds the per-token IS ratios into its "
               "sequence weight, as TRL requires), or vllm_importance_sampling_correction=False")
     _validate_partial_rollouts(c)
     if c.bf16 and c.dtype not in ("auto", "bfloat16"):

@@ -33,21 +33,13 @@ from typing import Optional, Sequence
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
-# loss types normalised by dapo's global token count (`num_items_in_batch`), not per micro-batch
-TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+from .loss_types import LOSS_TYPES, TokenTerms, all_metric_names, loss_type, vespo_weights  # noqa: F401 (re-exported)
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "cpu", "torch")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_ESTIMATORS = ("population", "sample")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-# Every metric the loss can report, named as TRL logs them; `metric_names(options)` says which a
-# loss type reports (TRL logs clip_ratio/* for the clipped surrogates only, cispo and vespo their own).
-METRIC_NAMES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss")
-CLIPPED_SURROGATES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# vespo's gamma weight works on the log of the sequence's ratio product, clamped as TRL does
-VESPO_LOG_W_MIN, VESPO_LOG_W_MAX, VESPO_LOG_RATIO_CLAMP = math.log(1e-8), 20.0, 20.0
 
 
 def _choice(name: str, value, allowed: Sequence) -> None:
@@ -76,7 +68,8 @@ class LossOptions:
     """
 
     loss_type: str = "dapo"
-    """Token loss and aggregation: grpo | bnpo | dr_grpo | dapo | cispo | sapo | vespo | luspo."""
+    """Token loss and aggregation: a row of `loss_types.LOSS_TYPES` (TRL's grpo | bnpo | dr_grpo | dapo |
+    cispo | sapo | vespo | luspo, and any registered since)."""
     beta: float = 0.0
     """KL coefficient against the reference policy (k3 estimator); > 0 needs ref_logp."""
     epsilon_low: float = 0.2
@@ -115,7 +108,7 @@ class LossOptions:
     The adaptive controller's gate and coefficient are the trainer's (see `adaptive_entropy_coef`)."""
 
     def __post_init__(self):
-        _choice("loss_type", self.loss_type, LOSS_TYPES)
+        loss_type(self.loss_type)  # (an unknown name raises, naming the known ones)
         _number("beta", self.beta, lambda v: 0 <= v < math.inf, "a finite number >= 0")
         _number("epsilon_low", self.epsilon_low, lambda v: 0 <= v < math.inf, "a finite number >= 0")
         _number("epsilon_high", self.epsilon_high, lambda v: 0 <= v < math.inf, "a finite number >= 0", optional=True)
@@ -141,7 +134,7 @@ class LossOptions:
         """Whether each token's loss depends on its own log-prob only (given the other tensors), so
         its gradient is known as soon as that log-prob is: token-level ratios, and not vespo, whose
         weight needs the whole sequence's ratio first."""
-        return self.importance_sampling_level == "token" and self.loss_type != "vespo"
+        return self.importance_sampling_level == "token" and loss_type(self.loss_type).token_local
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -165,24 +158,20 @@ class LossOptions:
 def option_warnings(options: LossOptions) -> list[str]:
     """TRL's warnings about combinations that work but are probably not what was meant."""
     out = []
-    if options.loss_type == "luspo" and options.importance_sampling_level != "sequence":
-        out.append("loss_type='luspo' is meant for importance_sampling_level='sequence' (the paper's setup)")
-    if options.loss_type == "vespo" and options.importance_sampling_level != "token":
-        out.append("loss_type='vespo' computes its sequence-level weight itself; importance_sampling_level "
-                   "should be 'token' (the default)")
-    if options.importance_sampling_level == "sequence" and options.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+    row = loss_type(options.loss_type)
+    own = row.warning(options) if row.warning is not None else None
+    if own:
+        out.append(own)
+    if options.importance_sampling_level == "sequence" and row.token_local and not row.aggregation.per_sequence:
         out.append(f"importance_sampling_level='sequence' with loss_type={options.loss_type!r} sums per-token "
                    "contributions, weighting each sequence by its length; GSPO's setup is loss_type='grpo'")
     return out
 
 
 def metric_names(options: LossOptions) -> tuple[str, ...]:
-    """The metrics the loss reports for these options (TRL's selection)."""
-    if options.loss_type in CLIPPED_SURROGATES:
-        extra = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-    else:
-        extra = {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}[options.loss_type]
-    return ("kl", "entropy", *extra, "policy_loss")
+    """The metrics the loss reports for these options (TRL's selection: the loss type's own, e.g.
+    clip_ratio/* for the clipped surrogates)."""
+    return ("kl", "entropy", *loss_type(options.loss_type).metric_names, "policy_loss")
 
 
 DEFAULT_OPTIONS = LossOptions()
@@ -300,9 +289,9 @@ def per_token_loss(
     """
     if options.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={options.beta} needs ref_logp (the reference policy's log-probs), got None")
-    if is_ratio is not None and options.loss_type != "vespo":
+    row = loss_type(options.loss_type)
+    if is_ratio is not None and not row.takes_is_ratio:
         raise ValueError(f"is_ratio is vespo's; with loss_type={options.loss_type!r} pass the ratio in is_weights")
-    epsilon_low, epsilon_high = options.clip_range
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() < logp.dim() else adv  # (B, 1) or like logp
     old = logp.detach() if old_logp is None else old_logp.to(logp.dtype)
@@ -319,43 +308,14 @@ def per_token_loss(
         if options.use_bias_correction_kl:  # TRL: times the raw ratio, differentiable, before any cap
             kl = kl * ratio
 
-    if options.loss_type == "cispo":  # REINFORCE with a capped, stop-gradient importance weight
-        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
-    elif options.loss_type == "sapo":  # a soft gate instead of the hard clip, sharper for A <= 0
-        tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-    elif options.loss_type == "vespo":
-        phi = vespo_weights(logp, old, adv, mask, options, is_ratio)
-        per_token = -phi * adv * logp
-    else:  # the PPO-clipped surrogate
-        if options.delta is not None:  # two-sided clipping (INTELLECT-2): cap the ratio before the PPO clip
-            ratio = torch.clamp(ratio, max=options.delta)
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
+    if row.caps_ratio_at_delta and options.delta is not None:  # two-sided clipping (INTELLECT-2)
+        ratio = torch.clamp(ratio, max=options.delta)
+    per_token = row.surrogate(ratio, TokenTerms(logp, old, adv, mask, is_ratio, options))
     if is_weights is not None:  # as TRL: the IS correction and the masks scale the policy-gradient term only
         per_token = per_token * is_weights.to(logp.dtype)
     if options.beta != 0.0:
         per_token = per_token + options.beta * kl
     return per_token, ratio.expand_as(logp), kl
-
-
-@torch.no_grad()
-def vespo_weights(logp, old_logp, advantages, mask, options: LossOptions, is_ratio=None) -> torch.Tensor:
-    """vespo's gamma weight `phi(W) = exp(lambda + k log W - lambda W)` (phi(1) = 1), detached, `[B, 1]`
-    (or like `advantages` when that is `[B, T]`): W is the product of the sequence's token ratios
-    (times the vLLM importance ratios `is_ratio`, when given), in log space and clamped as TRL does;
-    (k, lambda) by the sign of the advantage (>= 0: the `_pos` pair)."""
-    m = mask.to(logp.dtype)
-    log_w = (torch.clamp(logp - old_logp, -VESPO_LOG_RATIO_CLAMP, VESPO_LOG_RATIO_CLAMP) * m).sum(-1, keepdim=True)
-    if is_ratio is not None:  # masked: a padded place carries no ratio
-        log_is = torch.clamp(torch.log(is_ratio.to(logp.dtype)), VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
-        log_w = log_w + (log_is * m).sum(-1, keepdim=True)
-    log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
-    adv = advantages.unsqueeze(-1) if advantages.dim() < logp.dim() else advantages
-    nonneg = adv >= 0
-    k = torch.where(nonneg, options.vespo_k_pos, options.vespo_k_neg)
-    lam = torch.where(nonneg, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def loss_weights(mask: torch.Tensor, options: LossOptions = DEFAULT_OPTIONS, num_items_in_batch=None) -> torch.Tensor:
@@ -366,19 +326,7 @@ def loss_weights(mask: torch.Tensor, options: LossOptions = DEFAULT_OPTIONS, num
     num_items_in_batch: the normaliser of dapo, cispo and vespo (a number or a scalar tensor);
     None: the mask's sum.
     """
-    m = mask.to(torch.float32)
-    B, T = m.shape
-    if options.loss_type in ("grpo", "sapo"):  # mean over sequences of the per-sequence token mean
-        return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
-    if options.loss_type == "bnpo":
-        return m / m.sum().clamp(min=1.0)
-    if options.loss_type == "dr_grpo":
-        length = T if options.max_completion_length is None else options.max_completion_length
-        return m / (B * length)
-    if options.loss_type == "luspo":  # mean over sequences of the per-sequence token sum
-        return m / B
-    normaliser = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
-    return m / normaliser.clamp(min=1.0)
+    return loss_type(options.loss_type).aggregation.weights(mask.to(torch.float32), options, num_items_in_batch)
 
 
 def entropy_bonus_weights(mask: torch.Tensor, entropy_mask: Optional[torch.Tensor] = None,
@@ -449,21 +397,18 @@ def grpo_loss_from_logprobs(
             raise ValueError(f"entropy_coef={options.entropy_coef} needs the per-token entropy, got None")
         weights = entropy_bonus_weights(mask) if entropy_weights is None else entropy_weights
         loss = loss - options.entropy_coef * (entropy * weights.to(entropy.dtype)).sum()
-    phi = None
-    if options.loss_type == "vespo":
-        phi = vespo_weights(logp, logp.detach() if old_logp is None else old_logp.to(logp.dtype), advantages, mask,
-                            options, is_ratio)
-    metrics = loss_metrics(ratio, advantages, mask, options, kl=kl, entropy=entropy, phi=phi)
+    old = logp.detach() if old_logp is None else old_logp.to(logp.dtype)
+    metrics = loss_metrics(ratio, advantages, mask, options, kl=kl, entropy=entropy,
+                           terms=TokenTerms(logp.detach(), old, _broadcast(advantages, logp), mask, is_ratio, options))
     metrics["policy_loss"] = policy_loss.detach()
     return loss, metrics
 
 
-def loss_metrics(ratio, advantages, mask, options: LossOptions = DEFAULT_OPTIONS, *, kl=None, entropy=None, phi=None):
-    """TRL's logged metrics but policy_loss: masked means of kl, entropy, the clipped fractions
-    (cispo's own for cispo), vespo's weight; only those `metric_names(options)` lists."""
-    epsilon_low, epsilon_high = options.clip_range
+def loss_metrics(ratio, advantages, mask, options: LossOptions = DEFAULT_OPTIONS, *, kl=None, entropy=None,
+                 terms: Optional[TokenTerms] = None):
+    """TRL's logged metrics but policy_loss: masked means of kl, entropy and the loss type's own (the
+    clipped fractions, cispo's, vespo's weight: its row's `metrics`, which read `terms`)."""
     m = mask.to(torch.float32)
-    adv = advantages.unsqueeze(-1) if advantages.dim() < ratio.dim() else advantages
     ratio = ratio.detach()
 
     def masked_mean(x):
@@ -473,16 +418,17 @@ def loss_metrics(ratio, advantages, mask, options: LossOptions = DEFAULT_OPTIONS
     zero = torch.zeros((), device=ratio.device)
     out = {"kl": masked_mean(kl) if kl is not None else zero,
            "entropy": masked_mean(entropy) if entropy is not None else zero}
-    if options.loss_type in CLIPPED_SURROGATES:
-        low = (ratio < 1 - epsilon_low) & (adv < 0)
-        high = (ratio > 1 + epsilon_high) & (adv > 0)
-        out.update({"clip_ratio/low_mean": masked_mean(low), "clip_ratio/high_mean": masked_mean(high),
-                    "clip_ratio/region_mean": masked_mean(low | high)})
-    elif options.loss_type == "cispo":
-        out["cispo_clip_ratio"] = masked_mean((ratio > epsilon_high) & (adv > 0))
-    elif options.loss_type == "vespo":
-        out["vespo/phi_seq_mean"] = masked_mean(phi)
+    row = loss_type(options.loss_type)
+    if row.metrics is not None:
+        if terms is None:  # (the adapter's and ops' callers pass the advantages alone; enough but for vespo)
+            terms = TokenTerms(None, None, _broadcast(advantages, ratio), mask, None, options)
+        out.update(row.metrics(ratio, terms, masked_mean))
     return out
+
+
+def _broadcast(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`[B]` advantages as `[B, 1]` against `[B, T]` values; `[B, T]` ones as they are."""
+    return advantages.unsqueeze(-1) if advantages.dim() < like.dim() else advantages
 
 
 def grpo_loss_reference(
@@ -522,7 +468,7 @@ def check_loss_inputs(bt, options: LossOptions, *, target_ids, advantages, mask,
     built) before any work; errors name the argument and the shapes."""
     if options.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={options.beta} needs ref_logp (the reference policy's log-probs), got None")
-    if is_ratio is not None and options.loss_type != "vespo":
+    if is_ratio is not None and not loss_type(options.loss_type).takes_is_ratio:
         raise ValueError(f"is_ratio is vespo's; with loss_type={options.loss_type!r} pass the ratio in is_weights")
     bt = tuple(bt)
     if len(bt) != 2:

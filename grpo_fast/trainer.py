@@ -30,6 +30,7 @@ import torch
 
 from . import checkpoint, objective, resume, run_folder
 from .config import GRPOConfig
+from .loss_types import loss_type
 from .metrics import Pooled
 from .rewards.registry import reward_name
 from .rollout.base import prompt_seeds
@@ -509,7 +510,7 @@ class GRPOTrainer:
         engine = "shares the policy" if self.engine_shares_weights else name(getattr(self.engine, "dtype", weights))
         amp = f"{name(self.packer.amp_dtype)} autocast" if self.packer.amp_dtype else "no autocast"
         picked = " (vespo's token-level mode)" if self.config.vllm_importance_sampling_mode is None \
-            and self.config.loss_type == "vespo" else ""
+            and loss_type(self.config.loss_type).takes_is_ratio else ""
         is_mode = (f"on ({self.config.is_mode}{picked}{', from the step' if self.is_in_step else ''})"
                    if self.use_is else "off")
         return f"precision: weights {name(weights)}, decoder {amp}, engine {engine}, IS correction {is_mode}"
@@ -594,7 +595,7 @@ class GRPOTrainer:
         m.update(stats)
         m.update({k: v for k, v in step_metrics.items() if k != "skipped"})
         trained = trainable_tokens(part, self.loss_options)  # the loss's token means pool over ranks by tokens
-        m.update({k: Pooled.weighted(m[k], trained) for k in objective.METRIC_NAMES if k != "policy_loss" and k in m})
+        m.update({k: Pooled.weighted(m[k], trained) for k in objective.all_metric_names() if k != "policy_loss" and k in m})
         m.update(times)
         m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
         tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))

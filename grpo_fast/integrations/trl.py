@@ -55,11 +55,12 @@ from trl.models.utils import _ForwardRedirection  # noqa: E402
 from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
 from .. import objective  # noqa: E402
+from ..loss_types import LOSS_TYPES, loss_type  # noqa: E402
 from ..models.adapter import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
 from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
 
-SUPPORTED_LOSS_TYPES = objective.LOSS_TYPES  # TRL 1.16's eight
+SUPPORTED_LOSS_TYPES = LOSS_TYPES  # the table: TRL 1.16's eight (and any registered since)
 # Model inputs of vision-language models: the decoder-only path here does not feed them
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                    "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles", "num_images")
@@ -202,14 +203,15 @@ class FastGRPOMixin:
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
         options = loss_options(self)
+        row = loss_type(options.loss_type)
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         tensors = dict(
             old_logp=old, ref_logp=inputs["ref_per_token_logps"] if options.beta != 0.0 else None,
-            is_ratio=self._vllm_is_ratio(inputs) if options.loss_type == "vespo" else None,
-            num_items_in_batch=self._dapo_normaliser(inputs, mode) if options.loss_type in objective.TOKEN_NORMALISED else None,
+            is_ratio=self._vllm_is_ratio(inputs) if row.takes_is_ratio else None,
+            num_items_in_batch=self._dapo_normaliser(inputs, mode) if row.aggregation.global_normaliser else None,
         )
         if self._needs_current_logprobs(old):
-            loss, metrics, ratio, entropy, entropy_mask = self._loss_from_logprobs(
+            loss, metrics, ratio, entropy, entropy_mask, terms = self._loss_from_logprobs(
                 hidden, weight, bias, inputs, mask, advantages, options, accumulation, **tensors)
         else:  # on-policy: one fused pass, loss and gradients together; the ratio is exactly 1
             loss, metrics = fused_linear_grpo_loss(
@@ -218,10 +220,11 @@ class FastGRPOMixin:
                 entropy_weights=self._entropy_weights(mask, None, options, accumulation), **tensors,
             )
             ratio, entropy, entropy_mask = self._ones_ratio(mask), None, None
-        if options.loss_type not in objective.TOKEN_NORMALISED and mode == "train":  # TRL's accumulation scaling
+            terms = objective.TokenTerms(None, None, _broadcast(advantages), mask, None, options)
+        if not row.aggregation.global_normaliser and mode == "train":  # TRL's accumulation scaling
             loss = loss / self.current_gradient_accumulation_steps
         self._entropy_controller(mode, mask, metrics, entropy, entropy_mask)
-        self._log_loss_metrics(mode, mask, advantages, ratio, metrics)
+        self._log_loss_metrics(mode, mask, ratio, metrics, terms)
         return loss
 
     # -- pieces of _compute_loss ----------------------------------------------------------------
@@ -231,7 +234,7 @@ class FastGRPOMixin:
         per-sequence extremes (old given: the ratio is not 1), the entropy / off-policy masks, vespo's
         weight (logged per sequence, as TRL does)."""
         return (old is not None or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
-                or self.loss_type == "vespo")
+                or not loss_type(self.loss_type).token_local)
 
     def _loss_from_logprobs(self, hidden, weight, bias, inputs, mask, advantages, options, accumulation, **tensors):
         """Loss through differentiable fused log-probs (and entropies, for the entropy bonus; no logits
@@ -253,10 +256,9 @@ class FastGRPOMixin:
             _, ratio, _ = objective.per_token_loss(logp, advantages, mask, dataclasses.replace(options, beta=0.0),
                                                    old_logp=tensors["old_logp"], is_ratio=tensors["is_ratio"])
         ratio = ratio[:, :1] if options.importance_sampling_level == "sequence" else ratio
-        if options.loss_type == "vespo":
-            old = logp.detach() if tensors["old_logp"] is None else tensors["old_logp"]
-            metrics["vespo_phi"] = objective.vespo_weights(logp, old, advantages, mask, options, tensors["is_ratio"])
-        return loss, metrics, ratio, entropy.detach(), entropy_mask
+        old = logp.detach() if tensors["old_logp"] is None else tensors["old_logp"]
+        terms = objective.TokenTerms(logp.detach(), old, _broadcast(advantages), mask, tensors["is_ratio"], options)
+        return loss, metrics, ratio, entropy.detach(), entropy_mask, terms
 
     def _entropy_weights(self, mask, entropy_mask, options, accumulation):
         """TRL's entropy bonus weights: the mean over mask and entropy_mask, divided by the accumulation
@@ -264,7 +266,7 @@ class FastGRPOMixin:
         if options.entropy_coef == 0.0:
             return None
         covered = mask if entropy_mask is None else mask * entropy_mask
-        divisor = accumulation if options.loss_type in objective.TOKEN_NORMALISED else 1
+        divisor = accumulation if loss_type(options.loss_type).aggregation.global_normaliser else 1
         return objective.entropy_bonus_weights(mask, entropy_mask, normaliser=covered.sum().clamp(min=1.0) * divisor)
 
     def _vllm_is_ratio(self, inputs):
@@ -291,7 +293,7 @@ class FastGRPOMixin:
             ))
         if entropy_mask is not None:
             factors.append(entropy_mask)
-        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
+        if self.use_vllm and self.vllm_importance_sampling_correction and not loss_type(self.loss_type).takes_is_ratio:
             factors.append(inputs["importance_sampling_ratio"])  # (B, T) token modes, (B, 1) sequence modes
         if not factors:
             return None
@@ -334,8 +336,9 @@ class FastGRPOMixin:
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
-    def _log_loss_metrics(self, mode, mask, advantages, ratio, metrics):
-        """Append kl, entropy and the loss type's metrics exactly as TRL's _compute_loss logs them.
+    def _log_loss_metrics(self, mode, mask, ratio, metrics, terms):
+        """Append kl, entropy and the loss type's metrics exactly as TRL's _compute_loss logs them: the
+        row's own metrics function, with TRL's global masked mean (per sequence where a value is `[B, 1]`).
         ratio: `[B, T]` or `[B, 1]` (sequence level); metrics: the loss's local masked means."""
         count = mask.sum().float()
 
@@ -356,19 +359,16 @@ class FastGRPOMixin:
             logged["kl"].append(global_mean(metrics["kl"] * count, count))
         logged["entropy"].append(global_mean(metrics["entropy"] * count, count))
 
-        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-        if self.loss_type in objective.CLIPPED_SURROGATES:
-            low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
-            high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
-            logged["clip_ratio/low_mean"].append(global_masked_mean(low))
-            logged["clip_ratio/high_mean"].append(global_masked_mean(high))
-            logged["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        row = loss_type(self.loss_type)
+        if row.metrics is not None:
+            for name, value in row.metrics(ratio, terms, lambda x: global_masked_mean(x.float())).items():
+                logged[name].append(value)
+        if "clip_ratio/low_mean" in row.metric_names:  # TRL's per-sequence extremes of the clipped surrogates
+            epsilon_low, epsilon_high = terms.options.clip_range
+            low = ((ratio < 1 - epsilon_low) & (terms.advantages < 0)).float()
+            high = ((ratio > 1 + epsilon_high) & (terms.advantages > 0)).float()
             logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
             logged["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
-        elif self.loss_type == "cispo":
-            logged["cispo_clip_ratio"].append(global_masked_mean(((ratio > self.epsilon_high) & (adv > 0)).float()))
-        elif self.loss_type == "vespo":
-            logged["vespo/phi_seq_mean"].append(global_masked_mean(metrics["vespo_phi"]))
 
 
 class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer):
@@ -399,3 +399,8 @@ def accelerate(trainer, *, backend: str = "auto"):
         trainer.__class__ = cls
     trainer.fused_backend = backend
     return trainer
+
+
+def _broadcast(advantages: torch.Tensor) -> torch.Tensor:
+    """`[B]` advantages as `[B, 1]` (broadcast over the tokens); `[B, T]` ones as they are."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages

@@ -78,7 +78,7 @@ def _token_grad(options: LossOptions, tokens: dict, start: int, end: int, logp: 
 
 def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
                   entropy_weights, num_items_in_batch, needs, private_grads, *option_values):
-    """(loss, metrics [len(METRIC_NAMES)], grad_hidden, grad_weight, grad_bias); a gradient not in
+    """(loss, metrics [len(all_metric_names())], grad_hidden, grad_weight, grad_bias); a gradient not in
     `needs` is empty, a metric the loss type does not report is 0.
 
     private_grads: the caller never reads the gradient outputs (`fused_linear_grpo_loss` drops them),
@@ -111,13 +111,13 @@ def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, 
     grads[0] = None if grads[0] is None else rows.put(grads[0])  # (B, T, H), 0 at inactive tokens
     grads = [hidden.new_empty(0) if g is None else g for g in grads]
     zero = loss.new_zeros(())
-    return loss, torch.stack([metrics.get(name, zero) for name in objective.METRIC_NAMES]), *grads
+    return loss, torch.stack([metrics.get(name, zero) for name in objective.all_metric_names()]), *grads
 
 
 def _loss_fake(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
                entropy_weights, num_items_in_batch, needs, private_grads, *option_values):
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    return torch.empty((), **f32), torch.empty(len(objective.METRIC_NAMES), **f32), *fake_grads(hidden, weight, bias, needs)
+    return torch.empty((), **f32), torch.empty(len(objective.all_metric_names()), **f32), *fake_grads(hidden, weight, bias, needs)
 
 
 def _setup_context(ctx, inputs, output):
@@ -224,5 +224,5 @@ def fused_linear_grpo_loss(
     loss, metrics, *_ = _loss_op(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
                                  entropy_weights, num_items, needs, True,
                                  *(getattr(concrete, name) for name in OPTION_NAMES))
-    metrics = dict(zip(objective.METRIC_NAMES, metrics.unbind(), strict=True))
+    metrics = dict(zip(objective.all_metric_names(), metrics.unbind(), strict=True))
     return loss, {name: metrics[name] for name in names}

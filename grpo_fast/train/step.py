@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
+from ..loss_types import loss_type
 from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
@@ -98,14 +99,14 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
                 is_weights = _in_step_is_weights(hidden, weight, bias, mb, batch, options, importance_weights,
                                                  sampling_gap)
             is_ratio = None
-            if options.loss_type == "vespo":  # vespo folds the IS ratio into its sequence weight
+            if loss_type(options.loss_type).takes_is_ratio:  # vespo folds the IS ratio into its sequence weight
                 is_ratio, is_weights = is_weights, None
             entropy = entropy_mask = None
             if top_entropy_quantile < 1.0 or off_policy_mask_threshold is not None:
                 is_weights, entropy, entropy_mask = _trl_token_masks(hidden, weight, bias, mb, mask, batch, advantages,
                                                                      is_weights, options, top_entropy_quantile,
                                                                      off_policy_mask_threshold)
-            scale = _accumulation_scale(options.loss_type, len(mb.rows), len(batch), len(micro_batches))
+            scale = loss_type(options.loss_type).aggregation.accumulation(len(mb.rows), len(batch), len(micro_batches))
             entropy_weights = None
             if options.entropy_coef != 0.0:  # the micro-batch's mean / the micro-batches, after `scale` below
                 covered = mask if entropy_mask is None else mask * entropy_mask
@@ -224,9 +225,3 @@ def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages
     return torch.stack(factors).prod(0), entropy, entropy_mask
 
 
-def _accumulation_scale(loss_type: str, rows: int, step_rows: int, num_micro_batches: int) -> float:
-    if loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):  # means over the micro-batch's sequences
-        return rows / step_rows
-    if loss_type == "bnpo":
-        return 1.0 / num_micro_batches
-    return 1.0  # dapo, cispo, vespo: the global normaliser is num_items_in_batch

@@ -102,11 +102,16 @@ def test_micro_batched_step_matches_whole_batch_reference(tiny, loss_type, level
         assert_close(optimizer.grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"{loss_type}/{level} grad {name}")
 
 
-# TRL's other loss types, over several micro-batches (each aggregation's accumulation rule)
-@pytest.mark.parametrize("loss_type, level, extra", [
-    ("cispo", "token", dict(epsilon_high=1.2)), ("sapo", "token", dict(use_bias_correction_kl=True)),
-    ("vespo", "token", {}), ("luspo", "sequence", dict(use_bias_correction_kl=True)),
-])
+# Every row of the loss-type table, over several micro-batches (each aggregation's accumulation rule), but
+# bnpo: it normalises each micro-batch by that micro-batch's own tokens (TRL's rule), so no whole-batch
+# reference exists for it; dr_grpo needs its constant L (else each micro-batch's own T).
+LEVEL_AND_OPTIONS = {"cispo": ("token", dict(epsilon_high=1.2)), "sapo": ("token", dict(use_bias_correction_kl=True)),
+                     "luspo": ("sequence", dict(use_bias_correction_kl=True)),
+                     "dr_grpo": ("token", dict(max_completion_length=12))}
+
+
+@pytest.mark.parametrize("loss_type, level, extra", [(lt, *LEVEL_AND_OPTIONS.get(lt, ("token", {})))
+                                                     for lt in objective.LOSS_TYPES if lt != "bnpo"])
 def test_trl_loss_types_micro_batched_match_whole_batch_reference(tiny, loss_type, level, extra):
     model, _ = tiny
     model.train()
