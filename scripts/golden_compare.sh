@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Bitwise behaviour check of a refactor: the golden cases (scripts/golden_run.py) at commit BASE and in
+# this checkout, on this machine, one thread each, compared byte for byte (metrics rows without times,
+# the final weights' sha256, sums and norms).
+#
+#   scripts/golden_compare.sh BASE [CASE ...]      e.g. scripts/golden_compare.sh 5ec2320
+#
+# BASE is checked out into a temporary git worktree, its C++ extension built there, and driven by this
+# checkout's golden_run.py (it only types the CLI, so it drives an older grpo_fast as well).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[[ $# -ge 1 ]] || { echo "usage: $0 BASE [CASE ...]" >&2; exit 2; }
+base=$1; shift
+cases=("$@"); [[ ${#cases[@]} -gt 0 ]] || cases=(hf_beta_mu2 vllm vllm_partial early_exit)
+py=${PYTHON:-$PWD/.venv/bin/python}
+tmp=$(mktemp -d)
+trap 'git worktree remove --force "$tmp/base" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
+git worktree add -q --detach "$tmp/base" "$base"
+cp scripts/golden_run.py "$tmp/base/scripts/golden_run.py"
+(cd "$tmp/base" && "$py" setup.py -q build_ext --inplace >/dev/null 2>&1)
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+status=0
+for case in "${cases[@]}"; do
+    (cd "$tmp/base" && "$py" scripts/golden_run.py "$case" "$tmp/out-base/$case" >"$tmp/$case-base.log" 2>&1) &
+    "$py" scripts/golden_run.py "$case" "$tmp/out-head/$case" >"$tmp/$case-head.log" 2>&1 || { tail -5 "$tmp/$case-head.log"; exit 1; }
+    wait $! || { tail -5 "$tmp/$case-base.log"; exit 1; }
+    if cmp -s "$tmp/out-base/$case/summary.json" "$tmp/out-head/$case/summary.json"; then
+        echo "$case: bitwise identical ($(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(len(d['rows']), 'metrics rows, weights sha256', d['weights_sha256'][:16])" "$tmp/out-head/$case/summary.json"))"
+    else
+        echo "$case: DIFFERS"; diff <(python3 -m json.tool "$tmp/out-base/$case/summary.json") \
+                                   <(python3 -m json.tool "$tmp/out-head/$case/summary.json") | head -20
+        status=1
+    fi
+done
+exit $status
