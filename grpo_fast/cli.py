@@ -240,8 +240,9 @@ def main(argv=None) -> int:
     except BaseException as err:
         return _exit_code(err, args, config)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # (a rank keeps ignoring the SIGTERM torchrun sends
+            for s, handler in previous.items():           # the survivors once one failed: it exits by itself)
+                signal.signal(s, handler)
     return 0
 
 
@@ -320,7 +321,8 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
     """`grpo-fast train --nproc_per_node N ...` as `torchrun --standalone --nproc_per_node N -m
     grpo_fast.cli train ...` (the same arguments; each rank then sees WORLD_SIZE and trains), with the
     agent in this process (launcher.py). What would stop every rank alike is checked here first and
-    said once, with the code one process gives: options (2), the output folder, many-rank limits (1)."""
+    said once, with the code one process gives: options (2), the output folder, many-rank limits, the
+    model folder (1)."""
     if nproc < 1:
         print(f"grpo-fast train: --nproc_per_node must be >= 1, got {nproc}", file=sys.stderr)
         return 2
@@ -337,6 +339,10 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
         run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)
         if nproc > 1:
             check_config(config, nproc)
+        from .models import DEFAULT_MODEL, resolve_model_path
+
+        if config.model not in (None, "default", DEFAULT_MODEL):  # a folder that is not there, or incomplete
+            resolve_model_path(config.model)  # (the default model's cached conversion is left to the ranks)
     except (ValueError, FileNotFoundError) as err:
         if args.debug:
             raise

@@ -31,7 +31,8 @@ def test_errors_under_nproc_per_node_are_one_line_before_torchrun_starts(tmp_pat
     (earlier / "metrics.jsonl").write_text("{}\n")
     cases = [(["--loss_type", "bogus"], 2, "GRPOConfig.loss_type='bogus' is invalid"),  # the codes one process gives
              (["--dynamic_sampling"], 1, "dynamic_sampling=True is not supported under torchrun (WORLD_SIZE=2)"),
-             (["--output_dir", str(earlier)], 1, "already holds files")]
+             (["--output_dir", str(earlier)], 1, "already holds files"),
+             (["--model", str(tmp_path / "no-model")], 1, "model must be 'default' or a local model folder")]
     for extra, code, message in cases:
         assert _main(["train", "--nproc_per_node", "2", "--output_dir", str(tmp_path / "run"), *extra]) == code, extra
         err = capsys.readouterr().err
