@@ -17,10 +17,13 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import typing
+from typing import Optional
 
 from .config import GRPOConfig, field_types, read_yaml
 
@@ -216,43 +219,140 @@ def main(argv=None) -> int:
         _reject_unknown(parser, unknown)
     if args.command == "bench":
         return cmd_bench(args.args)
+    if args.command == "train":
+        if "WORLD_SIZE" in os.environ:  # a rank under torchrun: it ends with its launcher, kill -9 included
+            from .launcher import die_with_launcher
+
+            die_with_launcher()
+        _remove_stale_temp_folders(args)  # before any refusal below
     if args.command == "train" and args.nproc_per_node != 1 and "WORLD_SIZE" not in os.environ:
-        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
+        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv), args)
     try:
         config = config_from_args(args)
     except (ValueError, OSError) as err:  # (OSError: a config file or checkpoint that is not there)
         print(f"grpo-fast {args.command}: {err}", file=sys.stderr)
         return 2
     _set_log_level(config.log_level)
-    from .trainer import TrainingInterrupted
-
+    # a signal outside the training loop (which saves on its own): one line and 128 + signal too
+    previous = {s: signal.signal(s, _stop_outside_training) for s in (signal.SIGINT, signal.SIGTERM)
+                if args.command == "train" and threading.current_thread() is threading.main_thread()}
     try:
         if args.command == "train":
             cmd_train(config)
         else:
             cmd_eval(config)
-    except TrainingInterrupted as err:
-        print(f"grpo-fast {args.command}: {err}", file=sys.stderr)
-        return 128 + err.signum
-    except _USER_ERRORS as err:
-        if args.debug:
-            raise
-        print(f"grpo-fast {args.command}: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)",
-              file=sys.stderr)
-        return 1
+    except BaseException as err:
+        return _exit_code(err, args, config)
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # (a rank keeps ignoring the SIGTERM torchrun sends
+            for s, handler in previous.items():           # the survivors once one failed: it exits by itself)
+                signal.signal(s, handler)
     return 0
 
 
-def launch(nproc: int, argv: list[str]) -> int:
+def _exit_code(err: BaseException, args: argparse.Namespace, config: GRPOConfig) -> int:
+    """One line on stderr for how `err` ended the command, and the exit code (re-raised when it is a
+    program error, or with --debug). Under torchrun one rank speaks for all where they all stop
+    alike; a rank whose collective broke because a peer died names that rank."""
+    from .train.interrupt import Interrupted
+    from .trainer import TrainingInterrupted
+
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if ranks > 1:
+        for s in (signal.SIGINT, signal.SIGTERM):  # torchrun stops the survivors: say why first
+            signal.signal(s, signal.SIG_IGN)
+        line = peer_death_line(err, f"grpo-fast {args.command}", config.output_dir, rank, ranks)
+        if line is not None:
+            if line:
+                print(line, file=sys.stderr, flush=True)
+            return 1
+    if isinstance(err, (TrainingInterrupted, Interrupted, KeyboardInterrupt)):
+        line = str(err) or "interrupted"  # (KeyboardInterrupt: a second signal in the training loop)
+        if isinstance(err, Interrupted):
+            line = f"{err} outside the training loop (loading or finishing): stopped, nothing more to save"
+        if rank == 0:  # (every rank stopped at the same round start, and rank 0 saved)
+            print(f"grpo-fast {args.command}: {line}", file=sys.stderr, flush=True)
+        return 128 + getattr(err, "signum", signal.SIGINT)
+    if isinstance(err, _USER_ERRORS) and not args.debug:
+        print(f"grpo-fast {args.command}: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 1
+    raise err
+
+
+def peer_death_line(err: BaseException, prefix: str, output_dir: str, rank: int, ranks: int) -> Optional[str]:
+    """What rank `rank` says when `err` ended it: None when `err` is no collective broken by a dead
+    peer on this host; else the line naming the dead rank(s) ('' on all but the lowest surviving
+    rank, so that one rank says it)."""
+    from .train.distributed import dead_peers, is_collective_failure
+
+    if not is_collective_failure(err):
+        return None
+    dead = dead_peers()
+    if not dead:
+        return None
+    if rank != min(set(range(ranks)) - {r for r, _ in dead}):
+        return ""
+    which = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
+    return (f"{prefix}: {which} died, so rank {rank} stopped (every rank takes part in each step); continue from "
+            f"the latest checkpoint with `grpo-fast train --output_dir {output_dir} --resume --nproc_per_node {ranks}`")
+
+
+def _stop_outside_training(signum, frame):
+    from .train.interrupt import Interrupted
+
+    raise Interrupted(signum)
+
+
+def _remove_stale_temp_folders(args: argparse.Namespace) -> None:
+    """The temporary folders killed checkpoint writes left in output_dir (run_folder.py), removed at
+    every start before anything can refuse it (the output_dir as config_from_args will read it)."""
+    from .run_folder import remove_stale_temp_folders_unless_locked
+
+    if os.environ.get("RANK", "0") != "0":
+        return  # (rank 0 does it)
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir is None and args.config:
+        try:
+            output_dir = read_yaml(args.config).get("output_dir")
+        except (ValueError, OSError):
+            return  # (config_from_args reports it)
+    remove_stale_temp_folders_unless_locked(output_dir or GRPOConfig.output_dir)
+
+
+def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
     """`grpo-fast train --nproc_per_node N ...` as `torchrun --standalone --nproc_per_node N -m
-    grpo_fast.cli train ...` (the same arguments; each rank then sees WORLD_SIZE and trains)."""
+    grpo_fast.cli train ...` (the same arguments; each rank then sees WORLD_SIZE and trains), with the
+    agent in this process (launcher.py). What would stop every rank alike is checked here first and
+    said once, with the code one process gives: options (2), the output folder, many-rank limits, the
+    model folder (1)."""
     if nproc < 1:
         print(f"grpo-fast train: --nproc_per_node must be >= 1, got {nproc}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "grpo_fast.cli", *argv]
-    sys.stdout.flush()
-    os.execv(sys.executable, cmd)  # torchrun takes this process's place: Ctrl-C and SIGTERM reach it directly
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as err:
+        print(f"grpo-fast train: {err}", file=sys.stderr)
+        return 2
+    from . import run_folder
+    from .launcher import run_torchrun
+    from .train.distributed import check_config
+
+    try:
+        run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)
+        if nproc > 1:
+            check_config(config, nproc)
+        from .models import DEFAULT_MODEL, resolve_model_path
+
+        if config.model not in (None, "default", DEFAULT_MODEL):  # a folder that is not there, or incomplete
+            resolve_model_path(config.model)  # (the default model's cached conversion is left to the ranks)
+    except (ValueError, FileNotFoundError) as err:
+        if args.debug:
+            raise
+        print(f"grpo-fast train: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+    return run_torchrun(nproc, argv, debug=args.debug)
 
 
 def _one_line(err: BaseException) -> str:

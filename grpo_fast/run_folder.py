@@ -1,8 +1,10 @@
 """The run's output folder: one writer at a time, and a fresh run never destroys an earlier one.
 
-- `check_start` (before any work): a fresh run refuses a folder that already holds files, unless
-  told to resume it or to overwrite it; under a torchrun restart (`TORCHELASTIC_RESTART_COUNT > 0`)
-  a run resumes from its own latest checkpoint by itself.
+- `check_start` (before any work): first removes the temporary folders of killed checkpoint writes
+  (when no run holds the folder); a fresh run refuses a folder that already holds files, unless
+  told to resume it or to overwrite it; a resume of a run stopped before its first checkpoint
+  starts again from step 0 (one warning; the trainer rewrites metrics.jsonl from there); under a
+  torchrun restart (`TORCHELASTIC_RESTART_COUNT > 0`) a run resumes by itself.
 - `RunLock`: an OS lock (`flock`) on `<output_dir>/.lock` for as long as the run writes there. The
   kernel releases it when the process dies, kill -9 included, so no stale lock outlives a run.
 - `clear_run_files`: what `overwrite_output_dir` deletes (only the files a run writes).
@@ -11,26 +13,43 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 from typing import Optional
 
-from .checkpoint import TEMP_PREFIX, list_checkpoints, resolve_checkpoint
+from .checkpoint import TEMP_PREFIX, list_checkpoints, remove_stale_temp_folders, resolve_checkpoint
+
+logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 # what a run writes into its folder (overwrite_output_dir deletes these and nothing else)
-RUN_FILES = ("metrics.jsonl", "reward.png", "summary.json", "final", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "reward.png", "summary.json", "final", "tensorboard", "run_config.json")
+# what every start writes before its first step: a folder with one of these was a run's, checkpoint or not
+STARTED_FILES = ("run_config.json", "metrics.jsonl")
+_warned_step_zero: set[str] = set()  # output folders whose resume from step 0 this process has announced
 
 
-def check_start(config) -> Optional[str]:
-    """The checkpoint folder to resume from (None: a fresh run), checked before any work.
+def check_start(config, warn: bool = True) -> Optional[str]:
+    """The checkpoint folder to resume from (None: a fresh run, or a resume from step 0), checked
+    before any work; stale temporary folders are removed first (rank 0, the folder unlocked).
 
     Raises ValueError naming output_dir, --resume and --overwrite_output_dir when a fresh run would
-    write into an earlier run's folder, and FileNotFoundError when there is nothing to resume."""
+    write into an earlier run's folder, and FileNotFoundError when there is nothing to resume.
+    warn: say (once per process and folder, rank 0) that a resume starts again from step 0."""
     out = config.output_dir
+    if os.environ.get("RANK", "0") == "0":
+        remove_stale_temp_folders_unless_locked(out)
     spec = config.resume_from_checkpoint
-    if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and list_checkpoints(out):
+    if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and (
+            list_checkpoints(out) or _started(out)):
         spec = "latest"  # torchrun restarted this worker: continue the run from its own checkpoint
+    if spec == "latest" and not list_checkpoints(out) and _started(out):
+        if warn and os.environ.get("RANK", "0") == "0" and os.path.abspath(out) not in _warned_step_zero:
+            _warned_step_zero.add(os.path.abspath(out))
+            logger.warning("%s has no checkpoint yet (the run stopped before its first one was complete): resuming "
+                           "from step 0 with its saved config; metrics.jsonl restarts there", out)
+        return None
     if spec is not None:
         return resolve_checkpoint(spec, out)
     existing = _entries(out)
@@ -39,6 +58,22 @@ def check_start(config) -> Optional[str]:
         raise ValueError(f"output_dir {out!r} already holds files ({shown}): pass --resume to continue that run, "
                          f"--overwrite_output_dir to replace it, or choose another --output_dir")
     return None
+
+
+def remove_stale_temp_folders_unless_locked(output_dir: str) -> list[str]:
+    """The temporary folders of killed checkpoint writes in output_dir, removed unless a live run
+    holds the folder's lock (it may be writing one now); at every start, before anything refuses."""
+    if not os.path.isdir(output_dir) or not any(n.startswith(TEMP_PREFIX) for n in os.listdir(output_dir)):
+        return []
+    try:
+        with RunLock(output_dir):
+            return remove_stale_temp_folders(output_dir)
+    except RuntimeError:  # in use: the run that holds it cleans up after itself
+        return []
+
+
+def _started(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, name)) for name in STARTED_FILES)
 
 
 def clear_run_files(output_dir: str) -> None:

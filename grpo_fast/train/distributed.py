@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -35,6 +37,10 @@ class World:
 
 ONE_PROCESS = World()
 
+# (host, pid) of every rank, in rank order, once `join` ran: a rank that sees a collective fail looks
+# up which of its peers on this host has died (`dead_peers`)
+_peers: list[tuple[str, int]] = []
+
 
 def join(strategy: str = "auto") -> World:
     """The torchrun world of this process (its default group made if nobody made it yet: NCCL with
@@ -43,6 +49,9 @@ def join(strategy: str = "auto") -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
         return ONE_PROCESS
+    from ..launcher import die_with_launcher
+
+    die_with_launcher()  # (grpo-fast's ranks set it at start; a script of the user's under torchrun here)
     if not dist.is_initialized():
         if torch.cuda.is_available():  # NCCL for the gradients, gloo for the small CPU reductions below
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -54,18 +63,63 @@ def join(strategy: str = "auto") -> World:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                                 store=dist.PrefixStore(f"grpo_fast/attempt-{attempt}", store), rank=rank, world_size=size)
-    return World(dist.get_rank(), dist.get_world_size(), joined=True)
+    world = World(dist.get_rank(), dist.get_world_size(), joined=True)
+    global _peers
+    _peers = gather_objects((socket.gethostname(), os.getpid()), world)  # for naming a rank that dies
+    return world
 
 
-def check_config(config) -> None:
-    """What many ranks do not run yet, refused by name before any work."""
+def dead_peers(wait_s: float = 2.0) -> list[tuple[int, int]]:
+    """(rank, pid) of the ranks on this host whose process has ended (gone, or a zombie nobody has
+    reaped yet), polled for up to `wait_s` seconds: a peer's sockets close while it dies, a moment
+    before its process ends. [] in one process or when every peer here lives (other hosts' ranks
+    cannot be checked from here)."""
+    host, deadline = socket.gethostname(), time.monotonic() + wait_s
+    while True:
+        dead = [(rank, pid) for rank, (h, pid) in enumerate(_peers) if h == host and pid != os.getpid()
+                and not _alive(pid)]
+        if dead or not _peers or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether `err` (or what it wraps: a cause, a torch.distributed.checkpoint rank failure) is a
+    collective that failed because a peer's connection broke (gloo and NCCL raise RuntimeErrors)."""
+    pending, seen = [err], set()
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, getattr(dist, "DistError", ())) or (isinstance(err, RuntimeError) and any(
+                s in text for s in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))):
+            return True
+        pending += [err.__cause__, err.__context__, *(exc for exc, _ in getattr(err, "failures", {}).values())]
+    return False
+
+
+def check_config(config, size: Optional[int] = None) -> None:
+    """What many ranks do not run yet, refused by name before any work (size: the ranks to come, for
+    the launcher's check before torchrun starts; else this process's WORLD_SIZE)."""
+    size = size or os.environ.get("WORLD_SIZE")
     rules = [("rollout_mode", config.rollout_mode != "parallel", "the early_exit and multi_answer modes run in one process for now"),
              ("dynamic_sampling", config.dynamic_sampling, "its extra rounds would differ per rank"),
              ("max_staleness", config.max_staleness > 0, "partial rollouts run in one process for now")]
     for name, refused, why in rules:
         if refused:
             raise ValueError(f"GRPOConfig.{name}={getattr(config, name)!r} is not supported under torchrun (WORLD_SIZE="
-                             f"{os.environ.get('WORLD_SIZE')}) yet: {why}; run it in one process")
+                             f"{size}) yet: {why}; run it in one process")
 
 
 def sum_over_ranks(values: list[float], world: World) -> list[float]:

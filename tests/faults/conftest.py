@@ -31,3 +31,21 @@ def run(argv, fault=None, timeout=300):
     proc = start(argv, fault)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+def fault_args(tiny_path, prompts_file, out, *extra):
+    """The fault tests' run: 4 steps of the tiny model on the HF engine, a checkpoint every step."""
+    return ["train", "--disable_tqdm", "--model", tiny_path, "--engine", "hf", "--dataset", prompts_file,
+            "--reward_funcs", "tests.trainer.common:target_fraction", "--num_generations", "4",
+            "--per_device_train_batch_size", "8", "--max_prompt_length", "32", "--max_completion_length", "8",
+            "--max_tokens_per_microbatch", "128", "--learning_rate", "3e-2", "--max_steps", "4", "--save_steps", "1",
+            "--mixed_precision", "no", "--output_dir", str(out), *extra]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, tiny_path, prompts_file):
+    """`fault_args` run uninterrupted, in one process: what every interrupted-then-resumed run must equal."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    code, _, err = run(fault_args(tiny_path, prompts_file, out))
+    assert code == 0, err
+    return str(out)

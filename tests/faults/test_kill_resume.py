@@ -9,7 +9,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tests.faults.conftest import run, start
+from tests.faults.conftest import fault_args, run, start
 
 pytestmark = pytest.mark.slow
 
@@ -31,25 +31,9 @@ def _assert_same_run(out, reference):
     assert not [n for n in os.listdir(out) if n.startswith(".tmp-")], "a temporary checkpoint folder was left behind"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_path, prompts_file):
-    out = tmp_path_factory.mktemp("reference") / "run"
-    code, _, err = run(_args(tiny_path, prompts_file, out))
-    assert code == 0, err
-    return str(out)
-
-
-def _args(tiny_path, prompts_file, out, *extra):
-    return ["train", "--disable_tqdm", "--model", tiny_path, "--engine", "hf", "--dataset", prompts_file,
-            "--reward_funcs", "tests.trainer.common:target_fraction", "--num_generations", "4",
-            "--per_device_train_batch_size", "8", "--max_prompt_length", "32", "--max_completion_length", "8",
-            "--max_tokens_per_microbatch", "128", "--learning_rate", "3e-2", "--max_steps", "4", "--save_steps", "1",
-            "--mixed_precision", "no", "--output_dir", str(out), *extra]
-
-
 def test_kill9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, tiny_path, prompts_file, reference):
     out = tmp_path / "run"
-    args = lambda *extra: _args(tiny_path, prompts_file, out, *extra)  # noqa: E731
+    args = lambda *extra: fault_args(tiny_path, prompts_file, out, *extra)  # noqa: E731
     # 1. killed right after the 2nd optimizer step, before its checkpoint: checkpoint-1 survives
     code, _, _ = run(args(), fault="after_step:2")
     assert code == -signal.SIGKILL
@@ -73,7 +57,7 @@ def test_sigterm_while_training_saves_a_checkpoint_and_resume_equals_uninterrupt
                                                                                    reference):
     out, sig = tmp_path / "run", signal.SIGTERM
     # no periodic checkpoints at all; each optimizer step takes a second more, for the signal to land in
-    proc = start(_args(tiny_path, prompts_file, out, "--save_steps", "0"), fault="sleep_in_step:1")
+    proc = start(fault_args(tiny_path, prompts_file, out, "--save_steps", "0"), fault="sleep_in_step:1")
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and proc.poll() is None and time.time() < deadline:
@@ -83,7 +67,7 @@ def test_sigterm_while_training_saves_a_checkpoint_and_resume_equals_uninterrupt
     assert proc.returncode == 128 + sig, err
     last = err.strip().splitlines()[-1]
     assert "checkpoint saved" in last and "--resume" in last, last
-    code, _, err = run(_args(tiny_path, prompts_file, out, "--resume"))
+    code, _, err = run(fault_args(tiny_path, prompts_file, out, "--resume"))
     assert code == 0, err
     _assert_same_run(str(out), reference)
 

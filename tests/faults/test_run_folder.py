@@ -138,3 +138,35 @@ def test_final_model_is_written_atomically(tmp_path, tiny, monkeypatch):
     assert json.loads((final / "config.json").read_text())  # the old final/ is whole
     assert (final / "model.safetensors").read_bytes() == before
     assert not [n for n in os.listdir(tmp_path / "run") if n.startswith(".tmp-")]
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path, tiny, tiny_path, caplog):
+    """What a kill inside the first checkpoint write leaves (metrics.jsonl with step 1, run_config.json,
+    a temporary checkpoint folder, no checkpoint): a fresh start still refuses the folder, yet removes
+    the temporary folder first; --resume trains from step 0, as the uninterrupted run does, once
+    warned, without the killed attempt's metrics rows."""
+    from tests.tiny_model import load_tiny_model
+
+    def train(model_and_tokenizer, output_dir, **overrides):
+        model, tokenizer = model_and_tokenizer
+        c = config(tmp_path, output_dir=str(output_dir), **{"max_steps": 2, "save_steps": 0, "save_final": False, **overrides})
+        GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
+        return model
+
+    whole = train(tiny, tmp_path / "whole")
+    out = tmp_path / "run"
+    train(load_tiny_model(tiny_path), out, max_steps=1)  # (save_steps=0: no checkpoint, as if killed in it)
+    stale = out / ".tmp-checkpoint-1-99999"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 1000)
+    assert _metric_steps(out) == [1] and not checkpoint.list_checkpoints(str(out))
+    with pytest.raises(ValueError, match="already holds files"):
+        GRPOTrainer(config(tmp_path), [target_fraction], rows(), model=tiny[0], tokenizer=tiny[1])
+    assert not stale.exists(), "the refusal came before the temporary folder was removed"
+    with caplog.at_level("WARNING", logger="grpo_fast"):
+        resumed = train(load_tiny_model(tiny_path), out, resume_from_checkpoint="latest")
+    warned = [r.getMessage() for r in caplog.records if "no checkpoint yet" in r.getMessage()]
+    assert len(warned) == 1 and "resuming from step 0" in warned[0], warned
+    assert _metric_steps(out) == _metric_steps(tmp_path / "whole") == [1, 2], "rows of the killed attempt kept"
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+        assert p.equal(q), f"{name}: the run resumed from step 0 differs from the uninterrupted run"
