@@ -26,13 +26,14 @@ the second part unchanged, so the loss math exists exactly once.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
+from .bounds import FINITE, FINITE_AT_LEAST_0, INTEGER_AT_LEAST_1, POSITIVE_FINITE, Bounds
 from .loss_types import LOSS_TYPES, TokenTerms, all_metric_names, loss_type, vespo_weights  # noqa: F401 (re-exported)
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -47,11 +48,8 @@ def _choice(name: str, value, allowed: Sequence) -> None:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}")
 
 
-def _number(name: str, value, ok, allowed: str, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"{name} must be {allowed}{' or None' if optional else ''}, got {value!r}")
+def _bounded(default, bounds: Bounds):
+    return field(default=default, metadata={"bounds": bounds})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,71 +61,69 @@ def _number(name: str, value, ok, allowed: str, optional: bool = False) -> None:
 class LossOptions:
     """The loss's static options, one object for the spec, the ops, the trainer and the TRL adapter.
 
-    Adding a loss option is a field here (with its check in `__post_init__`) plus its math below;
-    the fused ops carry every field to their kernels without naming it (grpo_fast/ops/grpo_loss.py).
+    Adding a loss option is a field here (its range in `metadata`, checked by `__post_init__`) plus its
+    math below; the fused ops carry every field to their kernels without naming it
+    (grpo_fast/ops/grpo_loss.py), and `GRPOConfig` takes the range from here (`LossOptions.bounds`).
     """
 
     loss_type: str = "dapo"
     """Token loss and aggregation: a row of `loss_types.LOSS_TYPES` (TRL's grpo | bnpo | dr_grpo | dapo |
     cispo | sapo | vespo | luspo, and any registered since)."""
-    beta: float = 0.0
+    beta: float = _bounded(0.0, FINITE_AT_LEAST_0)
     """KL coefficient against the reference policy (k3 estimator); > 0 needs ref_logp."""
-    epsilon_low: float = 0.2
+    epsilon_low: float = _bounded(0.2, FINITE_AT_LEAST_0)
     """Lower PPO clip range: the ratio is clipped below at 1 - epsilon_low (TRL's `epsilon`)."""
-    epsilon_high: Optional[float] = None
+    epsilon_high: Optional[float] = _bounded(None, FINITE_AT_LEAST_0)
     """Upper clip range (DAPO clip-higher); None: epsilon_low."""
-    delta: Optional[float] = None
+    delta: Optional[float] = _bounded(None, Bounds(low=1, low_open=True, text="> 1 (it caps the ratio from above)"))
     """Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2); None: off."""
-    temperature: float = 1.0
+    temperature: float = _bounded(1.0, POSITIVE_FINITE)
     """Log-probs are taken under logits / temperature, as the sampler drew the tokens."""
     importance_sampling_level: str = "token"
     """Ratio per token (GRPO) or per sequence (GSPO)."""
-    max_completion_length: Optional[int] = None
+    max_completion_length: Optional[int] = _bounded(None, INTEGER_AT_LEAST_1)
     """dr_grpo's constant divisor L; None: the batch's T."""
     mask_truncated_completions: bool = False
     """Leave completions cut at max_completion_length out of the loss (the trainer's selection)."""
     backend: str = "auto"
     """Fused-op backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch."""
-    sapo_temperature_pos: float = 1.0
+    sapo_temperature_pos: float = _bounded(1.0, POSITIVE_FINITE)
     """sapo: the sigmoid gate's temperature where the advantage is > 0."""
-    sapo_temperature_neg: float = 1.05
+    sapo_temperature_neg: float = _bounded(1.05, POSITIVE_FINITE)
     """sapo: the temperature where the advantage is <= 0."""
-    vespo_k_pos: float = 2.0
+    vespo_k_pos: float = _bounded(2.0, FINITE_AT_LEAST_0)
     """vespo: the gamma weight's shape k where the advantage is >= 0."""
-    vespo_lambda_pos: float = 3.0
+    vespo_lambda_pos: float = _bounded(3.0, FINITE_AT_LEAST_0)
     """vespo: the gamma weight's rate lambda where the advantage is >= 0."""
-    vespo_k_neg: float = 3.0
+    vespo_k_neg: float = _bounded(3.0, FINITE_AT_LEAST_0)
     """vespo: k where the advantage is < 0."""
-    vespo_lambda_neg: float = 2.0
+    vespo_lambda_neg: float = _bounded(2.0, FINITE_AT_LEAST_0)
     """vespo: lambda where the advantage is < 0."""
     use_bias_correction_kl: bool = False
     """Multiply the KL term by the (differentiable) importance ratio, as TRL does by default; off
     here (the plain k3 estimator), on in `GRPOConfig` (TRL's default)."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = _bounded(0.0, FINITE)
     """The entropy bonus's coefficient in this loss: loss -= entropy_coef * weighted token entropy.
     The adaptive controller's gate and coefficient are the trainer's (see `adaptive_entropy_coef`)."""
 
     def __post_init__(self):
         loss_type(self.loss_type)  # (an unknown name raises, naming the known ones)
-        _number("beta", self.beta, lambda v: 0 <= v < math.inf, "a finite number >= 0")
-        _number("epsilon_low", self.epsilon_low, lambda v: 0 <= v < math.inf, "a finite number >= 0")
-        _number("epsilon_high", self.epsilon_high, lambda v: 0 <= v < math.inf, "a finite number >= 0", optional=True)
-        _number("delta", self.delta, lambda v: v > 1, "> 1 (it caps the ratio from above)", optional=True)
-        _number("temperature", self.temperature, lambda v: 0 < v < math.inf, "a positive finite number")
         _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        _number("max_completion_length", self.max_completion_length, lambda v: isinstance(v, int) and v >= 1,
-                "an integer >= 1", optional=True)
-        if not isinstance(self.mask_truncated_completions, bool):
-            raise ValueError(f"mask_truncated_completions must be True or False, got {self.mask_truncated_completions!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; expected one of {list(BACKENDS)}")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            _number(name, getattr(self, name), lambda v: 0 < v < math.inf, "a positive finite number")
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _number(name, getattr(self, name), lambda v: 0 <= v < math.inf, "a finite number >= 0")
-        if not isinstance(self.use_bias_correction_kl, bool):
-            raise ValueError(f"use_bias_correction_kl must be True or False, got {self.use_bias_correction_kl!r}")
-        _number("entropy_coef", self.entropy_coef, math.isfinite, "a finite number")
+        for name in ("mask_truncated_completions", "use_bias_correction_kl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            bounds, value = f.metadata.get("bounds"), getattr(self, f.name)
+            optional = f.default is None
+            if bounds is not None and not (optional and value is None) and not bounds.holds(value):
+                raise ValueError(f"{f.name} must be {bounds.describe()}{' or None' if optional else ''}, got {value!r}")
+
+    @classmethod
+    def bounds(cls, name: str) -> Bounds:
+        """The declared range of the loss option `name` (GRPOConfig's loss fields use it)."""
+        return cls.__dataclass_fields__[name].metadata["bounds"]
 
     @property
     def token_local(self) -> bool:

@@ -117,6 +117,7 @@ class GRPOTrainer:
         cuda = next(self.model.parameters()).is_cuda
         self.packer = Packer(self.model, config.token_budget(cuda=cuda), amp_dtype=setup.amp_dtype(config, cuda))
         self.loss_options = LossOptions.from_config(config)
+        self.advantage_options = shaping.AdvantageOptions.from_config(config)
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         self.parallel = distributed.parallelize(self.model, self.world, config.distributed_strategy)
         self.ref_parallel = None if self.ref_model is None else distributed.parallelize(
@@ -239,7 +240,7 @@ class GRPOTrainer:
             with stop.abandonable() if self.world.size == 1 else contextlib.nullcontext():
                 batch, stats = self._generate_and_score(times)  # generate, score
                 batch.advantages, adv_stats = shaping.advantages(  # advantages
-                    batch, c, self.judge, prompt_column=c.prompt_column,
+                    batch, self.advantage_options, self.judge, prompt_column=c.prompt_column,
                     conversational=_conversational(batch.rows[0][c.prompt_column]), world=self.world)
                 stats.update(adv_stats)
                 with _timed(times, "time/logprob"):  # old / reference log-probs, IS weights
@@ -591,7 +592,7 @@ class GRPOTrainer:
     # ---- metrics, checkpoints ----------------------------------------------------------------
 
     def _step_metrics(self, part: Rollouts, batch: Rollouts, step_metrics: dict, stats: dict, times: dict) -> dict:
-        m = setup.reward_metrics(part, self.reward_funcs, self.config)
+        m = setup.reward_metrics(part, self.reward_funcs, self.advantage_options)
         m.update(stats)
         m.update({k: v for k, v in step_metrics.items() if k != "skipped"})
         trained = trainable_tokens(part, self.loss_options)  # the loss's token means pool over ranks by tokens

@@ -110,16 +110,11 @@ def is_collective_failure(err: BaseException) -> bool:
 
 
 def check_config(config, size: Optional[int] = None) -> None:
-    """What many ranks do not run yet, refused by name before any work (size: the ranks to come, for
-    the launcher's check before torchrun starts; else this process's WORLD_SIZE)."""
-    size = size or os.environ.get("WORLD_SIZE")
-    rules = [("rollout_mode", config.rollout_mode != "parallel", "the early_exit and multi_answer modes run in one process for now"),
-             ("dynamic_sampling", config.dynamic_sampling, "its extra rounds would differ per rank"),
-             ("max_staleness", config.max_staleness > 0, "partial rollouts run in one process for now")]
-    for name, refused, why in rules:
-        if refused:
-            raise ValueError(f"GRPOConfig.{name}={getattr(config, name)!r} is not supported under torchrun (WORLD_SIZE="
-                             f"{size}) yet: {why}; run it in one process")
+    """What many ranks do not run yet (config_checks.COMBINATIONS' `ranks` rows), refused by name before any
+    work (size: the ranks to come, for the launcher's check before torchrun starts; else WORLD_SIZE)."""
+    from ..config_checks import check_ranks
+
+    check_ranks(config, size or os.environ.get("WORLD_SIZE"))
 
 
 def sum_over_ranks(values: list[float], world: World) -> list[float]:

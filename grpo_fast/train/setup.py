@@ -331,17 +331,17 @@ def weighted_mean(rewards: torch.Tensor, weights) -> float:
     return known.mean().item() if known.numel() else float("nan")
 
 
-def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], config) -> dict:
+def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], options) -> dict:
     """TRL's per-step reward and completion metrics for the completions of one step. `reward`,
     `reward_std` and `frac_reward_zero_std_step` are of the rewards the advantages came from
     (`batch.trained_rewards`: partial credit, early_exit's serial reward), `rewards/<func>/*` of each
     function's values as scored. Means and stds over values are `Pooled`: on many ranks they are of
-    all ranks' values (metrics.py)."""
+    all ranks' values (metrics.py). options: the advantages stage's (`shaping.AdvantageOptions`)."""
     from ..metrics import Pooled
 
-    G = config.group_size
+    G = options.group_size
     trained = batch.rewards if batch.trained_rewards is None else batch.trained_rewards
-    total = weighted_rewards(trained, config.reward_weights)
+    total = weighted_rewards(trained, options.reward_weights)
     groups = total.view(-1, G)
     group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in groups])
     lengths = batch.completion_lengths()
@@ -349,7 +349,7 @@ def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], config) ->
     m = {
         "reward": Pooled.of(total),
         "reward_std": Pooled.of(group_std),  # the mean of the groups' stds
-        "frac_reward_zero_std_step": Pooled.of(zero_std_groups(trained, config.reward_weights, G).double()),
+        "frac_reward_zero_std_step": Pooled.of(zero_std_groups(trained, options.reward_weights, G).double()),
         "completions/mean_length": Pooled.of(lengths),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),

@@ -17,11 +17,12 @@
 
 Every mode leaves the rewards its advantages came from in `batch.trained_rewards` (n, k): the
 logged `reward` is their weighted sum, so what is logged is what trained. What a mode cannot
-honour is refused by name in `config.py` before any work (`_validate_variants`).
+honour is refused by name before any work (`config_checks.COMBINATIONS`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -31,12 +32,42 @@ from .distributed import ONE_PROCESS, World, gather_rows
 from .rollouts import Rollouts, score, weighted_rewards
 
 
+@dataclass(frozen=True)
+class AdvantageOptions:
+    """What the advantages stage reads of the config, built once (`from_config`)."""
+
+    rollout_mode: str = "parallel"
+    num_generations: int = 8
+    group_size: int = 8  # trained sequences per prompt (multi_answer: K thoughts and K x M answers)
+    scale_rewards: str = "group"
+    advantage_std: str = "population"
+    reward_weights: Optional[tuple] = None
+    multi_objective_aggregation: str = "sum_then_normalize"
+    difficulty_weighting: bool = False
+    difficulty_A: float = 0.4
+    difficulty_B: float = 1.5
+    difficulty_rho0: float = 0.75
+    difficulty_k: float = 10.0
+    reward_noise_rate: Optional[float] = None
+    partial_credit_judge: Optional[str] = None
+    partial_credit_beta: float = 5.0
+    partial_credit_gamma: float = 0.5
+    early_exit_points: int = 7
+    answers_per_thought: int = 4
+
+    @classmethod
+    def from_config(cls, config) -> "AdvantageOptions":
+        names = [f for f in cls.__dataclass_fields__ if f not in ("reward_weights", "group_size")]
+        weights = None if config.reward_weights is None else tuple(config.reward_weights)
+        return cls(**{n: getattr(config, n) for n in names}, reward_weights=weights, group_size=config.group_size)
+
+
 def correct(rewards: torch.Tensor) -> torch.Tensor:
     """(n,) bool: the first reward function's value > 0."""
     return torch.nan_to_num(rewards[:, 0], nan=0.0) > 0
 
 
-def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
+def advantages(batch: Rollouts, c: AdvantageOptions, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
                conversational: bool = False, world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
     """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge. Under
     torchrun, `batch` is this rank's share of the generation batch (whole groups, the same size on
@@ -72,7 +103,7 @@ def advantages(batch: Rollouts, c, judge: Optional[Callable] = None, *, prompt_c
     return adv, stats
 
 
-def _partial_credit(batch: Rollouts, ok: torch.Tensor, c, judge, prompt_column: str, conversational: bool):
+def _partial_credit(batch: Rollouts, ok: torch.Tensor, c: AdvantageOptions, judge, prompt_column: str, conversational: bool):
     """The rewards with SGPO's partial credit in the groups that have no correct answer: the judge
     runs on those completions only."""
     G = c.num_generations
@@ -93,7 +124,7 @@ def _partial_credit(batch: Rollouts, ok: torch.Tensor, c, judge, prompt_column: 
     return rewards, {"partial_credit/frac_groups": none_right.float().mean().item()}
 
 
-def _serial_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
+def _serial_advantages(batch: Rollouts, c: AdvantageOptions) -> tuple[torch.Tensor, dict]:
     G = c.num_generations
     ok = correct(batch.rewards).view(-1, G)
     serial = torch.stack([objective.decaying_serial_rewards(group) for group in ok])  # (P, m + 1)
@@ -114,7 +145,7 @@ def _serial_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
     return adv.reshape(-1).float(), stats
 
 
-def _thought_answer_advantages(batch: Rollouts, c) -> tuple[torch.Tensor, dict]:
+def _thought_answer_advantages(batch: Rollouts, c: AdvantageOptions) -> tuple[torch.Tensor, dict]:
     K, M = c.num_generations, c.answers_per_thought
     batch.trained_rewards = batch.rewards
     total = torch.nan_to_num(weighted_rewards(batch.rewards, c.reward_weights), nan=0.0).view(-1, K * (1 + M))

@@ -1,0 +1,267 @@
+"""GRPOConfig's validation, without I/O: every error names the field, the value given and what is allowed.
+
+- Each field's type, closed set (`metadata["choices"]`) and numeric range (`metadata["bounds"]`, see
+  bounds.py) are declared on the field and checked in one loop.
+- What combines with what is one table, `COMBINATIONS`: a row says that while a condition holds, a field
+  must take certain values, and why; the refusal is generated from the row. Rows marked `ranks` are what
+  many ranks (torchrun) do not run yet: `check_ranks` reads them, with the world size, before any rank works.
+- The few rules between two numbers of one run (the batch holds whole groups, one sequence fits a
+  micro-batch, ...) follow as plain code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .loss_types import loss_type
+
+PARTIAL_ROLLOUTS = "(partial rollouts continue single completions in vLLM's request loop)"
+# first reward functions whose values leave [0, 1] (a wrong answer scores below 0)
+OUTSIDE_01 = {"lead": "-1 for a wrong answer", "math_length": "down to -1 for a wrong answer"}
+
+
+def fail(name: str, value, allowed: str):
+    raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: expected {allowed}")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """While `when(c)` holds, GRPOConfig.`field` must satisfy `ok(value)`; the refusal reads
+    "GRPOConfig.<field>=<value> is invalid: expected <allowed> <because>" (one process), or
+    "... is not supported under torchrun (WORLD_SIZE=N) yet: <because>; run it in one process" (`ranks`:
+    a rule of many ranks, checked only there). allowed / because: text, or a function of the config."""
+
+    field: str
+    ok: Callable
+    allowed: Union[str, Callable]
+    when: Callable
+    because: Union[str, Callable]
+    ranks: bool = False
+
+    def text(self, what, c) -> str:
+        return what(c) if callable(what) else what
+
+
+def _equals(value):
+    return lambda v: v == value
+
+
+def _first_reward(c):
+    return c.reward_funcs[0] if c.reward_funcs else None
+
+
+def _partial(c):
+    return f"with max_staleness={c.max_staleness} {PARTIAL_ROLLOUTS}"
+
+
+def _shapes_parallel_groups(c):
+    return (f"with rollout_mode={c.rollout_mode!r}: it shapes the advantages of parallel groups, and {c.rollout_mode} "
+            f"groups get their own from the weighted sum of the rewards (README, 'GRPO variants')")
+
+
+def _not_parallel(c):
+    return c.rollout_mode != "parallel"
+
+
+def _parallel_only(name: str, off) -> Combination:
+    return Combination(name, _equals(off), repr(off), _not_parallel, _shapes_parallel_groups)
+
+
+COMBINATIONS = (
+    # rollout modes: early_exit and multi_answer shape their own groups
+    Combination("num_generations", None, lambda c: (
+        f"early_exit_points + 1 = {c.early_exit_points + 1} with rollout_mode='early_exit' (a serial group is the "
+        f"early_exit_points cuts plus the full completion); set num_generations or early_exit_points to match"),
+        lambda c: c.rollout_mode == "early_exit" and c.num_generations != c.early_exit_points + 1, ""),
+    Combination("early_exit_points", None, lambda c: (
+        f"at most max_completion_length ({c.max_completion_length}) with rollout_mode='early_exit': a completion of "
+        f"L tokens has at most L distinct cut positions, so more cuts would coincide"),
+        lambda c: c.rollout_mode == "early_exit" and c.early_exit_points > c.max_completion_length, ""),
+    _parallel_only("dynamic_sampling", False),
+    _parallel_only("difficulty_weighting", False),
+    _parallel_only("reward_noise_rate", None),
+    _parallel_only("partial_credit_judge", None),
+    _parallel_only("multi_objective_aggregation", "sum_then_normalize"),
+    Combination("reward_funcs", None, lambda c: (
+        f"a 0/1 verifier first with rollout_mode='early_exit', not {_first_reward(c)!r}: the serial reward replaces "
+        f"the first function's value (its correctness is all it keeps), so {_first_reward(c)!r}'s length term would "
+        f"never train; S-GRPO's decay is the length term (put 'math' first, {_first_reward(c)!r} after it to add it "
+        f"with its weight)"),
+        lambda c: c.rollout_mode == "early_exit" and _first_reward(c) in OUTSIDE_01, ""),
+    Combination("reward_noise_rate", None, lambda c: (
+        f"None with reward_funcs[0]={_first_reward(c)!r} ({OUTSIDE_01[_first_reward(c)]} leaves [0, 1]): the "
+        f"noise-aware weights need a 0/1 verifier as the first reward"),
+        lambda c: c.reward_noise_rate is not None and _first_reward(c) in OUTSIDE_01, ""),
+    # partial rollouts: vLLM's request loop, parallel groups
+    Combination("engine", lambda v: v in ("vllm", "auto"), "'vllm' or 'auto'", lambda c: c.max_staleness > 0, _partial),
+    Combination("rollout_mode", _equals("parallel"), "'parallel'", lambda c: c.max_staleness > 0, _partial),
+    Combination("dynamic_sampling", _equals(False), "False", lambda c: c.max_staleness > 0, _partial),
+    # loss types that fold the vLLM importance ratio into their own weight (vespo) need a token-level mode
+    Combination("vllm_importance_sampling_mode", lambda v: v in (None, "token_truncate", "token_mask"),
+                lambda c: (f"'token_truncate' or 'token_mask' with loss_type={c.loss_type!r} (it folds the per-token "
+                           f"IS ratios into its sequence weight, as TRL requires), or "
+                           f"vllm_importance_sampling_correction=False"),
+                lambda c: loss_type(c.loss_type).takes_is_ratio and c.vllm_importance_sampling_correction is not False,
+                ""),
+    Combination("bf16", None, lambda c: f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'",
+                lambda c: c.bf16 and c.dtype not in ("auto", "bfloat16"), ""),
+    # many ranks (torchrun): what runs in one process only, for now
+    Combination("rollout_mode", _equals("parallel"), "", lambda c: True,
+                "the early_exit and multi_answer modes run in one process for now", ranks=True),
+    Combination("dynamic_sampling", _equals(False), "", lambda c: True, "its extra rounds would differ per rank",
+                ranks=True),
+    Combination("max_staleness", _equals(0), "", lambda c: True, "partial rollouts run in one process for now",
+                ranks=True),
+)
+
+
+def _broken(row: Combination, c) -> bool:
+    """Whether `c` breaks the rule (a row with ok=None is broken whenever `when` holds)."""
+    return bool(row.when(c)) and (row.ok is None or not row.ok(getattr(c, row.field)))
+
+
+def check_combinations(c) -> None:
+    """The one-process rows of COMBINATIONS, in table order."""
+    for row in COMBINATIONS:
+        if not row.ranks and _broken(row, c):
+            because = row.text(row.because, c)
+            fail(row.field, getattr(c, row.field), row.text(row.allowed, c) + (f" {because}" if because else ""))
+
+
+def check_ranks(c, world_size: int) -> None:
+    """What many ranks do not run yet (the `ranks` rows), refused by name before any rank works."""
+    for row in COMBINATIONS:
+        if row.ranks and _broken(row, c):
+            raise ValueError(f"GRPOConfig.{row.field}={getattr(c, row.field)!r} is not supported under torchrun "
+                             f"(WORLD_SIZE={world_size}) yet: {row.text(row.because, c)}; run it in one process")
+
+
+# ---- the fields one by one ---------------------------------------------------------------------
+
+
+def check_fields(c) -> None:
+    """Every field's type, closed set and declared range."""
+    types = typing.get_type_hints(type(c))
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        check_type(f.name, value, types[f.name])
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            fail(f.name, value, f"one of {list(choices)}")
+        bounds = f.metadata.get("bounds")
+        optional = type(None) in typing.get_args(types[f.name])
+        if bounds is not None and not (optional and value is None) and not bounds.holds(value):
+            fail(f.name, value, ("None or " if optional else "") + bounds.describe(integer=_base(types[f.name]) is int))
+
+
+def check_type(name: str, value, annotation) -> None:
+    """Check `value` against a field annotation (int, float, str, bool, list, Optional[...])."""
+    if value is None:
+        if type(None) in typing.get_args(annotation):
+            return
+        fail(name, value, f"a value of type {_type_name(annotation)}")
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, (list, tuple)),
+    }.get(_base(annotation), True)
+    if not ok:
+        fail(name, value, f"a value of type {_type_name(annotation)}")
+
+
+def coerce_numeric_strings(c) -> None:
+    """'1e-5' for a float field (PyYAML reads exponents without a dot as strings) or '10' for an int
+    field become numbers; anything else is left for the type check to report."""
+    types = typing.get_type_hints(type(c))
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if not isinstance(value, str):
+            continue
+        base = _base(types[f.name])
+        try:
+            if base is float:
+                setattr(c, f.name, float(value))
+            elif base is int:
+                setattr(c, f.name, int(value))
+        except ValueError:
+            pass
+
+
+def _base(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if args else annotation
+    return typing.get_origin(base) or base
+
+
+def _type_name(annotation) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if args else annotation
+    name = getattr(base, "__name__", str(base))
+    return f"{name} or None" if args else name
+
+
+# ---- rules between numbers of one run ----------------------------------------------------------
+
+
+def check_run(c, field_names: list[str]) -> None:
+    """What no single field shows: whole groups per step, one sequence per micro-batch, matching lists."""
+    if c.completions_per_step % c.group_size:
+        per_prompt = (f"num_generations x (1 + answers_per_thought) = {c.group_size} with rollout_mode='multi_answer'"
+                      if c.rollout_mode == "multi_answer" else f"num_generations ({c.num_generations})")
+        fail("per_device_train_batch_size", c.per_device_train_batch_size,
+             f"per_device_train_batch_size x gradient_accumulation_steps ({c.completions_per_step}) "
+             f"to be a multiple of {per_prompt}: groups stay whole")
+    clip_min, cap = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_cap
+    if clip_min is not None and not 0 <= clip_min < cap:
+        fail("vllm_importance_sampling_clip_min", clip_min, f"None or a number in [0, vllm_importance_sampling_cap={cap})")
+    longest = (c.max_prompt_length or 0) + c.max_sequence_completion
+    if c.max_tokens_per_microbatch is not None and c.max_tokens_per_microbatch < max(longest, 1):
+        fail("max_tokens_per_microbatch", c.max_tokens_per_microbatch,
+             f"an integer >= the longest trained sequence ({longest} tokens: max_prompt_length + "
+             f"{'max_completion_length' if c.rollout_mode == 'parallel' else 'the ' + c.rollout_mode + ' sequence'}): "
+             f"one sequence must fit")
+    if not c.early_exit_text.strip():
+        fail("early_exit_text", c.early_exit_text, "a non-blank text (it tells the model to answer now)")
+    if c.thought_end is not None and not c.thought_end.strip():
+        fail("thought_end", c.thought_end, "None (the task's own) or a non-blank text")
+    if c.partial_credit_judge is not None and not c.partial_credit_judge.strip():
+        fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
+    if not c.reward_funcs:
+        fail("reward_funcs", c.reward_funcs, "at least one reward function name")
+    if c.reward_weights is not None:
+        if len(c.reward_weights) != len(c.reward_funcs):
+            fail("reward_weights", c.reward_weights, f"one weight per reward function ({len(c.reward_funcs)}: {c.reward_funcs})")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in c.reward_weights):
+            fail("reward_weights", c.reward_weights, "finite numbers")
+    if c.resume_override is not None:
+        unknown = [n for n in c.resume_override if n not in field_names]
+        if unknown:
+            fail("resume_override", c.resume_override, f"config field names (unknown: {unknown})")
+        if c.resume_from_checkpoint is None:
+            fail("resume_override", c.resume_override, "None on a fresh run (it changes a resumed run's saved options: "
+                 "pass --resume)")
+    if c.entropy_coef_min > c.entropy_coef_max:
+        fail("entropy_coef_min", c.entropy_coef_min, f"<= entropy_coef_max ({c.entropy_coef_max})")
+
+
+def validate(c, field_names: list[str]) -> None:
+    """GRPOConfig's whole validation: the fields, the run's numbers, then what combines."""
+    check_fields(c)
+    check_run(c, field_names)
+    check_combinations(c)
+
+
+def unused_option_warnings(c) -> list[str]:
+    """Options set away from their defaults that this configuration never reads."""
+    default = {f.name: f.default for f in dataclasses.fields(c)}
+    out = []
+    if not c.max_staleness and c.rollout_overprovision != default["rollout_overprovision"]:
+        out.append(f"rollout_overprovision={c.rollout_overprovision} has no effect with max_staleness=0 (it sizes the "
+                   f"rounds of partial rollouts, max_staleness >= 1)")
+    return out
