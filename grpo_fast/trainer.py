@@ -33,7 +33,7 @@ from .config import GRPOConfig
 from .loss_types import loss_type
 from .metrics import Pooled
 from .rewards.registry import reward_name
-from .rollout.base import prompt_seeds
+from .rollout.base import GREEDY, SamplingOptions, prompt_seeds
 from .train import distributed, partial_rollouts, rollout_modes, setup, shaping
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
@@ -118,6 +118,7 @@ class GRPOTrainer:
         self.packer = Packer(self.model, config.token_budget(cuda=cuda), amp_dtype=setup.amp_dtype(config, cuda))
         self.loss_options = LossOptions.from_config(config)
         self.advantage_options = shaping.AdvantageOptions.from_config(config)
+        self.sampling = SamplingOptions.from_config(config)  # every training engine call's (evaluation: GREEDY)
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         self.parallel = distributed.parallelize(self.model, self.world, config.distributed_strategy)
         self.ref_parallel = None if self.ref_model is None else distributed.parallelize(
@@ -396,7 +397,8 @@ class GRPOTrainer:
         if c.vllm_enable_sleep_mode:
             self.engine.wake()
         batch, state.in_flight, stats = partial_rollouts.run_round(
-            self.engine, self.tokenizer, pool, draw, self.train_prompt_ids, self.train_rows, c, version=state.policy_version)
+            self.engine, self.tokenizer, pool, draw, self.train_prompt_ids, self.train_rows, c, sampling=self.sampling,
+            version=state.policy_version)
         if c.vllm_enable_sleep_mode:
             self.engine.sleep()
         stats["rollout/dropped_stale"] = dropped
@@ -422,13 +424,14 @@ class GRPOTrainer:
     def _sample(self, prompts: list[list[int]], rows: list[dict], first: int) -> Rollouts:
         c = self.config
         if c.rollout_mode == "early_exit":
-            batch = rollout_modes.early_exit(self.engine, self.tokenizer, prompts, rows, c, self._next_seed)
+            batch = rollout_modes.early_exit(self.engine, self.tokenizer, prompts, rows, c, self._next_seed,
+                                             sampling=self.sampling)
         elif c.rollout_mode == "multi_answer":
             batch = rollout_modes.multi_answer(self.engine, self.tokenizer, prompts, rows, c,
-                                               setup.thought_end(c), self._next_seed)
+                                               setup.thought_end(c), self._next_seed, sampling=self.sampling)
         else:
             groups = self.engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
-                                          temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                                          sampling=self.sampling,
                                           seed=prompt_seeds(self._next_seed(), len(prompts), first))
             batch = from_engine(groups, prompts, rows)
         return batch
@@ -556,7 +559,7 @@ class GRPOTrainer:
         lengths, extra = torch.empty(0), torch.empty(0, len(self.eval_metrics), dtype=torch.float64)
         prompt_ids = setup.encode(mine, self.tokenizer, c) if mine else []
         with self._engine_weights():  # (every rank enters, its share empty or not: under FSDP2 gathering is collective)
-            groups = self.engine.generate(prompt_ids, n=1, temperature=0.0,
+            groups = self.engine.generate(prompt_ids, n=1, sampling=GREEDY,
                                           max_new_tokens=c.eval_max_completion_length or c.max_completion_length) if mine else []
         if mine:
             batch = from_engine(groups, prompt_ids, mine)

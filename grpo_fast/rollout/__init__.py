@@ -1,5 +1,7 @@
 """Rollout engines: one interface (`RolloutEngine.generate -> groups of Completion`), two engines.
 
+How they sample is one frozen `SamplingOptions`, built once from the config and handed to every call.
+
 `VLLMEngine` (in-process vLLM, weight hot-swap) and `HFEngine` (transformers `generate` on the
 policy itself). `make_engine` picks one. Importing this package does not import vLLM or transformers.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from .base import Completion, RolloutEngine, SamplingRequest
+from .base import GREEDY, Completion, RolloutEngine, SamplingOptions, SamplingRequest
 
 ENGINES = ("auto", "vllm", "hf")
 HF_OPTIONS = ("max_model_len", "batch_size")  # HFEngine's keyword options
@@ -66,7 +68,9 @@ def __getattr__(name):  # lazy: the engines import torch / transformers / vllm
 __all__ = [
     "Completion",
     "RolloutEngine",
+    "SamplingOptions",
     "SamplingRequest",
+    "GREEDY",
     "HFEngine",
     "VLLMEngine",
     "make_engine",

@@ -1,4 +1,4 @@
-"""The rollout engine interface: `Completion`, the sampling request and its validation.
+"""The rollout engine interface: `Completion`, the sampling options, a request and its validation.
 
 Both engines (`VLLMEngine`, `HFEngine`) take token ids and return, per prompt, a group of `n`
 completions with the log-prob of every sampled token under the *processed* distribution the token
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 FinishReason = Literal["stop", "length"]
@@ -59,15 +59,82 @@ class Round:
         return sum(self.running) / (len(self.running) * capacity) if self.running else 1.0
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy ints too
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How the engine samples: one frozen object, checked once here, built once by the trainer
+    (`from_config`) and handed to every engine call (`generate`, `generate_until`, the rollout modes,
+    partial rollouts); evaluation has its own (`GREEDY`). The engines read its fields.
+
+    temperature: logits / temperature (0: greedy, the raw logits' argmax).
+    top_p: keep the smallest token set with this much probability (1.0: off).
+    top_k: keep the k most likely tokens (-1, or 0, for off; stored as -1).
+
+    A new sampling knob (say `min_p`) touches 3 files: `config.py` (the GRPOConfig field, named as
+    here), this class (the field and its check), and `rollout/hf_engine.py` (`_warpers`: its logits
+    processor). `from_config` reads every field by its name; `rollout/vllm_engine.py` passes every
+    field to vLLM's `SamplingParams` by its name (so the fields take vLLM's names); the trainer, the
+    rollout modes and partial rollouts hand the object on without looking inside.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self):
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if not _is_int(k) or (k < 1 and k not in (0, -1)):
+            raise ValueError(f"top_k must be -1 (or 0) for no top-k filtering, or an int >= 1, got {k!r}")
+        object.__setattr__(self, "temperature", float(t))  # frozen: the checked values, normalised once
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", -1 if k in (0, -1) else int(k))
+
+    @classmethod
+    def from_config(cls, config) -> SamplingOptions:
+        """The options of a run: each field read from the config field of the same name (GRPOConfig)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_overrides(self, overrides: dict) -> SamplingOptions:
+        """These options with some fields replaced (checked again); an unknown name is refused."""
+        if not overrides:
+            return self
+        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {unknown}: SamplingOptions has "
+                            f"{[f.name for f in fields(self)]}")
+        return replace(self, **overrides)
+
+
+GREEDY = SamplingOptions(temperature=0.0)  # evaluation's: the most likely token, no filtering
+
+
+def _sampling(sampling: Optional[SamplingOptions], overrides: dict) -> SamplingOptions:
+    """An engine call's options: `sampling` (None: the defaults) with the fields given as keywords replaced."""
+    if sampling is None:
+        sampling = SamplingOptions()
+    elif not isinstance(sampling, SamplingOptions):
+        raise TypeError(f"sampling must be a SamplingOptions, got {type(sampling).__name__}")
+    return sampling.with_overrides(overrides)
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
-    """Validated arguments of `generate`; `top_k=-1` and `top_p=1.0` mean no filtering."""
+    """Validated arguments of one `generate` call: what it samples (`sampling`), and how much."""
 
     n: int
     max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
+    sampling: SamplingOptions
     stop_token_ids: tuple[int, ...]
     seed: Union[int, tuple[int, ...], None]  # one for the call, or one per prompt
 
@@ -77,11 +144,7 @@ class SamplingRequest:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy ints too
+        return self.sampling.greedy
 
 
 def validate_request(
@@ -89,9 +152,7 @@ def validate_request(
     *,
     n,
     max_new_tokens,
-    temperature,
-    top_p,
-    top_k,
+    sampling: SamplingOptions,
     stop_token_ids,
     seed,
     vocab_size: int,
@@ -107,12 +168,7 @@ def validate_request(
         raise ValueError(f"n (completions per prompt) must be an int >= 1, got {n!r}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or (top_k < 1 and top_k not in (0, -1)):
-        raise ValueError(f"top_k must be -1 (or 0) for no top-k filtering, or an int >= 1, got {top_k!r}")
+    assert isinstance(sampling, SamplingOptions), type(sampling)
     if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)):
         if len(seed) != len(prompt_ids) or not all(_is_int(s) for s in seed):
             raise ValueError(f"seed: a list of seeds needs one int per prompt ({len(prompt_ids)}), got {list(seed)!r}")
@@ -147,9 +203,7 @@ def validate_request(
     request = SamplingRequest(
         n=int(n),
         max_new_tokens=int(max_new_tokens),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=-1 if top_k in (0, -1) else int(top_k),
+        sampling=sampling,
         stop_token_ids=stops,
         seed=seed if seed is None or isinstance(seed, tuple) else int(seed),
     )
@@ -183,16 +237,17 @@ class RolloutEngine:
         *,
         n: int,
         max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
+        sampling: Optional[SamplingOptions] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
         seed: Union[int, Sequence[int], None] = None,
+        **options,
     ) -> list[list[Completion]]:
         """Sample `n` completions for every prompt; returns one group (list of n) per prompt, in order.
 
         prompt_ids: token-id lists (no padding). Generation stops at the model's EOS, any of
         `stop_token_ids` (kept as the last token), `max_new_tokens`, or `max_model_len`.
+        sampling: how to sample (None: `SamplingOptions()`, plain sampling at temperature 1); a
+        SamplingOptions field given as a keyword (`temperature=0`) replaces that field of it.
         seed: makes this call's sampling reproducible (None: continue the engine's random stream). A
         list gives each prompt its own seed: a prompt's group then depends only on its prompt and
         seed, not on the other prompts of the call, so a batch split over ranks samples the same.
@@ -201,9 +256,7 @@ class RolloutEngine:
             prompt_ids,
             n=n,
             max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            sampling=_sampling(sampling, options),
             stop_token_ids=stop_token_ids,
             seed=seed,
             vocab_size=self.vocab_size,
@@ -224,23 +277,24 @@ class RolloutEngine:
         enough: Callable[[list[bool]], bool],
         *,
         more: Optional[Callable[[list[bool]], Sequence[Continuation]]] = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
+        sampling: Optional[SamplingOptions] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
+        **options,
     ) -> Round:
         """Run `requests` (one completion each) step by step until `enough(finished)` is true after a
         step (finished: one flag per request) or every request has finished; abort the rest and
         return what each produced. After every step that was not enough, `more(finished)` may add
         requests (they join the running batch at once: how a round keeps its slots full).
+        `sampling` and its fields as keywords: as in `generate`.
         Partial rollouts (train/partial_rollouts.py) are built on it."""
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids)
+        sampling = _sampling(sampling, options)
 
         def admit(new: Sequence[Continuation]) -> tuple[list[tuple[list[int], int, int]], SamplingRequest]:
             """The requests validated, as (prompt, budget, seed), and the sampling arguments."""
             prompts, request = validate_request(
                 [r.prompt_ids for r in new], n=1, max_new_tokens=min((r.max_new_tokens for r in new), default=1),
-                seed=[r.seed for r in new], vocab_size=self.vocab_size, max_model_len=self.max_model_len, **sampling)
+                sampling=sampling, stop_token_ids=stop_token_ids, seed=[r.seed for r in new],
+                vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             return [(p, r.max_new_tokens, r.seed) for p, r in zip(prompts, new, strict=True)], request
 
         first, request = admit(requests)

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from .base import Completion, RolloutEngine, SamplingRequest
+from .base import Completion, RolloutEngine, SamplingOptions, SamplingRequest
 
 
 class _RecordSampledLogprobs:
@@ -56,19 +56,20 @@ class _SampleRowsWithOwnGenerators:
         return forced.scatter_(1, chosen[:, None], 0.0)
 
 
-def _warpers(request: SamplingRequest) -> list:
-    """Temperature, top-k, top-p: in vLLM's order, as transformers' own warpers."""
+def _warpers(options: SamplingOptions) -> list:
+    """Temperature, top-k, top-p: in vLLM's order, as transformers' own warpers (a new sampling
+    option's processor goes here, at its place in vLLM's order)."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    if request.greedy:
+    if options.greedy:
         return []
     warpers = []
-    if request.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(request.temperature))
-    if request.top_k > 0:
-        warpers.append(TopKLogitsWarper(top_k=request.top_k))
-    if request.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=request.top_p))
+    if options.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(options.temperature))
+    if options.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=options.top_k))
+    if options.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=options.top_p))
     return warpers
 
 
@@ -154,7 +155,7 @@ class HFEngine(RolloutEngine):
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
-            logits_processor=LogitsProcessorList([*_warpers(request), recorder, *self._row_sampler(request, row_seeds)]),
+            logits_processor=LogitsProcessorList([*_warpers(request.sampling), recorder, *self._row_sampler(request, row_seeds)]),
         )
         logprobs = recorder.finish(sequences)
         new_ids = sequences[:, input_ids.shape[1] :]

@@ -22,6 +22,7 @@ Then the prefix cache is reset (cached KV blocks were computed by the old weight
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -422,9 +423,9 @@ def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed,
     holds back a trailing partial UTF-8 character, so the two engines' texts would differ)."""
     from vllm import SamplingParams
 
-    return SamplingParams(n=n, max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                          top_k=request.top_k, stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0,
-                          detokenize=False, **extra)
+    # every SamplingOptions field by its name (they are named as vLLM names them): a new option needs no line here
+    return SamplingParams(n=n, max_tokens=max_tokens, **dataclasses.asdict(request.sampling),
+                          stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0, detokenize=False, **extra)
 
 
 def _token_logprobs(steps, token_ids) -> list[float]:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..rollout.base import Continuation, hashed_seed
+from ..rollout.base import Continuation, SamplingOptions, hashed_seed
 from .rollouts import Rollouts
 
 
@@ -48,9 +48,11 @@ def drop_stale(pool: list[dict], version: int, max_staleness: int) -> tuple[list
 
 
 def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[dict]], prompt_ids: list[list[int]],
-              rows: list[dict], config, *, version: int) -> tuple[Rollouts, list[dict], dict]:
-    """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups): (the complete
-    groups to train as Rollouts, the pool left for the next round, the round's rollout/ metrics).
+              rows: list[dict], config, *, sampling: SamplingOptions,
+              version: int) -> tuple[Rollouts, list[dict], dict]:
+    """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups), sampled with
+    `sampling`: (the complete groups to train as Rollouts, the pool left for the next round, the
+    round's rollout/ metrics).
 
     Three rules keep the engine busy without bias or waste (docs/design.md, "Partial rollouts"):
     - slots: the round keeps prompts_per_generation x (1 + rollout_overprovision) groups' worth of
@@ -99,8 +101,7 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
     def more(finished: list[bool]) -> list[Continuation]:
         return join(top_up(finished.count(False)))
 
-    result = engine.generate_until(requests, enough, more=more, temperature=config.temperature, top_p=config.top_p,
-                                   top_k=config.top_k)
+    result = engine.generate_until(requests, enough, more=more, sampling=sampling)
     last_step = {}  # id(group) -> the engine step at which its last member finished in this round
     for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
         m["ids"] += c.token_ids

@@ -28,15 +28,11 @@ from typing import Callable
 
 import torch
 
-from ..rollout.base import prompt_seeds
+from ..rollout.base import SamplingOptions, prompt_seeds
 from .rollouts import Rollouts
 
 logger = logging.getLogger(__name__)
 _warned = {"short": False}
-
-
-def _sampling(c) -> dict:
-    return dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
 
 
 def _entry(batch: dict, prompt, row, ids, logp, mask, reason, text, kind) -> None:
@@ -66,11 +62,13 @@ def cut_positions(length: int, m: int, rng: random.Random) -> list[int]:
     return [lo + int(rng.random() * (hi - lo)) for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
-def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, next_seed: Callable[[], int]) -> Rollouts:
+def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, next_seed: Callable[[], int], *,
+               sampling: SamplingOptions) -> Rollouts:
     """S-GRPO's serial groups: `len(prompt_ids) * (early_exit_points + 1)` entries (module docstring)."""
     m = c.early_exit_points
     seeds = prompt_seeds(next_seed(), len(prompt_ids))
-    full = [g[0] for g in engine.generate(prompt_ids, n=1, max_new_tokens=c.max_completion_length, seed=seeds, **_sampling(c))]
+    full = [g[0] for g in engine.generate(prompt_ids, n=1, max_new_tokens=c.max_completion_length, seed=seeds,
+                                          sampling=sampling)]
     injected = tokenizer.encode(c.early_exit_text, add_special_tokens=False)
     cuts, short = [], []
     for completion, seed in zip(full, seeds, strict=True):  # the cuts fall in the reasoning: not on an ending EOS
@@ -86,7 +84,7 @@ def early_exit(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict],
                        m, len(short), len(full), min(short))
     requests = [p + full[i].token_ids[:k] + injected for i, p in enumerate(prompt_ids) for k in cuts[i]]
     answers = [g[0] for g in engine.generate(requests, n=1, max_new_tokens=c.early_exit_answer_length,
-                                             seed=prompt_seeds(next_seed(), len(requests)), **_sampling(c))]
+                                             seed=prompt_seeds(next_seed(), len(requests)), sampling=sampling)]
     out = _empty()
     for i, (prompt, row, completion) in enumerate(zip(prompt_ids, rows, full, strict=True)):
         for j, k in enumerate(cuts[i]):
@@ -114,11 +112,11 @@ def end_of_thought(tokenizer, token_ids: list[int], thought_end: str) -> int:
 
 
 def multi_answer(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, thought_end: str,
-                 next_seed: Callable[[], int]) -> Rollouts:
+                 next_seed: Callable[[], int], *, sampling: SamplingOptions) -> Rollouts:
     """GRPO-MA's thoughts and answers: `len(prompt_ids) * K * (1 + M)` entries (module docstring)."""
     K, M = c.num_generations, c.answers_per_thought
     groups = engine.generate(prompt_ids, n=K, max_new_tokens=c.max_thought_length,
-                             seed=prompt_seeds(next_seed(), len(prompt_ids)), **_sampling(c))
+                             seed=prompt_seeds(next_seed(), len(prompt_ids)), sampling=sampling)
     thoughts = []  # (token ids, log-probs, finish reason) per prompt and thought
     for group in groups:
         for t in group:
@@ -129,7 +127,7 @@ def multi_answer(engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict
             thoughts.append((t.token_ids[:k], t.logprobs[:k], reason))
     requests = [p + thoughts[i * K + j][0] for i, p in enumerate(prompt_ids) for j in range(K)]
     answers = engine.generate(requests, n=M, max_new_tokens=c.max_completion_length,
-                              seed=prompt_seeds(next_seed(), len(requests)), **_sampling(c))
+                              seed=prompt_seeds(next_seed(), len(requests)), sampling=sampling)
     out = _empty()
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     for i, (prompt, row) in enumerate(zip(prompt_ids, rows, strict=True)):

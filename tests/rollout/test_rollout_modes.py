@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from grpo_fast.config import GRPOConfig
+from grpo_fast.rollout.base import SamplingOptions
 from grpo_fast.rollout.hf_engine import HFEngine
 from grpo_fast.train import rollout_modes
 
@@ -29,6 +30,10 @@ def multi_answer_config(**kw):
                       max_completion_length=4, max_prompt_length=8, per_device_train_batch_size=9, **kw)
 
 
+def options(c):
+    return SamplingOptions.from_config(c)
+
+
 def seeds(start=0):
     counter = itertools.count(start)
     return lambda: next(counter)
@@ -40,7 +45,7 @@ def _first_masked(mask: torch.Tensor) -> int:
 
 def check_early_exit(engine, tokenizer):
     c = early_exit_config()
-    batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds())
+    batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     m, injected = c.early_exit_points, tokenizer.encode(c.early_exit_text, add_special_tokens=False)
     assert len(batch) == len(PROMPTS) * (m + 1)
     assert batch.kind == (["cut"] * m + ["full"]) * len(PROMPTS)
@@ -63,7 +68,7 @@ def check_early_exit(engine, tokenizer):
             assert 1 <= len(answer) <= c.early_exit_answer_length
             assert batch.completion_texts[i] == tokenizer.decode(answer, skip_special_tokens=True), "graded on its answer"
             assert torch.equal(logp[:k], batch.sampling_logp[full][:k])
-    again = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds())
+    again = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     assert again.completion_ids == batch.completion_ids, "seeded: the same serial groups"
     return batch
 
@@ -71,7 +76,7 @@ def check_early_exit(engine, tokenizer):
 def check_multi_answer(engine, tokenizer):
     c = multi_answer_config(thought_end=THOUGHT_END)
     K, M = c.num_generations, c.answers_per_thought
-    batch = rollout_modes.multi_answer(engine, tokenizer, PROMPTS, ROWS, c, THOUGHT_END, seeds())
+    batch = rollout_modes.multi_answer(engine, tokenizer, PROMPTS, ROWS, c, THOUGHT_END, seeds(), sampling=options(c))
     assert len(batch) == len(PROMPTS) * K * (1 + M)
     assert batch.kind == (["thought"] * K + ["answer"] * K * M) * len(PROMPTS)
     ended = 0
@@ -150,8 +155,8 @@ def test_completions_shorter_than_the_cuts_are_warned_about(hf, monkeypatch, cap
     c.max_completion_length = 4  # as if every completion ended (EOS) after at most 4 tokens: fewer than the 7 cuts
     monkeypatch.setitem(rollout_modes._warned, "short", False)
     with caplog.at_level("WARNING", logger="grpo_fast.train.rollout_modes"):
-        batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds())
-        rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds())
+        batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
+        rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     warned = [r.getMessage() for r in caplog.records if "early_exit_points=7" in r.getMessage()]
     assert len(warned) == 1 and "of 2 full completions" in warned[0] and "cuts coincide" in warned[0], warned
     cuts = [_first_masked(mask) for mask, kind in zip(batch.loss_mask, batch.kind, strict=True) if kind == "cut"]
