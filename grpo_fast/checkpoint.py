@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from .errors import chain
+
 STATE_FILE = "trainer_state.pt"
 DCP_FOLDER = "distributed"
 TEMP_PREFIX = ".tmp-"
@@ -219,17 +221,11 @@ def _disk_full(err: BaseException, folder: str, needed_bytes: int) -> bool:
     """An ENOSPC/EDQUOT anywhere in the chain (or in a rank's failure inside torch.distributed.checkpoint's
     CheckpointException), or a write error while less than the size needed is free (torch.save
     reports a full disk as a RuntimeError of its zip writer: "unexpected pos")."""
-    pending, seen = [err], set()
-    while pending:
-        err = pending.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    for e in chain(err):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(err, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < needed_bytes:
+        if isinstance(e, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < needed_bytes:
             return True
-        pending += [err.__cause__, err.__context__, *(exc for exc, _ in getattr(err, "failures", {}).values())]
     return False
 
 

@@ -95,18 +95,11 @@ def _alive(pid: int) -> bool:
 def is_collective_failure(err: BaseException) -> bool:
     """Whether `err` (or what it wraps: a cause, a torch.distributed.checkpoint rank failure) is a
     collective that failed because a peer's connection broke (gloo and NCCL raise RuntimeErrors)."""
-    pending, seen = [err], set()
-    while pending:
-        err = pending.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        text = str(err)
-        if isinstance(err, getattr(dist, "DistError", ())) or (isinstance(err, RuntimeError) and any(
-                s in text for s in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))):
-            return True
-        pending += [err.__cause__, err.__context__, *(exc for exc, _ in getattr(err, "failures", {}).values())]
-    return False
+    from ..errors import chain
+
+    broken = ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+    return any(isinstance(e, getattr(dist, "DistError", ())) or (isinstance(e, RuntimeError) and any(
+        s in str(e) for s in broken)) for e in chain(err))
 
 
 def check_config(config, size: Optional[int] = None) -> None:
