@@ -33,7 +33,7 @@ from .config import GRPOConfig
 from .loss_types import loss_type
 from .metrics import Pooled
 from .rewards.registry import reward_name
-from .rollout.base import GREEDY, SamplingOptions, prompt_seeds
+from .rollout.base import GREEDY, SamplingOptions, check_engine, prompt_seeds
 from .train import distributed, partial_rollouts, rollout_modes, setup, shaping
 from .train.forward import Packer, completion_logprobs
 from .train.interrupt import Interrupted, StopRequests
@@ -94,8 +94,10 @@ class GRPOTrainer:
         self.world = distributed.join(config.distributed_strategy)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:
             distributed.check_config(config)
-        if config.max_staleness and engine is not None:
-            setup.check_partial_rollouts(engine, config)
+        if engine is not None:  # an engine from elsewhere: the contract first, before any work
+            check_engine(engine)
+            if config.max_staleness:
+                setup.check_partial_rollouts(engine, config)
         self.eval_metrics = dict(eval_metrics or {})
         self.resume_path = None if evaluate_only else run_folder.check_start(config)
         self.resume_overrides = [] if evaluate_only else self._check_resume()
@@ -127,10 +129,10 @@ class GRPOTrainer:
         self.scheduler = setup.build_scheduler(self.optimizer, config)
         self.state = TrainState(global_batch=config.completions_per_step * self.world.size)
         # the HF engine samples with the policy itself: its log-probs are the trainer's, no IS needed
-        self.engine_shares_weights = getattr(self.engine, "model", None) is self.model
+        self.engine_shares_weights = self.engine.shares_weights_with(self.model)
         use_is = config.vllm_importance_sampling_correction
         if use_is is None:
-            use_is = setup.default_is_correction(getattr(self.engine, "dtype", torch.float32), self._trainer_precision(),
+            use_is = setup.default_is_correction(self.engine.dtype, self._trainer_precision(),
                                                  config.max_staleness)
         self.use_is = use_is and not self.engine_shares_weights
         if config.vllm_importance_sampling_correction and self.engine_shares_weights:
@@ -492,7 +494,7 @@ class GRPOTrainer:
 
         if self.engine_shares_weights:
             return {}
-        limit = sync_check.tolerance(getattr(self.engine, "dtype", torch.float32), self._trainer_precision())
+        limit = sync_check.tolerance(self.engine.dtype, self._trainer_precision())
         probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
         gap = self._probe_gap(probe)
         if distributed.any_rank(gap > limit, self.world):  # (every rank re-syncs: under FSDP2 a sync is collective)
@@ -511,7 +513,7 @@ class GRPOTrainer:
         """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
         name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
         weights = next(self.model.parameters()).dtype
-        engine = "shares the policy" if self.engine_shares_weights else name(getattr(self.engine, "dtype", weights))
+        engine = "shares the policy" if self.engine_shares_weights else name(self.engine.dtype)
         amp = f"{name(self.packer.amp_dtype)} autocast" if self.packer.amp_dtype else "no autocast"
         picked = " (vespo's token-level mode)" if self.config.vllm_importance_sampling_mode is None \
             and loss_type(self.config.loss_type).takes_is_ratio else ""

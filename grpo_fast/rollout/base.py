@@ -12,7 +12,10 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Iterable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -223,13 +226,48 @@ def prompt_seeds(call_seed: int, n: int, first: int = 0) -> list[int]:
     return [hashed_seed(call_seed, first + i) for i in range(n)]
 
 
+# The engine contract: every attribute and method the trainer reads or calls on an engine. An engine
+# need not subclass RolloutEngine, but one lacking a member is refused when the trainer is built
+# (`check_engine`). Partial rollouts need `runs_partial_rollouts` and `generate_until` besides.
+ENGINE_CONTRACT = {
+    "vocab_size": "the number of token ids it samples from",
+    "max_model_len": "prompt + completion limit in tokens",
+    "dtype": "the torch dtype it samples in (the IS correction's default and the sync check's bound read it)",
+    "shares_weights_with": "shares_weights_with(model) -> bool: samples with the policy's own weights (no sync, no IS)",
+    "generate": "generate(prompt_ids, n=, max_new_tokens=, sampling=, seed=) -> groups of Completion",
+    "update_weights": "update_weights(model or (name, tensor) pairs): the new policy weights, in place",
+    "prompt_logprobs": "prompt_logprobs(token_ids) -> log-probs of token_ids[1:] (the sync probe)",
+    "reset_prefix_cache": "reset_prefix_cache(): forget cached KV blocks",
+    "sleep": "sleep(): release memory during the training part of a step (a no-op where unsupported)",
+    "wake": "wake(): restore what sleep released",
+    "runs_partial_rollouts": "whether it implements generate_until (partial rollouts)",
+}
+
+
+def check_engine(engine) -> None:
+    """Refuse, naming them, the contract members `engine` lacks."""
+    missing = [name for name in ENGINE_CONTRACT if not hasattr(engine, name)]
+    if missing:
+        raise ValueError(f"engine {type(engine).__name__} lacks {missing} of the engine contract "
+                         f"(grpo_fast/rollout/base.py ENGINE_CONTRACT: {'; '.join(ENGINE_CONTRACT[m] for m in missing)})")
+
+
 class RolloutEngine:
-    """What the trainer sees of an engine. Subclasses implement `_generate`, `update_weights`,
-    `sleep` and `wake`, and set `vocab_size` and `max_model_len`."""
+    """What the trainer sees of an engine (`ENGINE_CONTRACT`). Subclasses implement `_generate`,
+    `update_weights`, `prompt_logprobs`, and where they have them `sleep`, `wake`,
+    `reset_prefix_cache`, `_generate_until`; they set `vocab_size`, `max_model_len` and `dtype`."""
 
     vocab_size: int
     max_model_len: int
+    dtype: torch.dtype
     runs_partial_rollouts = False  # implements `_generate_until`
+
+    def shares_weights_with(self, model) -> bool:
+        """Whether it samples with `model`'s own weights (then nothing is synced and no IS is needed)."""
+        return False
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks (an engine without a prefix cache has nothing to forget)."""
 
     def generate(
         self,

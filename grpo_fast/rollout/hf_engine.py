@@ -116,6 +116,9 @@ class HFEngine(RolloutEngine):
                 ids.update([eos] if isinstance(eos, int) else eos)
         return ids
 
+    def shares_weights_with(self, model) -> bool:
+        return model is self.model
+
     def update_weights(self, weights) -> None:
         """Nothing to copy: this engine generates with the policy module itself."""
 

@@ -16,14 +16,14 @@ handle tied embeddings, copying into the existing tensors:
   layer in fresh memory (1.5-2x slower on SmolLM2). Never call that without weights: it would
   re-read the original checkpoint from disk and silently discard the trained weights.
 
-Then the prefix cache is reset (cached KV blocks were computed by the old weights).
+Then the prefix cache is reset (cached KV blocks were computed by the old weights). Every vLLM
+internal this needs (the live model, the reload, the packing, the request loop, the teardown) is
+reached through `vllm_compat.py`, which also checks the vLLM version when an engine starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import gc
 import logging
 import os
@@ -31,25 +31,13 @@ from typing import Iterable, Iterator
 
 import torch
 
+from . import vllm_compat as compat
 from .base import Completion, RolloutEngine, Round, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
 # Prefixes a wrapped policy adds to parameter names: DDP / FSDP1 wrappers, torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _configure_vllm_env() -> None:
-    """Environment vLLM reads at import / start-up; explicit user settings win."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we own the model
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's default is RAM-sized
-        # vLLM's CPU thread binding pins the OpenMP threads of a *worker process* to cores. In-process
-        # the worker is the trainer: pinning would starve the trainer's own torch ops of cores, so we
-        # keep every core for both (they take turns: generate, then train). "nobind" says so
-        # explicitly; in vLLM 0.32 binding only happens in the multiprocess executor anyway.
-        # benchmarks/bench_engine.py measures torch threads and matmul speed before/after start.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def _named_tensors(weights) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,73 +53,6 @@ def _named_tensors(weights) -> Iterator[tuple[str, torch.Tensor]]:
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
-
-
-def _repackable_weights(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], torch.Tensor] | None:
-    """CPU: {(layer, parameter name): checkpoint-format tensor} for each weight vLLM packed and freed.
-
-    None when some layer's weight processing is more than packing an unquantized GEMM weight
-    (quantized or MoE methods): only the layerwise reload can redo those. The tensors (shape,
-    dtype, parameter class, weight loader) come from the metadata vLLM records for reloading;
-    allocated here, their pages are touched once, by the first update.
-    """
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-    targets = {}
-    for layer in model.modules():
-        method = getattr(layer, "quant_method", None)
-        if not isinstance(method, QuantizeMethodBase):
-            continue  # no weight processing (norms): loaded in place as is
-        if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod) or not hasattr(layer, "cpu_linear"):
-            return None
-        restore = get_layerwise_info(layer).restore_metadata[0]
-        if not restore:
-            return None  # no record of the checkpoint format
-        for name, meta in restore.items():
-            live = layer._parameters.get(name)
-            if live is None or live.shape != meta.shape or live.dtype != meta.dtype:
-                targets[(layer, name)] = restore_layer_refs(materialize_meta_tensor(meta), layer)
-    return targets
-
-
-def _packed_layers_by_param(model, targets) -> dict[int, list[torch.nn.Module]]:
-    """id(checkpoint-format parameter) -> the CPU-packed layers computing with it (tied: two)."""
-    layers: dict[int, list[torch.nn.Module]] = {}
-    for layer in model.modules():
-        if hasattr(layer, "cpu_linear"):
-            for name, param in layer._parameters.items():
-                param = targets.get((layer, name), param)
-                if param is not None:
-                    layers.setdefault(id(param), []).append(layer)
-    return layers
-
-
-def _repack(layer: torch.nn.Module) -> None:
-    """Re-run a CPU layer's weight processing (the oneDNN / sgl GEMM packing) on its new weights.
-
-    The old packed weight is freed first, so the new one can reuse its memory. An input embedding
-    table is packed at its first GEMM instead: vLLM packs every embedding, but models compute
-    logits with their lm_head (tied or not), so this copy usually goes unused (SmolLM2: 113 MB,
-    ~0.08 s per update).
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    del layer.cpu_linear
-    if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
-        layer.cpu_linear = functools.partial(_pack_then_gemm, layer)
-    else:
-        layer.quant_method.process_weights_after_loading(layer)
-
-
-def _pack_then_gemm(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    """A deferred `cpu_linear`: pack (which replaces `layer.cpu_linear`), then compute."""
-    layer.quant_method.process_weights_after_loading(layer)
-    return layer.cpu_linear(x, weight, bias)
 
 
 class VLLMEngine(RolloutEngine):
@@ -160,11 +81,11 @@ class VLLMEngine(RolloutEngine):
         model_path = os.fspath(model_path)
         if not os.path.isdir(model_path):
             raise ValueError(f"model_path must be a local model folder (safetensors + tokenizer), got {model_path!r}")
-        _configure_vllm_env()
+        compat.check_version()
+        compat.configure_env()
         from vllm import LLM
-        from vllm.platforms import current_platform
 
-        self.on_cpu = current_platform.is_cpu()
+        self.on_cpu = compat.on_cpu()
         vllm_kwargs.setdefault("enforce_eager", self.on_cpu)  # CPU: torch.compile warm-up costs ~40 s, gains little
         if self.on_cpu:
             # A prompt prefilled in chunks discards the token sampled after a partial chunk and rewinds
@@ -197,25 +118,23 @@ class VLLMEngine(RolloutEngine):
         self.model_path = model_path
         self.max_model_len = int(max_model_len)
         self.bucket_bytes = int(bucket_bytes)
-        self.sleep_available = bool(enable_sleep_mode) and current_platform.is_sleep_mode_available()
+        self.sleep_available = bool(enable_sleep_mode) and compat.sleep_mode_available()
         self.asleep = False
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        self.tied_embeddings = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
-        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
-        self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
-        self._repack_targets = _repackable_weights(self.model) if self.on_cpu else None
-        self._packed_by_param = _packed_layers_by_param(self.model, self._repack_targets or {})
+        # tied embeddings, the vocabulary, the torch dtype of the engine's weights
+        self.tied_embeddings, self.vocab_size, self.dtype = compat.model_facts(self.llm)
+        self._repack_targets = compat.repackable_weights(self.model) if self.on_cpu else None
+        self._packed_by_param = compat.packed_layers_by_param(self.model, self._repack_targets or {})
         self._rounds = 0  # generate_until calls: their request ids
 
     # ---- the live model -------------------------------------------------------------------
     @property
     def _worker(self):
-        return self.llm.llm_engine.model_executor.driver_worker.worker
+        return compat.worker(self.llm)
 
     @property
     def model(self) -> torch.nn.Module:
         """vLLM's model module (its parameters are in vLLM's fused / processed layout)."""
-        return self._worker.model_runner.model
+        return compat.live_model(self.llm)
 
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
@@ -240,10 +159,9 @@ class VLLMEngine(RolloutEngine):
         Outputs arrive as deltas (the tokens and log-probs of each step); an aborted request keeps
         what it had produced. The engine must be idle: a round owns it while it runs."""
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
-        engine = self.llm.llm_engine
-        if engine.has_unfinished_requests():
+        engine = compat.RequestLoop(self.llm)
+        if engine.busy():
             raise RuntimeError("generate_until: the vLLM engine still has requests of another call running")
         self._rounds += 1
         index, ids, logprobs, finish, finished_at, running = {}, [], [], [], [], []
@@ -256,12 +174,12 @@ class VLLMEngine(RolloutEngine):
                 logprobs.append([])
                 finish.append(None)
                 finished_at.append(None)
-                params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA)
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+                params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, **engine.delta_output())
+                engine.add(rid, TokensPrompt(prompt_token_ids=prompt), params)
 
         try:  # (an error while adding still aborts what was added)
             add(requests)
-            while engine.has_unfinished_requests():
+            while engine.busy():
                 running.append(sum(f is None for f in finish))
                 for out in engine.step():
                     i, (c,) = index[out.request_id], out.outputs
@@ -275,7 +193,7 @@ class VLLMEngine(RolloutEngine):
         finally:
             left = [rid for rid, i in index.items() if finish[i] is None]
             if left:
-                engine.abort_request(left)
+                engine.abort(left)
         if any(f not in (None, "stop", "length") for f in finish):
             raise RuntimeError(f"vLLM finished a request with reason {sorted(set(finish) - {None, 'stop', 'length'})}")
         completions = [Completion(t, lp, f, "") for t, lp, f in zip(ids, logprobs, finish, strict=True)]
@@ -316,9 +234,7 @@ class VLLMEngine(RolloutEngine):
         elif self._repack_targets is not None:
             self._load_and_repack(stream)
         else:
-            with _quiet_expected_reload_warnings(self.tied_embeddings):
-                self._worker.model_runner.reload_weights(weights_iterator=stream)
-            self._repack_tied_lm_head()
+            compat.reload_weights(self.llm, stream, self.tied_embeddings)
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -341,21 +257,10 @@ class VLLMEngine(RolloutEngine):
         names = expected if names is None else names  # a model that does not report what it loaded
         loaded = {id(model.get_parameter(name)) for name in names}
         for layer in {layer: None for p in loaded for layer in self._packed_by_param.get(p, ())}:
-            _repack(layer)
+            compat.repack(layer)
         missing = [name for name, param_id in expected.items() if param_id not in loaded]
         if missing:  # raised once the engine is consistent again (the layers given are re-packed)
             raise ValueError(f"update_weights: weights must cover every parameter; these got none: {missing}")
-
-    def _repack_tied_lm_head(self) -> None:
-        """Layerwise reload + tied embeddings: rebuild the lm_head's packed GEMM weight.
-
-        The reload updates the embedding (the lm_head's weight) in place but skips the lm_head
-        itself (no checkpoint entry), so without this its packed copy keeps the old embeddings
-        (measured: log-probs off by ~0.6 on the tiny model after perturbing the embeddings).
-        """
-        lm_head = getattr(self.model, "lm_head", None)
-        if self.tied_embeddings and lm_head is not None and hasattr(lm_head, "quant_method"):
-            lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def _prepare(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Drop what vLLM does not hold (the tied lm_head) and cast to the engine's dtype, lazily."""
@@ -403,17 +308,9 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         """Shut the engine down and free its memory (so another engine can start in this process)."""
-        from vllm.distributed import parallel_state
-
         if getattr(self, "llm", None) is None:
             return
-        with contextlib.ExitStack() as stack:
-            if not self._owns_default_group:
-                stack.enter_context(_keep_default_group())
-            self.llm.llm_engine.engine_core.shutdown()  # tears down vLLM's distributed state
-            self.llm = None
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
+        compat.shutdown(self.llm, self._owns_default_group, release=lambda: setattr(self, "llm", None))
         gc.collect()
 
 
@@ -431,44 +328,6 @@ def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed,
 def _token_logprobs(steps, token_ids) -> list[float]:
     """The log-prob of each sampled token from vLLM's per-step {token: Logprob} dicts."""
     return [step[token].logprob for step, token in zip(steps, token_ids, strict=True)]
-
-
-@contextlib.contextmanager
-def _keep_default_group():
-    """vLLM's teardown destroys torch.distributed's default group, which, under torchrun, is the
-    trainer's: meanwhile let it destroy only its own world group."""
-    from vllm.distributed import parallel_state
-
-    def destroy_vllm_world() -> None:
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-        parallel_state._WORLD = parallel_state._NODE_COUNT = None
-
-    original = parallel_state.destroy_distributed_environment
-    parallel_state.destroy_distributed_environment = destroy_vllm_world
-    try:
-        yield
-    finally:
-        parallel_state.destroy_distributed_environment = original
-
-
-@contextlib.contextmanager
-def _quiet_expected_reload_warnings(tied_embeddings: bool):
-    """Drop the layerwise reload's "<Layer>: Failed to load weights" for layers that have nothing
-    to load by design: rotary embeddings (no weights) and, when tied, the lm_head (it is the
-    embedding). Any other layer that fails to load still warns."""
-    expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_embeddings else set())
-
-    def keep(record: logging.LogRecord) -> bool:
-        layer, _, rest = record.getMessage().partition(": ")
-        return not (rest == "Failed to load weights" and layer in expected)
-
-    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    reload_logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        reload_logger.removeFilter(keep)
 
 
 _logged: set[str] = set()

@@ -41,8 +41,7 @@ def probe_gap(engine, model, packer, token_ids: list[int], *, backend: str) -> f
     if len(probe) < 2:
         return 0.0
     engine_logp = torch.tensor(engine.prompt_logprobs(probe), dtype=torch.float32)
-    if hasattr(engine, "reset_prefix_cache"):  # the next round prefills as if no probe had run
-        engine.reset_prefix_cache()
+    engine.reset_prefix_cache()  # the next round prefills as if no probe had run
     # the engine's prompt log-probs come from the raw logits: temperature 1 on the trainer's side
     trainer = completion_logprobs(model, packer, [probe[:1]], [probe[1:]], temperature=1.0, backend=backend)[0]
     return (trainer - engine_logp).abs().mean().item()
