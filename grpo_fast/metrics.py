@@ -290,6 +290,11 @@ def timed(times: dict, name: str):
         times[name] = times.get(name, 0.0) + synced_time(start)
 
 
+def logs_step(step: int, config) -> bool:
+    """Whether optimizer step `step` writes a metrics line."""
+    return step % config.logging_steps == 0 or step == config.max_steps
+
+
 def open_logger(output_dir: str, step: int, main: bool):
     """Rank 0's MetricsLogger (resuming at `step`); other ranks write nothing (rank 0 writes the all-rank means)."""
     return MetricsLogger(output_dir, resume_step=step) if main else OtherRankMetrics()

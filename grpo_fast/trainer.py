@@ -8,10 +8,8 @@
         sync         copy the new weights into the engine, probe that they landed  train/sync.py
     evaluation and checkpoints between rounds                                      train/evaluate.py, checkpoint.py, resume.py
 
-Each stage returns a record (`Generated`, `SideInputs`, a step's metrics); the loop makes the next
-batch from it and hands the metrics to the logger. Everything that changes during training lives in
-`TrainState` (saved in checkpoints), so a resumed run continues at the same step with the same data
-order and sampling seeds.
+Each stage returns a record (`Generated`, `SideInputs`, a step's metrics); the loop makes the next batch
+from it and logs the metrics. What changes during training lives in `TrainState` (train/state.py).
 """
 
 from __future__ import annotations
@@ -29,16 +27,13 @@ import torch
 
 from . import checkpoint, resume, run_folder
 from .config import GRPOConfig
-from .metrics import open_logger, progress, synced_time, timed
+from .metrics import logs_step, open_logger, progress, synced_time, timed
 from .train import advantages, distributed, generate, logprobs, setup, step, sync
 from .train import evaluate as evaluation
 from .train.forward import Packer
 from .train.interrupt import Interrupted, StopRequests, TrainingInterrupted
 from .train.score import conversational
 from .train.state import TrainState
-from .train.step import trainable_tokens
-
-__all__ = ["GRPOTrainer", "TrainState", "TrainingInterrupted"]  # (the last two: train/state.py, train/interrupt.py)
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +45,12 @@ class GRPOTrainer:
     -> list[float | None]`. train_dataset / eval_dataset: lists of dict rows (or HF datasets) with
     `config.prompt_column` and the columns the rewards read. model / tokenizer: a transformers causal
     LM and its tokenizer; None loads `config.model` (default: SmolLM2-135M-Instruct).
-    engine: an already built rollout engine (None: built from `config.engine`).
-    eval_metrics: held-out metrics besides the rewards, {name: function with the reward signature},
-    each logged as `eval/<name>` (its mean, None counting as 0); the built-in tasks bring theirs.
-    evaluate_only: for `evaluate()` alone (`grpo-fast eval`): output_dir is not checked.
+    engine: an already built rollout engine (None: built from `config.engine`). eval_metrics: held-out
+    metrics besides the rewards, {name: function with the reward signature}, each logged as `eval/<name>`
+    (its mean, None counting as 0). evaluate_only: for `evaluate()` alone: output_dir is not checked.
 
-    Checked before any work (model loading, engine start): the output folder (a fresh run never
-    writes into an earlier run's folder; see `run_folder`), the checkpoint to resume, the rows, the
-    columns the reward functions read, and prompt + completion lengths against the model's context.
+    Checked before any work (model loading, engine start): the output folder (`run_folder`), the checkpoint
+    to resume, the rows, the columns the rewards read, prompt + completion lengths against the context.
     """
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
@@ -68,15 +61,10 @@ class GRPOTrainer:
             distributed.check_config(c)
         if c.max_staleness and engine is not None:
             setup.check_partial_rollouts(engine, c)
-        eval_metrics = dict(eval_metrics or {})
         self.resume_path = None if evaluate_only else run_folder.check_start(c)
         self.resume_overrides = [] if evaluate_only else resume.check_run(c, self.resume_path)
-        reward_funcs = setup.check_reward_funcs(reward_funcs, c)
-        train_rows = setup.as_rows(train_dataset, c.prompt_column, "train_dataset")
-        eval_rows = None if eval_dataset is None else setup.as_rows(eval_dataset, c.prompt_column, "eval_dataset")
-        self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=eval_metrics)
-        setup.check_reward_columns(reward_funcs, train_rows, "train_dataset")
-        judge = setup.partial_credit_judge(c, train_rows)
+        reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset)
+        self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=dict(eval_metrics or {}))
         torch.manual_seed(c.seed)
         model, tokenizer, model_path = setup.load_policy(c, model, tokenizer)
         setup.warn_emulated_bf16(c, model)
@@ -109,40 +97,28 @@ class GRPOTrainer:
     packer = property(lambda self: self.policy.packer)
     parallel = property(lambda self: self.policy.parallel)
     reward_funcs = property(lambda self: self.data.reward_funcs)
+    train_prompt_ids = property(lambda self: self.data.prompt_ids)
     eval_rows = property(lambda self: self.held_out.rows)
     group_size = property(lambda self: self.config.group_size)  # entries per prompt in a generation batch
     engine_shares_weights = property(lambda self: self.is_policy.shares_weights)
     is_in_step = property(lambda self: self.is_policy.in_step)
     needs_old_logp = property(lambda self: self.is_policy.needs_old_logp)
-    use_is = property(lambda self: self.is_policy.use_is,
-                      lambda self, on: setattr(self, "is_policy", dataclasses.replace(self.is_policy, use_is=on)))
+    use_is = property(lambda s: s.is_policy.use_is, lambda s, on: setattr(s, "is_policy", s.is_policy.with_use_is(on)))
 
     @classmethod
     def from_config(cls, config: GRPOConfig, evaluate_only: bool = False) -> "GRPOTrainer":
         """Everything from the config: model, reward functions by name, the dataset or built-in task."""
-        from .data.tasks import task_eval_metrics
-        from .rewards import get_reward_funcs
-
         if not evaluate_only:
             run_folder.check_start(config)  # before the dataset is read
-        train_rows, eval_rows = setup.datasets_from_config(config)
-        funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
-                                 lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
-                                 num_generations=config.num_generations * (  # lead: a prompt's graded completions
-                                     config.answers_per_thought if config.rollout_mode == "multi_answer" else 1))
-        eval_metrics = task_eval_metrics(config.task) if config.dataset is None else None
+        funcs, train_rows, eval_rows, eval_metrics = setup.inputs_from_config(config)
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
 
-    # ------------------------------------------------------------------------------------------
-    # The loop
-    # ------------------------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------
 
     def train(self) -> dict:
-        """Train for config.max_steps optimizer steps; returns the last logged metrics.
-
-        The output folder is locked meanwhile. On SIGINT/SIGTERM it writes a checkpoint and raises
-        `TrainingInterrupted`; a failure while sampling or scoring writes one too (if there are
-        steps to keep), then re-raises."""
+        """Train for config.max_steps optimizer steps; returns the last logged metrics. The output folder is
+        locked meanwhile. On SIGINT/SIGTERM it writes a checkpoint and raises `TrainingInterrupted`; a failure
+        while sampling or scoring writes one too (if there are steps to keep), then re-raises."""
         c = self.config
         main = self.world.main  # rank 0 owns the output folder
         distributed.barrier(self.world)  # every rank has checked the folder before rank 0 writes into it
@@ -211,20 +187,17 @@ class GRPOTrainer:
         start_state, start_rng = copy.deepcopy(self.state), checkpoint.rng_state()
         try:  # (many ranks: a round is never abandoned halfway, the next round's start agrees to stop)
             with stop.abandonable() if self.world.size == 1 else contextlib.nullcontext():
-                generated = generate.generation_batch(  # generate, score
-                    self.engine, policy.tokenizer, self.data, self.state, c, self.options.sampling, self.world,
-                    self._engine_weights)
+                generated = generate.generation_batch(self.engine, policy.tokenizer, self.data, self.state, c,  # generate,
+                                                      self.options.sampling, self.world, self._engine_weights)  # score
                 batch, times = generated.batch, dict(generated.times)
                 adv, adv_stats = advantages.advantages(  # advantages
                     batch, self.options.advantages, self.data.judge, prompt_column=c.prompt_column,
                     conversational=conversational(batch.rows[0][c.prompt_column]), world=self.world)
                 batch = dataclasses.replace(batch, advantages=adv)
                 with timed(times, "time/logprob"):  # old / reference log-probs, IS weights
-                    side = logprobs.side_inputs(batch, policy, self.is_policy, temperature=c.temperature, backend=c.loss_backend,
-                                                check=bool(c.sampling_check_steps and not self.is_policy.in_step
-                                                           and self.state.step % c.sampling_check_steps == 0))
-                batch = dataclasses.replace(batch, old_logp=side.old_logp, ref_logp=side.ref_logp,
-                                            is_weights=side.is_weights)
+                    side = logprobs.side_inputs(batch, policy, self.is_policy, temperature=c.temperature,
+                                                backend=c.loss_backend, check=self.is_policy.checks(self.state.step, c.sampling_check_steps))
+                batch = side.into(batch)
         except BaseException as err:
             self.state = start_state
             checkpoint.set_rng_state(start_rng)
@@ -237,10 +210,7 @@ class GRPOTrainer:
             raise
         stats = {**generated.metrics, **adv_stats, **side.metrics}
         parts = step.step_slices(batch, c, self.state.step)
-        # dapo: TRL's normaliser, the generation batch's tokens shared evenly by its step slices
-        # (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)
-        tokens = distributed.sum_over_ranks([trainable_tokens(batch, self.options.loss)], self.world)[0] / self.world.size
-        num_items = tokens / min(c.steps_per_generation, len(batch) // c.group_size)
+        num_items = step.items_per_step(batch, c, self.options.loss, self.world)  # dapo's normaliser
         # the round's sampling figures (rollout/*: tokens generated, carried over, ...) count once: they go
         # with the first logged step of the round (as TRL logs a generation's figures once)
         once = {name: stats.pop(name) for name in list(stats) if name.startswith("rollout/")}
@@ -260,15 +230,14 @@ class GRPOTrainer:
                         backend=c.loss_backend, sleep_mode=c.vllm_enable_sleep_mode, step=self.state.step))
             logged = self._log(step.step_metrics(
                 part, batch, step_metrics, {**stats, **once}, step_times, reward_funcs=self.data.reward_funcs,
-                advantage_options=self.options.advantages, options=self.options.loss,
-                learning_rate=self.scheduler.get_last_lr()[0], skipped_steps=self.state.skipped_steps), bar)
-            if self._logs_step(self.state.step):
+                options=self.options, learning_rate=self.scheduler.get_last_lr()[0], state=self.state), bar)
+            if logs_step(self.state.step, c):
                 once = {}
             if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
                 logged = self._log_eval(bar) or logged
         if c.save_steps and self.state.step // c.save_steps > first_step // c.save_steps:
             self._save()  # at the round's end (a save_steps multiple was crossed): resumes exactly
-        self._stop_without_signal()
+        step.stop_without_signal(self.state, c, self._save if self.state.step != (self._saved_step or 0) else None)
         return logged
 
     def _optimizer_step(self, part, num_items: float, bar) -> dict:
@@ -292,11 +261,9 @@ class GRPOTrainer:
 
     def evaluate(self, rows: Optional[list] = None) -> dict:
         """Greedy held-out accuracy and rewards (train/evaluate.py); rows: the eval dataset's by default."""
-        rows = (rows if rows is not None else self.eval_rows or [])[: self.config.eval_max_samples]
-        if not rows:
-            raise ValueError("evaluate() needs eval rows: pass eval_dataset to GRPOTrainer or rows= to evaluate()")
-        return evaluation.evaluate(self.engine, self.policy.tokenizer, rows, self.data.reward_funcs, self.held_out.metrics,
-                                   self.config, self.world, self._engine_weights)
+        return evaluation.evaluate(self.engine, self.policy.tokenizer, rows if rows is not None else self.eval_rows,
+                                   self.data.reward_funcs, self.held_out.metrics, self.config, self.world,
+                                   self._engine_weights)
 
     def _log_eval(self, bar) -> dict:
         start = time.perf_counter()
@@ -309,30 +276,17 @@ class GRPOTrainer:
     def _log(self, metrics: dict, bar) -> dict:
         metrics = distributed.reduce_metrics(metrics, self.world)
         bar.update(self.state.step, metrics)
-        return self.metrics_logger.log(self.state.step, metrics) if self._logs_step(self.state.step) else metrics
-
-    def _logs_step(self, step: int) -> bool:
-        """Whether optimizer step `step` writes a metrics line."""
-        return step % self.config.logging_steps == 0 or step == self.config.max_steps
-
-    def _stop_without_signal(self) -> None:
-        limit, count = self.config.max_signal_free_steps, self.state.signal_free_steps
-        if limit and count >= limit:
-            path = self._save() if self.state.step != (self._saved_step or 0) else None
-            raise RuntimeError(f"no training signal for {count} steps in a row (max_signal_free_steps={limit}): "
-                               f"stopping{f'; progress saved to {path}' if path else ''}. Check the reward functions "
-                               f"and the dataset's columns, or lower the learning rate if the loss is non-finite")
+        return self.metrics_logger.log(self.state.step, metrics) if logs_step(self.state.step, self.config) else metrics
 
     def _save(self, path: Optional[str] = None, final: bool = False) -> str:
         """A checkpoint of the whole run (or, final=True, the trained model alone into `path`).
         Every rank calls it: each writes its shards, rank 0 the rest (checkpoint.py)."""
-        c, policy = self.config, self.policy
+        c, p = self.config, self.policy
         if final:
-            return checkpoint.save_final_model(path, policy.model, policy.tokenizer, policy.parallel)
-        path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=policy.model, tokenizer=policy.tokenizer,
-                                          optimizer=self.optimizer, scheduler=self.scheduler,
-                                          state=dataclasses.asdict(self.state), config=c.to_dict(),
-                                          total_limit=c.save_total_limit, parallel=policy.parallel)
+            return checkpoint.save_final_model(path, p.model, p.tokenizer, p.parallel)
+        path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=p.model, tokenizer=p.tokenizer,
+                                          optimizer=self.optimizer, scheduler=self.scheduler, parallel=p.parallel,
+                                          state=dataclasses.asdict(self.state), config=c.to_dict(), total_limit=c.save_total_limit)
         self._saved_step = self.state.step
         return path
 

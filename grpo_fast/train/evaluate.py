@@ -31,8 +31,12 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
     """Greedy completions for the held-out prompts (one each, whatever the rollout mode); accuracy =
     the share of correct answers: the first reward function's value > 0, whatever the shaping.
     Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths (all, and of the right ones).
-    Under torchrun every rank calls it: each grades every world-size-th prompt, the scores are gathered."""
+    Under torchrun every rank calls it: each grades every world-size-th prompt, the scores are gathered.
+    rows: the held-out rows (the first eval_max_samples of them are graded)."""
     c = config
+    rows = (rows or [])[: c.eval_max_samples]
+    if not rows:
+        raise ValueError("evaluate() needs eval rows: pass eval_dataset to GRPOTrainer or rows= to evaluate()")
     chat = conversational(rows[0][c.prompt_column])
     mine = rows[world.rank :: world.size]  # under torchrun each rank grades its share
     rewards = torch.empty(0, len(reward_funcs), dtype=torch.float64)

@@ -14,6 +14,7 @@ The stage returns a `SideInputs` record; the loop puts its tensors into the batc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ class ISPolicy:
                    mode=config.is_mode, cap=config.vllm_importance_sampling_cap,
                    clip_min=config.vllm_importance_sampling_clip_min)
 
+    def with_use_is(self, on: bool) -> "ISPolicy":
+        return dataclasses.replace(self, use_is=on)
+
+    def checks(self, step: int, every: int) -> bool:
+        """Whether the stage measures the engine-vs-trainer gap at `step` (every `every` steps: sampling_check_steps;
+        not where the step computes the IS weights: its own forward has the trainer's log-probs)."""
+        return bool(every and step % every == 0 and not self.in_step)
+
     def weights(self, trainer_logp: torch.Tensor, sampling_logp: torch.Tensor) -> torch.Tensor:
         """The IS weights of one completion, from the trainer's and the sampler's log-probs."""
         return importance_weights(trainer_logp, sampling_logp, mode=self.mode, cap=self.cap, clip_min=self.clip_min)
@@ -78,6 +87,10 @@ class SideInputs:
     ref_logp: Optional[list]
     is_weights: Optional[list]
     metrics: dict  # sampling/*: the engine-vs-trainer log-prob gap, the IS ratios
+
+    def into(self, batch: Rollouts) -> Rollouts:
+        """The batch with these side inputs (a new Rollouts: the one given is not changed)."""
+        return dataclasses.replace(batch, old_logp=self.old_logp, ref_logp=self.ref_logp, is_weights=self.is_weights)
 
 
 def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: float, backend: str, check: bool) -> SideInputs:

@@ -47,6 +47,15 @@ def as_rows(dataset, prompt_column: str, name: str) -> list[dict]:
 _TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
+def checked_inputs(config, reward_funcs, train_dataset, eval_dataset) -> tuple[list, list[dict], Optional[list], Optional[Callable]]:
+    """(reward functions, train rows, held-out rows or None, SGPO's partial-credit judge or None), each checked."""
+    reward_funcs = check_reward_funcs(reward_funcs, config)
+    train_rows = as_rows(train_dataset, config.prompt_column, "train_dataset")
+    eval_rows = None if eval_dataset is None else as_rows(eval_dataset, config.prompt_column, "eval_dataset")
+    check_reward_columns(reward_funcs, train_rows, "train_dataset")
+    return reward_funcs, train_rows, eval_rows, partial_credit_judge(config, train_rows)
+
+
 def check_reward_columns(reward_funcs, rows: list[dict], where: str) -> None:
     """Every column a reward function reads is in the dataset: those it declares in
     `required_columns`, and keyword parameters it takes without a default."""
@@ -120,6 +129,19 @@ def datasets_from_config(config) -> tuple[list[dict], list[dict] | None]:
     if held_out is not None and held_out == train:  # a single file is every split: no held-out set
         held_out = None
     return train, held_out
+
+
+def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Optional[dict]]:
+    """(reward functions by name, train rows, held-out rows, the built-in task's eval metrics or None)."""
+    from ..data.tasks import task_eval_metrics
+    from ..rewards import get_reward_funcs
+
+    train_rows, eval_rows = datasets_from_config(config)
+    funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
+                             lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
+                             num_generations=config.num_generations * (  # lead: a prompt's graded completions
+                                 config.answers_per_thought if config.rollout_mode == "multi_answer" else 1))
+    return funcs, train_rows, eval_rows, task_eval_metrics(config.task) if config.dataset is None else None
 
 
 def encode(rows, tokenizer, config) -> list[list[int]]:

@@ -249,6 +249,13 @@ def split_groups(num_groups: int, parts: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
+def items_per_step(batch: Rollouts, config, options: LossOptions, world) -> float:
+    """dapo's normaliser (TRL's): the generation batch's trainable tokens shared evenly by its step slices
+    (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)."""
+    tokens = sum_over_ranks([trainable_tokens(batch, options)], world)[0] / world.size
+    return tokens / min(config.steps_per_generation, len(batch) // config.group_size)
+
+
 def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, scheduler, *, config, options: LossOptions,
                    state, world, importance_weights: Optional[Callable] = None) -> dict:
     """One optimizer step of `policy` (`setup.Policy`) on `part` with the entropy bonus's coefficient now (TRL's adaptive controller
@@ -295,23 +302,34 @@ def count_signal(part: Rollouts, skipped: bool, state, world, bar) -> None:
               f"{state.signal_free_steps} such step(s) in a row")
 
 
-def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, times: dict, *, reward_funcs,
-                 advantage_options, options: LossOptions, learning_rate: float, skipped_steps: int) -> dict:
+def stop_without_signal(state, config, save: Optional[Callable[[], str]]) -> None:
+    """Stop after max_signal_free_steps steps in a row without a training signal (`save`: keeps the progress)."""
+    limit, count = config.max_signal_free_steps, state.signal_free_steps
+    if limit and count >= limit:
+        path = save() if save is not None else None
+        raise RuntimeError(f"no training signal for {count} steps in a row (max_signal_free_steps={limit}): "
+                           f"stopping{f'; progress saved to {path}' if path else ''}. Check the reward functions "
+                           f"and the dataset's columns, or lower the learning rate if the loss is non-finite")
+
+
+def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, times: dict, *, reward_funcs, options,
+                 learning_rate: float, state) -> dict:
     """The logged line of one optimizer step: TRL's reward metrics of its slice `part`, the round's
-    `stats`, the step's loss metrics (token means pooled over ranks by tokens), its time parts and throughput."""
+    `stats`, the step's loss metrics (token means pooled over ranks by tokens), its time parts and throughput.
+    options: the run's (`setup.Options`: the loss's and the advantages')."""
     from ..metrics import Pooled
     from .score import reward_metrics
 
-    m = reward_metrics(part, reward_funcs, advantage_options)
+    m = reward_metrics(part, reward_funcs, options.advantages)
     m.update(stats)
     m.update({k: v for k, v in metrics.items() if k != "skipped"})
-    trained = trainable_tokens(part, options)  # the loss's token means pool over ranks by tokens
+    trained = trainable_tokens(part, options.loss)  # the loss's token means pool over ranks by tokens
     m.update({k: Pooled.weighted(m[k], trained) for k in objective.all_metric_names() if k != "policy_loss" and k in m})
     m.update(times)
     m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
     tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))
     m["tokens_per_second"] = tokens / max(m["step_time"], 1e-9)
     m["learning_rate"] = learning_rate
-    m["skipped_steps"] = skipped_steps
+    m["skipped_steps"] = state.skipped_steps
     m["rewards/non_finite"] = batch.stats.get("rewards_non_finite", 0)
     return m
