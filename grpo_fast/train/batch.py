@@ -29,7 +29,7 @@ class Rollouts:
     loss_mask: Optional[list[torch.Tensor]] = None
     kind: Optional[list[str]] = None
     rewards: Optional[torch.Tensor] = None  # (n, k) float64, NaN = missing
-    # (n, k) float64: the rewards the advantages came from (train/shaping.py: partial credit or
+    # (n, k) float64: the rewards the advantages came from (train/advantages.py: partial credit or
     # early_exit's serial reward in the first column); None: as scored. The logged `reward` reads them.
     trained_rewards: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None  # (n,) float32

@@ -89,7 +89,7 @@ def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], options) -
     `reward_std` and `frac_reward_zero_std_step` are of the rewards the advantages came from
     (`batch.trained_rewards`: partial credit, early_exit's serial reward), `rewards/<func>/*` of each
     function's values as scored. Means and stds over values are `Pooled`: on many ranks they are of
-    all ranks' values (metrics.py). options: the advantages stage's (`shaping.AdvantageOptions`)."""
+    all ranks' values (metrics.py). options: the advantages stage's (`advantages.AdvantageOptions`)."""
     from ..metrics import Pooled
 
     G = options.group_size

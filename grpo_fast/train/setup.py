@@ -1,5 +1,5 @@
 """Building a run once: inputs checked, policy loaded, engine, optimizer, schedule, the variants'
-judge and thought end."""
+judge and thought end, precisions; the records the stages read (`Policy`, `Options`)."""
 
 from __future__ import annotations
 
