@@ -3,7 +3,7 @@
     python benchmarks/bench_sync_check.py        # writes benchmarks/results/sync_check_cpu.{json,md}
 
 The trainer checks after each weight sync that the engine's log-probs of a short probe (the last
-PROBE_TOKENS tokens of a sampled sequence) match the trainer's (grpo_fast/train/sync_check.py). This measures, on SmolLM2-135M-Instruct and
+PROBE_TOKENS tokens of a sampled sequence) match the trainer's (grpo_fast/train/sync.py). This measures, on SmolLM2-135M-Instruct and
 the arithmetic task's prompts, the mean |engine - trainer| log-prob of the probe:
   synced   engine weights = the policy's (float32 and bfloat16 engines, float32 trainer)
   stale    the policy took one GRPO step (the default run's: 8 prompts x 8 completions, lr 1e-5, and
@@ -31,7 +31,7 @@ def main() -> None:
 
     from grpo_fast.config import GRPOConfig
     from grpo_fast.rollout import VLLMEngine
-    from grpo_fast.train.sync_check import PROBE_TOKENS, probe_gap
+    from grpo_fast.train.sync import PROBE_TOKENS, probe_gap
     from grpo_fast.trainer import GRPOTrainer
 
     out = tempfile.mkdtemp(prefix="bench_sync_check_")

@@ -11,6 +11,7 @@ extremes, and a mean or std over values (rewards, lengths) is pooled from every 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -265,3 +266,54 @@ class ProgressBar:
     def close(self):
         if self.progress is not None:
             self.progress.stop()
+
+
+# ---- the trainer's timers and loggers --------------------------------------------------------
+
+
+def synced_time(start: float) -> float:
+    """Seconds since `start`, after the GPU's queued work (a stage's time includes its kernels)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def timed(times: dict, name: str):
+    """Add the block's wall time to times[name]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + synced_time(start)
+
+
+def logs_step(step: int, config) -> bool:
+    """Whether optimizer step `step` writes a metrics line."""
+    return step % config.logging_steps == 0 or step == config.max_steps
+
+
+def open_logger(output_dir: str, step: int, main: bool):
+    """Rank 0's MetricsLogger (resuming at `step`); other ranks write nothing (rank 0 writes the all-rank means)."""
+    return MetricsLogger(output_dir, resume_step=step) if main else OtherRankMetrics()
+
+
+def progress(config, step: int, main: bool = True) -> "ProgressBar":
+    return ProgressBar(config.max_steps, step, enabled=main and not config.disable_tqdm, messages=main)
+
+
+class OtherRankMetrics:
+    """The metrics logger of a rank other than 0: writes nothing (rank 0 writes the all-rank means)."""
+
+    path = None
+
+    def log(self, step: int, metrics: dict) -> dict:
+        return metrics
+
+    def plot(self):
+        return None
+
+    def close(self) -> None:
+        pass

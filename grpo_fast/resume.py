@@ -14,14 +14,19 @@ resumes from step 0 with it). On resume:
   learning rate or AdamW option reaches the optimizer and scheduler: `apply_optimizer_overrides`)
   and is logged. Options the partial-rollout pool depends on (`IN_FLIGHT`) can never change while
   groups are in flight.
+- `restore` (`GRPOTrainer.train`): the checkpoint's model, optimizer, schedule, RNG and loop state,
+  any world size, the global batch checked.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from typing import Optional
+
+logger = logging.getLogger(__name__)
 
 RUN_CONFIG_FILE = "run_config.json"
 
@@ -168,3 +173,48 @@ def _explicit(values: dict) -> dict:
 
 def _listing(names: list[str], saved: dict, given: dict) -> str:
     return ", ".join(f"{n}: {saved.get(n)!r} -> {given.get(n)!r}" for n in names)
+
+
+# ---- the trainer's side: check before loading, restore at the start of train() ---------------
+
+
+def check_run(config, resume_path: Optional[str]) -> list[str]:
+    """A resumed run keeps its saved options: refused before any model loads; the overrides."""
+    if resume_path is None and config.resume_from_checkpoint is None:
+        return []
+    saved, in_flight = saved_config(config.output_dir, resume_path)
+    source = resume_path or os.path.join(config.output_dir, RUN_CONFIG_FILE)
+    return check_resume(config, saved, source, in_flight)
+
+
+def resume_command(config, world_size: int) -> str:
+    """The command that continues this run: the output folder holds every other option."""
+    ranks = f" --nproc_per_node {world_size}" if world_size > 1 else ""
+    return f"grpo-fast train --output_dir {config.output_dir} --resume{ranks}"
+
+
+def restore(path: str, state_type, current, *, config, world, model, optimizer, scheduler, overrides: list[str]):
+    """Load the checkpoint at `path` into the model, optimizer and scheduler (any world size: resharded),
+    apply the overrides, restore this rank's RNG; returns the loop's state (a `state_type`). `current`:
+    the fresh run's state (its global batch must match the checkpoint's)."""
+    from . import checkpoint
+
+    saved = checkpoint.load_trainer_state(path)
+    state = state_type(**saved["state"])
+    if state.global_batch and state.global_batch != current.global_batch:  # (0: saved before it was kept)
+        raise ValueError(
+            f"{path} was trained with {state.global_batch} completions per step over all ranks; this run has "
+            f"per_device_train_batch_size x ranks x gradient_accumulation_steps = {config.per_device_train_batch_size}"
+            f" x {world.size} x {config.gradient_accumulation_steps} = {current.global_batch}: set "
+            f"per_device_train_batch_size or gradient_accumulation_steps to keep the global batch (the data order "
+            f"and the next step depend on it)")
+    state.global_batch = current.global_batch  # (a checkpoint from before it was kept: from now on)
+    checkpoint.load_model_and_optimizer(path, saved, model, optimizer)  # any world size: resharded
+    scheduler.load_state_dict(saved["scheduler"])
+    if overrides:
+        apply_optimizer_overrides(optimizer, scheduler, config, overrides)
+        if "entropy_coef" in overrides:
+            state.entropy_coef = None  # the new coefficient, not the saved (possibly adapted) one
+        logger.warning("%s", describe_overrides(saved.get("config"), config, overrides))
+    checkpoint.set_rng_state(checkpoint.rank_rng_state(saved, world.rank))
+    return state

@@ -1,1 +1,3 @@
-"""The parts of GRPOTrainer's loop: the packed policy forward, rollout batches, scoring, the train step."""
+"""The stages of a step, one module each (generate, score, advantages, logprobs, step, sync, evaluate), and
+what they share: the batch type (batch.py), building a run (setup.py), the loop's state (state.py), packing
+and the training forward, signals, many ranks. `grpo_fast/trainer.py` runs them in order."""

@@ -69,3 +69,11 @@ class StopRequests:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM stopped `train()` after it wrote a checkpoint; the message says how to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..rollout.base import Continuation, SamplingOptions, hashed_seed
-from .rollouts import Rollouts
+from .batch import Rollouts
 
 
 def new_groups(prompt_index: list[int], seeds: list[int], group_size: int) -> list[dict]:

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..rollout.base import SamplingOptions, prompt_seeds
-from .rollouts import Rollouts
+from .batch import Rollouts
 
 logger = logging.getLogger(__name__)
 _warned = {"short": False}

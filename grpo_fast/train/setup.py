@@ -1,5 +1,5 @@
 """Building a run once: inputs checked, policy loaded, engine, optimizer, schedule, the variants'
-judge and thought end; and the reward metrics the loop logs per step."""
+judge and thought end, precisions; the records the stages read (`Policy`, `Options`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from ..rewards.registry import reward_name
-from .rollouts import Rollouts, weighted_rewards, zero_std_groups
 
 # ---- inputs ----------------------------------------------------------------------------------
 
@@ -45,6 +45,15 @@ def as_rows(dataset, prompt_column: str, name: str) -> list[dict]:
 
 
 _TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def checked_inputs(config, reward_funcs, train_dataset, eval_dataset) -> tuple[list, list[dict], Optional[list], Optional[Callable]]:
+    """(reward functions, train rows, held-out rows or None, SGPO's partial-credit judge or None), each checked."""
+    reward_funcs = check_reward_funcs(reward_funcs, config)
+    train_rows = as_rows(train_dataset, config.prompt_column, "train_dataset")
+    eval_rows = None if eval_dataset is None else as_rows(eval_dataset, config.prompt_column, "eval_dataset")
+    check_reward_columns(reward_funcs, train_rows, "train_dataset")
+    return reward_funcs, train_rows, eval_rows, partial_credit_judge(config, train_rows)
 
 
 def check_reward_columns(reward_funcs, rows: list[dict], where: str) -> None:
@@ -120,6 +129,19 @@ def datasets_from_config(config) -> tuple[list[dict], list[dict] | None]:
     if held_out is not None and held_out == train:  # a single file is every split: no held-out set
         held_out = None
     return train, held_out
+
+
+def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Optional[dict]]:
+    """(reward functions by name, train rows, held-out rows, the built-in task's eval metrics or None)."""
+    from ..data.tasks import task_eval_metrics
+    from ..rewards import get_reward_funcs
+
+    train_rows, eval_rows = datasets_from_config(config)
+    funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
+                             lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
+                             num_generations=config.num_generations * (  # lead: a prompt's graded completions
+                                 config.answers_per_thought if config.rollout_mode == "multi_answer" else 1))
+    return funcs, train_rows, eval_rows, task_eval_metrics(config.task) if config.dataset is None else None
 
 
 def encode(rows, tokenizer, config) -> list[list[int]]:
@@ -325,38 +347,53 @@ def thought_end(config) -> str:
     return TASK_THOUGHT_END.get(config.task, "</think>") if config.dataset is None else "</think>"
 
 
-def weighted_mean(rewards: torch.Tensor, weights) -> float:
-    total = weighted_rewards(rewards, weights)
-    known = total[~total.isnan()]
-    return known.mean().item() if known.numel() else float("nan")
+def trainer_dtype(packer, model) -> torch.dtype:
+    """The dtype the trainer's log-probs are computed in: the decoder's autocast dtype, else the weights'."""
+    return packer.amp_dtype or next(model.parameters()).dtype
 
 
-def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], options) -> dict:
-    """TRL's per-step reward and completion metrics for the completions of one step. `reward`,
-    `reward_std` and `frac_reward_zero_std_step` are of the rewards the advantages came from
-    (`batch.trained_rewards`: partial credit, early_exit's serial reward), `rewards/<func>/*` of each
-    function's values as scored. Means and stds over values are `Pooled`: on many ranks they are of
-    all ranks' values (metrics.py). options: the advantages stage's (`shaping.AdvantageOptions`)."""
-    from ..metrics import Pooled
+def precision_summary(model, engine, packer, config, is_policy) -> str:
+    """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
+    from ..loss_types import loss_type
 
-    G = options.group_size
-    trained = batch.rewards if batch.trained_rewards is None else batch.trained_rewards
-    total = weighted_rewards(trained, options.reward_weights)
-    groups = total.view(-1, G)
-    group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in groups])
-    lengths = batch.completion_lengths()
-    clipped = torch.tensor([r == "length" for r in batch.finish_reason], dtype=torch.float32)
-    m = {
-        "reward": Pooled.of(total),
-        "reward_std": Pooled.of(group_std),  # the mean of the groups' stds
-        "frac_reward_zero_std_step": Pooled.of(zero_std_groups(trained, options.reward_weights, G).double()),
-        "completions/mean_length": Pooled.of(lengths),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": Pooled.of(clipped),
-        "advantages/abs_mean": Pooled.of(batch.advantages.abs()),
-    }
-    for j, f in enumerate(reward_funcs):
-        m[f"rewards/{reward_name(f)}/mean"] = Pooled.of(batch.rewards[:, j])
-        m[f"rewards/{reward_name(f)}/std"] = Pooled.of(batch.rewards[:, j], "std")
-    return m
+    name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
+    weights = next(model.parameters()).dtype
+    engine_part = "shares the policy" if is_policy.shares_weights else name(engine.dtype)
+    amp = f"{name(packer.amp_dtype)} autocast" if packer.amp_dtype else "no autocast"
+    picked = " (vespo's token-level mode)" if config.vllm_importance_sampling_mode is None \
+        and loss_type(config.loss_type).takes_is_ratio else ""
+    is_mode = (f"on ({config.is_mode}{picked}{', from the step' if is_policy.in_step else ''})"
+               if is_policy.use_is else "off")
+    return f"precision: weights {name(weights)}, decoder {amp}, engine {engine_part}, IS correction {is_mode}"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The policy being trained and how it runs, built once: the model and its tokenizer (`path`: where
+    the engine loads it from), the packer of its micro-batches, its (possibly sharded) wrapper, and the
+    frozen reference of the KL term (beta > 0; else None)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: Optional[str]
+    packer: object  # forward.Packer
+    parallel: object  # distributed.Parallel
+    reference: Optional[object]  # logprobs.Reference
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options each stage reads, built once from the config."""
+
+    loss: object  # objective.LossOptions: the train step's
+    advantages: object  # advantages.AdvantageOptions: the advantages stage's
+    sampling: object  # rollout.base.SamplingOptions: every training engine call's (evaluation: GREEDY)
+
+    @classmethod
+    def from_config(cls, config) -> "Options":
+        from ..objective import LossOptions
+        from ..rollout.base import SamplingOptions
+        from .advantages import AdvantageOptions
+
+        return cls(loss=LossOptions.from_config(config), advantages=AdvantageOptions.from_config(config),
+                   sampling=SamplingOptions.from_config(config))

@@ -25,7 +25,9 @@ optimizer state stay as they were, and `skipped` is reported.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -35,11 +37,12 @@ from ..loss_types import loss_type
 from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
+from .batch import Rollouts
 from .distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
 from .forward import Packer, completion_hidden, policy_parts
-from .rollouts import Rollouts
 
-__all__ = ["LossOptions", "train_step", "trainable_mask", "trainable_tokens"]  # LossOptions: the trainer's import
+__all__ = ["LossOptions", "optimizer_step", "step_metrics", "step_slices", "train_step", "trainable_mask",
+           "trainable_tokens"]  # LossOptions: the trainer's import
 
 
 def trainable_mask(batch: Rollouts, options: LossOptions) -> list[bool]:
@@ -225,3 +228,108 @@ def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages
     return torch.stack(factors).prod(0), entropy, entropy_mask
 
 
+
+
+# ---- the optimizer steps of a generation batch -----------------------------------------------
+
+
+def step_slices(batch: Rollouts, config, step: int) -> list[Rollouts]:
+    """The optimizer steps a generation batch feeds: μ passes over steps_per_generation slices
+    of whole groups, cut short at max_steps (`step`: the optimizer steps done)."""
+    G = config.group_size
+    slices = split_groups(len(batch) // G, config.steps_per_generation)
+    parts = [batch.select([g * G + j for g in groups for j in range(G)]) for groups in slices]
+    return (parts * config.num_iterations)[: config.max_steps - step]
+
+
+def split_groups(num_groups: int, parts: int) -> list[list[int]]:
+    """Split group indices into `parts` contiguous, nearly equal, non-empty slices."""
+    parts = max(1, min(parts, num_groups))
+    bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+def items_per_step(batch: Rollouts, config, options: LossOptions, world) -> float:
+    """dapo's normaliser (TRL's): the generation batch's trainable tokens shared evenly by its step slices
+    (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)."""
+    tokens = sum_over_ranks([trainable_tokens(batch, options)], world)[0] / world.size
+    return tokens / min(config.steps_per_generation, len(batch) // config.group_size)
+
+
+def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, scheduler, *, config, options: LossOptions,
+                   state, world, importance_weights: Optional[Callable] = None) -> dict:
+    """One optimizer step of `policy` (`setup.Policy`) on `part` with the entropy bonus's coefficient now (TRL's adaptive controller
+    moves it), then the schedule and the counters in `state` (steps, skipped steps, steps without signal)."""
+    c = config
+    coef = c.entropy_coef if state.entropy_coef is None else state.entropy_coef
+    applied = objective.applied_entropy_coef(coef, state.last_entropy, adaptive=c.use_adaptive_entropy,
+                                             target=c.entropy_target)
+    metrics = train_step(policy.model, optimizer, policy.packer, part, dataclasses.replace(options, entropy_coef=applied),
+                         c.max_grad_norm, num_items_in_batch=max(num_items, 1.0),
+                         top_entropy_quantile=c.top_entropy_quantile, off_policy_mask_threshold=c.off_policy_mask_threshold,
+                         parallel=policy.parallel, importance_weights=importance_weights)
+    bonus_entropy = metrics.pop("bonus_entropy")
+    if c.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
+        state.entropy_coef = objective.adaptive_entropy_coef(
+            coef, bonus_entropy, target=c.entropy_target, delta=c.entropy_coef_delta, coef_min=c.entropy_coef_min,
+            coef_max=c.entropy_coef_max)
+        state.last_entropy = bonus_entropy
+    if c.entropy_coef != 0.0 or c.use_adaptive_entropy:
+        metrics["entropy_coef"] = coef if state.entropy_coef is None else state.entropy_coef
+    else:
+        metrics.pop("policy_loss")  # = loss without a bonus (TRL logs it only with one)
+    with warnings.catch_warnings():  # a skipped step still advances the schedule
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    state.step += 1
+    if metrics["skipped"]:
+        state.skipped_steps += 1
+        bar.print(f"step {state.step}: non-finite loss or gradient, step skipped (weights untouched)")
+    count_signal(part, metrics["skipped"], state, world, bar)
+    return metrics
+
+
+def count_signal(part: Rollouts, skipped: bool, state, world, bar) -> None:
+    """Count steps without a training signal: no finite reward at all, or a skipped update."""
+    no_reward = not any_rank(not bool(part.rewards.isnan().all()), world)  # on no rank
+    if not (no_reward or skipped):
+        state.signal_free_steps = 0
+        return
+    state.signal_free_steps += 1
+    why = ("every reward was None or non-finite: do the reward functions find the columns they read?"
+           if no_reward else "the loss or gradient was non-finite and the update was skipped")
+    bar.print(f"warning: step {state.step} had no training signal ({why}); "
+              f"{state.signal_free_steps} such step(s) in a row")
+
+
+def stop_without_signal(state, config, save: Optional[Callable[[], str]]) -> None:
+    """Stop after max_signal_free_steps steps in a row without a training signal (`save`: keeps the progress)."""
+    limit, count = config.max_signal_free_steps, state.signal_free_steps
+    if limit and count >= limit:
+        path = save() if save is not None else None
+        raise RuntimeError(f"no training signal for {count} steps in a row (max_signal_free_steps={limit}): "
+                           f"stopping{f'; progress saved to {path}' if path else ''}. Check the reward functions "
+                           f"and the dataset's columns, or lower the learning rate if the loss is non-finite")
+
+
+def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, times: dict, *, reward_funcs, options,
+                 learning_rate: float, state) -> dict:
+    """The logged line of one optimizer step: TRL's reward metrics of its slice `part`, the round's
+    `stats`, the step's loss metrics (token means pooled over ranks by tokens), its time parts and throughput.
+    options: the run's (`setup.Options`: the loss's and the advantages')."""
+    from ..metrics import Pooled
+    from .score import reward_metrics
+
+    m = reward_metrics(part, reward_funcs, options.advantages)
+    m.update(stats)
+    m.update({k: v for k, v in metrics.items() if k != "skipped"})
+    trained = trainable_tokens(part, options.loss)  # the loss's token means pool over ranks by tokens
+    m.update({k: Pooled.weighted(m[k], trained) for k in objective.all_metric_names() if k != "policy_loss" and k in m})
+    m.update(times)
+    m["step_time"] = sum(v for k, v in m.items() if k.startswith("time/"))
+    tokens = sum(len(p) + len(q) for p, q in zip(part.prompt_ids, part.completion_ids, strict=True))
+    m["tokens_per_second"] = tokens / max(m["step_time"], 1e-9)
+    m["learning_rate"] = learning_rate
+    m["skipped_steps"] = state.skipped_steps
+    m["rewards/non_finite"] = batch.stats.get("rewards_non_finite", 0)
+    return m

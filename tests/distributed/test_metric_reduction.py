@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpo_fast.metrics import Pooled, combine, reduction
-from grpo_fast.train.rollouts import Rollouts
-from grpo_fast.train.setup import reward_metrics
+from grpo_fast.train.batch import Rollouts
+from grpo_fast.train.score import reward_metrics
 from tests.trainer.common import config
 
 

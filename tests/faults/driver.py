@@ -52,6 +52,7 @@ def _torn_line_then_kill(logger, step):
 
 def install(point: str, n: int) -> None:
     from grpo_fast import checkpoint, metrics, trainer
+    from grpo_fast.train import generate
 
     if point == "after_step":
         real_step, hit = trainer.GRPOTrainer._optimizer_step, _on_nth(n, _kill)
@@ -80,8 +81,8 @@ def install(point: str, n: int) -> None:
 
         metrics.MetricsLogger.log = log
     elif point == "sleep_in_score":
-        real_score = trainer.score
-        trainer.score = lambda *args, **kwargs: (time.sleep(n), real_score(*args, **kwargs))[1]
+        real_score = generate.score  # the generate stage scores as it samples (dynamic sampling)
+        generate.score = lambda *args, **kwargs: (time.sleep(n), real_score(*args, **kwargs))[1]
     elif point == "sleep_in_step":
         real_step = trainer.GRPOTrainer._optimizer_step
         trainer.GRPOTrainer._optimizer_step = lambda self, *a, **k: (real_step(self, *a, **k), time.sleep(n))[0]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from grpo_fast.rollout import vllm_available
+from grpo_fast.train import generate
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 
@@ -40,19 +41,21 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, printed_resume=False,
         c = config_from_args(build_parser().parse_args(["train", "--output_dir", c.output_dir, "--resume"]))
     trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
     if rounds is not None:  # record each round: the pool before it, the batch it trained
-        run_round = trainer._partial_round
+        run_round = generate.partial_round
 
-        def recorded():
+        def recorded(*args, **kwargs):
             pool = copy.deepcopy(trainer.state.in_flight)
-            batch, stats = run_round()
+            batch, stats = run_round(*args, **kwargs)
             rounds.append((pool, batch))
             return batch, stats
 
-        trainer._partial_round = recorded
+        generate.partial_round = recorded
     try:
         trainer.train()
     finally:
         trainer.engine.close()
+        if rounds is not None:
+            generate.partial_round = run_round
     return trainer, _records(c.output_dir)
 
 

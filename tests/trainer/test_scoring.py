@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from grpo_fast.objective import group_advantages
-from grpo_fast.train.rollouts import Rollouts, importance_weights, score
+from grpo_fast.train.batch import Rollouts
+from grpo_fast.train.logprobs import importance_weights
+from grpo_fast.train.score import score
 
 
 def _batch(n=4):

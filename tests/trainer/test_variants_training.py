@@ -1,4 +1,4 @@
-"""The GRPO variants in the trainer: advantages from scored batches (grpo_fast/train/shaping.py)
+"""The GRPO variants in the trainer: advantages from scored batches (grpo_fast/train/advantages.py)
 against hand-computed numbers, and runs of each rollout mode on the tiny model."""
 
 import json
@@ -9,8 +9,8 @@ import torch
 
 from grpo_fast import objective
 from grpo_fast.metrics import combine
-from grpo_fast.train import setup, shaping
-from grpo_fast.train.rollouts import Rollouts
+from grpo_fast.train import advantages, score
+from grpo_fast.train.batch import Rollouts
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 
@@ -33,7 +33,7 @@ def test_partial_credit_judges_only_all_wrong_groups(tmp_path):
     c = config(tmp_path, num_generations=3, per_device_train_batch_size=6, partial_credit_judge="x:y",
                partial_credit_beta=5.0, partial_credit_gamma=0.5)
     batch = _scored([0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
-    adv, stats = shaping.advantages(batch, c, judge)
+    adv, stats = advantages.advantages(batch, c, judge)
     assert seen == [0, 1, 2], "the judge sees the completions of groups with no right answer, and only those"
     credit = [1 / (1 + math.exp(-2.5)), 1 / (1 + math.exp(2.5)), 0.5]
     expected = objective.group_advantages(torch.tensor(credit + [1.0, 0.0, 1.0]), 3)
@@ -44,7 +44,7 @@ def test_partial_credit_judges_only_all_wrong_groups(tmp_path):
 def test_partial_credit_judge_scores_outside_0_1_are_an_error(tmp_path):
     c = config(tmp_path, num_generations=2, per_device_train_batch_size=4, partial_credit_judge="x:y")
     with pytest.raises(ValueError, match=r"partial_credit_judge='x:y': expected scores in \[0, 1\], got values in \[0.0, 3.0\]"):
-        shaping.advantages(_scored([0.0, 0.0, 1.0, 0.0]), c, lambda prompts, completions, completion_ids, **kw: [3.0, 0.0])
+        advantages.advantages(_scored([0.0, 0.0, 1.0, 0.0]), c, lambda prompts, completions, completion_ids, **kw: [3.0, 0.0])
 
 
 def test_lead_options_reach_the_reward(tmp_path, tiny_path):
@@ -68,7 +68,7 @@ def test_variant_options_refused_before_work(tmp_path):
 def test_difficulty_and_noise_weights_multiply_group_advantages(tmp_path):
     c = config(tmp_path, num_generations=4, difficulty_weighting=True, reward_noise_rate=0.1)
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # a hard prompt (1/4 right), an easy one (3/4)
-    adv, stats = shaping.advantages(_scored(rewards), c)
+    adv, stats = advantages.advantages(_scored(rewards), c)
     plain = objective.group_advantages(torch.tensor(rewards), 4)
     w = lambda x: 0.4 + 1.1 / (1 + math.exp(10 * (x - 0.75)))  # noqa: E731
     # hard prompt: its success weighs w(1/4) ~ 1.49, its failures w(3/4) = 0.95; the easy one the reverse
@@ -78,12 +78,12 @@ def test_difficulty_and_noise_weights_multiply_group_advantages(tmp_path):
     assert 0.6 < stats["noise_aware/weight_mean"] < 0.8
     bad = config(tmp_path, num_generations=4, reward_noise_rate=0.2)
     with pytest.raises(ValueError, match=r"reward_noise_rate=0.2 needs the first reward function's values in \[0, 1\]"):
-        shaping.advantages(_scored([2.0, 0.0, 0.0, 0.0]), bad)
+        advantages.advantages(_scored([2.0, 0.0, 0.0, 0.0]), bad)
 
 
 def test_early_exit_advantages_are_decaying_rewards_minus_their_mean(tmp_path):
     c = config(tmp_path, rollout_mode="early_exit", early_exit_points=3, num_generations=4)
-    adv, stats = shaping.advantages(_scored([0.0, 1.0, 1.0, 0.7, 0.0, 0.0, 0.0, 0.0]), c)
+    adv, stats = advantages.advantages(_scored([0.0, 1.0, 1.0, 0.7, 0.0, 0.0, 0.0, 0.0]), c)
     assert torch.allclose(adv, torch.tensor([-0.4375, 0.5625, 0.0625, -0.1875, 0, 0, 0, 0]))
     assert stats["early_exit/first_correct_exit"] == 1.0
 
@@ -103,26 +103,26 @@ def test_early_exit_adds_the_other_weighted_rewards_to_the_serial_reward(tmp_pat
     c = config(tmp_path, rollout_mode="early_exit", early_exit_points=3, num_generations=4, reward_funcs=["v", "short"],
                reward_weights=[2.0, 0.5])
     batch = _scored([[0.0, 0.2], [1.0, 0.4], [1.0, math.nan], [0.7, -0.8]])
-    batch.advantages, _ = shaping.advantages(batch, c)
+    batch.advantages, _ = advantages.advantages(batch, c)
     adv = batch.advantages
     total = torch.tensor([2 * 0.0 + 0.5 * 0.2, 2 * 1.0 + 0.5 * 0.4, 2 * 0.5, 2 * 0.25 + 0.5 * -0.8], dtype=torch.float64)
     assert torch.allclose(adv, (total - total.mean()).float(), rtol=1e-6), (adv, total - total.mean())
     assert batch.trained_rewards[:, 0].tolist() == [0.0, 1.0, 0.5, 0.25] and batch.rewards[0, 1] == 0.2
-    logged = combine([setup.reward_metrics(batch, _funcs("v", "short"), c)])
+    logged = combine([score.reward_metrics(batch, _funcs("v", "short"), c)])
     assert logged["reward"] == pytest.approx(total.mean().item(), rel=1e-12), "the logged reward is what trained"
     assert logged["rewards/v/mean"] == pytest.approx(2.7 / 4, rel=1e-12), "each function's own values as scored"
     heavier = config(tmp_path, rollout_mode="early_exit", early_exit_points=3, num_generations=4,
                      reward_funcs=["v", "short"], reward_weights=[2.0, 5.0])
-    assert not torch.allclose(shaping.advantages(batch, heavier)[0], adv), "the second weight reaches the advantages"
+    assert not torch.allclose(advantages.advantages(batch, heavier)[0], adv), "the second weight reaches the advantages"
 
 
 def test_partial_credit_is_logged_as_it_trained(tmp_path):
     c = config(tmp_path, num_generations=2, per_device_train_batch_size=4, partial_credit_judge="x:y",
                partial_credit_beta=5.0, partial_credit_gamma=0.5)
     batch = _scored([0.0, 0.0, 1.0, 0.0])
-    batch.advantages, _ = shaping.advantages(batch, c, lambda prompts, completions, completion_ids, **kw: [1.0, 0.0])
+    batch.advantages, _ = advantages.advantages(batch, c, lambda prompts, completions, completion_ids, **kw: [1.0, 0.0])
     credit = [1 / (1 + math.exp(-2.5)), 1 / (1 + math.exp(2.5))]
-    logged = combine([setup.reward_metrics(batch, _funcs("v"), c)])
+    logged = combine([score.reward_metrics(batch, _funcs("v"), c)])
     assert logged["reward"] == pytest.approx((sum(credit) + 1.0) / 4, rel=1e-6)
     assert logged["rewards/v/mean"] == 0.25
 
@@ -153,7 +153,7 @@ def test_multi_answer_advantages_per_thought_and_per_answer(tmp_path):
     c = config(tmp_path, rollout_mode="multi_answer", num_generations=2, answers_per_thought=2, per_device_train_batch_size=6)
     nan = math.nan
     batch = _scored([nan, nan, 1.0, 1.0, 0.0, 1.0], kind=["thought"] * 2 + ["answer"] * 4)
-    adv, _ = shaping.advantages(batch, c)
+    adv, _ = advantages.advantages(batch, c)
     s = math.sqrt(0.75 * 0.25)
     expected = [0.25 / (0.25 + 1e-4), -0.25 / (0.25 + 1e-4), 0.25 / (s + 1e-4), 0.25 / (s + 1e-4),
                 -0.75 / (s + 1e-4), 0.25 / (s + 1e-4)]

@@ -1,4 +1,5 @@
-"""After each weight sync: does the engine sample from the policy the trainer holds?
+"""The sync stage: copy the new weights into the engine, then check that the engine samples from
+the policy the trainer holds.
 
 A failed or partial hot-swap (TRL hit one: sleep mode kept the old weights, trl#5312) would make
 every later step train on samples of a stale policy, silently. After each sync the engine scores a
@@ -12,9 +13,14 @@ still above it, the run stops with an error.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from .distributed import any_rank
 from .forward import completion_logprobs
+
+logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 16
 
@@ -45,3 +51,41 @@ def probe_gap(engine, model, packer, token_ids: list[int], *, backend: str) -> f
     # the engine's prompt log-probs come from the raw logits: temperature 1 on the trainer's side
     trainer = completion_logprobs(model, packer, [probe[:1]], [probe[1:]], temperature=1.0, backend=backend)[0]
     return (trainer - engine_logp).abs().mean().item()
+
+
+def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool) -> None:
+    """The policy's weights (`setup.Policy`) into the engine (none to copy where it samples with the policy itself)."""
+    if shares_weights:
+        return
+    if sleep_mode:
+        engine.wake()
+    # FSDP2: gathered layer by layer (every rank, in step); otherwise the live parameters
+    engine.update_weights(policy.parallel.full_weights() if policy.parallel.sharded else policy.model)
+
+
+def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, backend: str, sleep_mode: bool,
+                      step: int) -> dict:
+    """The engine's log-probs of a short greedy probe against the trainer's (`setup.Policy`), after a sync;
+    one re-sync when they differ beyond the tolerance of their precisions, then an error."""
+    if shares_weights:
+        return {}
+
+    def gap_now() -> float:
+        with policy.parallel.gathered():
+            return probe_gap(engine, policy.model, policy.packer, probe, backend=backend)
+
+    trainer_dtype = policy.packer.amp_dtype or next(policy.model.parameters()).dtype  # (setup.trainer_dtype)
+    limit = tolerance(engine.dtype, trainer_dtype)
+    probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
+    gap = gap_now()
+    if any_rank(gap > limit, world):  # (every rank re-syncs: under FSDP2 a sync is collective)
+        logger.warning("engine log-probs differ from the trainer's by %.3g (> %.3g) after a weight sync: syncing again",
+                       gap, limit)
+        sync_weights(engine, policy, shares_weights=shares_weights, sleep_mode=sleep_mode)
+        gap = gap_now()
+        if any_rank(gap > limit, world):
+            raise RuntimeError(f"the rollout engine is out of sync with the policy after step {step}: its "
+                               f"log-probs differ from the trainer's by {gap:.3g} on average (tolerance {limit:.3g} "
+                               f"for these precisions) even after a second weight sync; training on its samples "
+                               f"would train on a stale policy")
+    return {"sampling/sync_check_diff": gap}

@@ -28,8 +28,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
+from .batch import Rollouts
 from .distributed import ONE_PROCESS, World, gather_rows
-from .rollouts import Rollouts, score, weighted_rewards
+from .score import score, weighted_rewards
 
 
 @dataclass(frozen=True)

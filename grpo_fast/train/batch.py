@@ -1,0 +1,86 @@
+"""The generation batch: completions, rewards, advantages, per-token side inputs, one entry per completion.
+
+`Rollouts` holds one entry per completion (groups of `num_generations` consecutive entries share a
+prompt). Each stage returns what it computed and the loop makes the next batch from it (`dataclasses.replace`): generate (ids, sampling log-probs), score (rewards `[n, k]`),
+advantages `[n]`, then the optional per-token inputs of the loss (old / reference log-probs, IS
+weights), each a list of `[C_i]` tensors. A rollout mode of the GRPO variants may mask tokens out
+of the loss (`loss_mask`: text it injected, or a thought an answer continues); the sampling
+log-probs of such tokens are NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Rollouts:
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampling_logp: list[torch.Tensor]  # [C_i] each: the engine's log-probs of its sampled tokens
+    finish_reason: list[str]
+    completion_texts: list[str]
+    rows: list[dict]  # the dataset row of each completion's prompt
+    # The rollout modes of the GRPO variants (train/rollout_modes.py): which completion tokens enter
+    # the loss ([C_i] bool each; None: all) and what each entry is ("full", "cut", "thought", "answer").
+    loss_mask: Optional[list[torch.Tensor]] = None
+    kind: Optional[list[str]] = None
+    rewards: Optional[torch.Tensor] = None  # (n, k) float64, NaN = missing
+    # (n, k) float64: the rewards the advantages came from (train/advantages.py: partial credit or
+    # early_exit's serial reward in the first column); None: as scored. The logged `reward` reads them.
+    trained_rewards: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None  # (n,) float32
+    old_logp: Optional[list[torch.Tensor]] = None
+    ref_logp: Optional[list[torch.Tensor]] = None
+    is_weights: Optional[list[torch.Tensor]] = None
+    stats: dict = field(default_factory=dict)  # scoring counters (e.g. non-finite rewards)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def select(self, idx: Sequence[int]) -> "Rollouts":
+        """The entries `idx` (in that order) as a new Rollouts; stats are kept."""
+        def pick(value):
+            if value is None or isinstance(value, dict):
+                return value
+            if isinstance(value, torch.Tensor):
+                return value[torch.as_tensor(list(idx), dtype=torch.long)]
+            return [value[i] for i in idx]
+
+        return Rollouts(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
+
+    @classmethod
+    def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
+        def join(values):
+            if values[0] is None:
+                return None
+            if isinstance(values[0], dict):
+                return {k: sum(v.get(k, 0) for v in values) for k in values[0]}
+            if isinstance(values[0], torch.Tensor):
+                return torch.cat(values)
+            return [x for v in values for x in v]
+
+        return cls(**{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+    def completion_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.float32)
+
+    def trained_tokens(self, i: int) -> int:
+        """Completion tokens of entry i that enter the loss."""
+        return len(self.completion_ids[i]) if self.loss_mask is None else int(self.loss_mask[i].sum())
+
+
+def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollouts:
+    """Flatten the engine's groups (one list of n Completion per prompt) into a Rollouts."""
+    flat = [(p, r, c) for p, r, group in zip(prompt_ids, rows, groups, strict=True) for c in group]
+    return Rollouts(
+        prompt_ids=[p for p, _, _ in flat],
+        completion_ids=[list(c.token_ids) for _, _, c in flat],
+        sampling_logp=[torch.tensor(c.logprobs, dtype=torch.float32) for _, _, c in flat],
+        finish_reason=[c.finish_reason for _, _, c in flat],
+        completion_texts=[c.text for _, _, c in flat],
+        rows=[r for _, r, _ in flat],
+    )

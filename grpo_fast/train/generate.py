@@ -1,0 +1,181 @@
+"""The generate stage: the next prompts in the seeded data order, this rank's share of them, the
+engine's completions (by the rollout mode, or a partial-rollout round), and DAPO's dynamic sampling,
+which scores as it samples and draws more prompts until enough groups carry a signal.
+
+Seeds come from the run seed and counters kept in `TrainState` (`cursor`, `epoch`,
+`generation_calls`), so a resumed run draws the same prompts with the same sampling seeds.
+The rollout modes themselves live in `rollout_modes.py` (S-GRPO's early exit, GRPO-MA's multi-answer)
+and `partial_rollouts.py` (rounds that never wait for their longest completion); `sample` picks one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..metrics import timed
+from ..rollout.base import SamplingOptions, prompt_seeds
+from . import partial_rollouts, rollout_modes, setup
+from .batch import Rollouts, from_engine
+from .distributed import World
+from .score import conversational, score, zero_std_groups
+
+# Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run
+# reaches, so two runs' seeds (seed s, counter k) and (s', k') never coincide unless s = s', k = k'
+# (a plain seed + counter would give run 42's step 1 the seed of run 43's step 0).
+_SAMPLING_SEED_PRIME = 100_003  # > the engine calls of any run
+_EPOCH_SEED_PRIME = 1_000_003  # > the epochs of any run
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """The training prompts, built once: dataset rows, their token ids, and what grades them."""
+
+    rows: list
+    prompt_ids: list
+    reward_funcs: list
+    judge: Optional[Callable] = None  # SGPO's partial-credit judge (the advantages stage's)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What the stage returns: the scored generation batch, its metrics, and its time parts."""
+
+    batch: Rollouts
+    metrics: dict  # frac_reward_zero_std, dynamic_sampling/rounds, rollout/*
+    times: dict  # time/generate, time/reward
+
+
+# ---- data order and seeds --------------------------------------------------------------------
+
+
+def sampling_seed(seed: int, generation_calls: int) -> int:
+    return seed * _SAMPLING_SEED_PRIME + generation_calls
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * _EPOCH_SEED_PRIME + epoch)).tolist()
+
+
+def next_prompts(state, k: int, n: int, config) -> list[int]:
+    """The next k prompt indices (of n) in the seeded per-epoch order (wrapping into the next epoch)."""
+    out = []
+    while len(out) < k:
+        order = epoch_order(n, config.seed, state.epoch, config.shuffle_dataset)
+        take = order[state.cursor : state.cursor + k - len(out)]
+        out += take
+        state.cursor += len(take)
+        if state.cursor >= n:
+            state.epoch, state.cursor = state.epoch + 1, 0
+    return out
+
+
+def next_seed(state, config) -> int:
+    """The sampling seed of the next engine call (each call its own; a resumed run continues the sequence)."""
+    state.generation_calls += 1
+    return sampling_seed(config.seed, state.generation_calls)
+
+
+def rank_share(prompt_index: list[int], world: World) -> tuple[list[int], int]:
+    """This rank's equal share of the generation batch's prompts (whole groups stay on one rank),
+    and the position of its first prompt in the batch (which seeds it)."""
+    k = len(prompt_index) // world.size
+    return prompt_index[world.rank * k : (world.rank + 1) * k], world.rank * k
+
+
+# ---- sampling --------------------------------------------------------------------------------
+
+
+def sample(engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, config, sampling: SamplingOptions,
+           seed: Callable[[], int]) -> Rollouts:
+    """The engine's completions of `prompts` as the rollout mode samples them (`seed()`: the next call's seed)."""
+    c = config
+    if c.rollout_mode == "early_exit":
+        return rollout_modes.early_exit(engine, tokenizer, prompts, rows, c, seed, sampling=sampling)
+    if c.rollout_mode == "multi_answer":
+        return rollout_modes.multi_answer(engine, tokenizer, prompts, rows, c, setup.thought_end(c), seed,
+                                          sampling=sampling)
+    groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length, sampling=sampling,
+                             seed=prompt_seeds(seed(), len(prompts), first))
+    return from_engine(groups, prompts, rows)
+
+
+def generate(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, config,
+             sampling: SamplingOptions, engine_weights) -> Rollouts:
+    """Sample the prompts `prompt_index` (sleep mode: the engine woken for it, put back to sleep after)."""
+    prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
+    if config.vllm_enable_sleep_mode:
+        engine.wake()
+    with engine_weights():
+        batch = sample(engine, tokenizer, prompts, rows, first, config, sampling, lambda: next_seed(state, config))
+    if config.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
+        engine.sleep()
+    return batch
+
+
+def partial_round(engine, tokenizer, data: TrainData, state, config, sampling: SamplingOptions) -> tuple[Rollouts, dict]:
+    """Partial rollouts: drop the too-stale groups, run a round (it draws new prompts as slots free up)."""
+    c = config
+    pool, dropped = partial_rollouts.drop_stale(state.in_flight, state.policy_version, c.max_staleness)
+
+    def draw(n: int) -> list[dict]:  # n new groups: the next prompts of the data order, their seeds
+        return partial_rollouts.new_groups(next_prompts(state, n, len(data.rows), c),
+                                           prompt_seeds(next_seed(state, c), n), c.num_generations)
+
+    if c.vllm_enable_sleep_mode:
+        engine.wake()
+    batch, state.in_flight, stats = partial_rollouts.run_round(
+        engine, tokenizer, pool, draw, data.prompt_ids, data.rows, c, sampling=sampling, version=state.policy_version)
+    if c.vllm_enable_sleep_mode:
+        engine.sleep()
+    stats["rollout/dropped_stale"] = dropped
+    return batch, stats
+
+
+# ---- the stage: generate and score, with dynamic sampling ------------------------------------
+
+
+def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling: SamplingOptions, world: World,
+                     engine_weights=contextlib.nullcontext) -> Generated:
+    """Sample the generation batch and score it. With dynamic sampling (DAPO), groups whose
+    rewards all agree are dropped and more prompts sampled, up to dynamic_sampling_max_rounds."""
+    c, G, times = config, config.group_size, {}
+    wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
+    round_stats = dict.fromkeys(("rollout/carried_over", "rollout/staleness_mean", "rollout/staleness_max",
+                                 "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
+    generated = 0
+    while True:
+        with timed(times, "time/generate"):
+            if c.max_staleness:
+                part, round_stats = partial_round(engine, tokenizer, data, state, c, sampling)
+            else:
+                more = world.size * (wanted - sum(len(k) // G for k in kept))
+                part = generate(engine, tokenizer, data, *rank_share(next_prompts(state, more, len(data.rows), c), world),
+                                state, c, sampling, engine_weights)
+                generated += sum(len(ids) for ids in part.completion_ids)
+                round_stats["rollout/generated_tokens"] = generated
+        with timed(times, "time/reward"):
+            part.rewards, non_finite = score(data.reward_funcs, part, c.prompt_column,
+                                             conversational(part.rows[0][c.prompt_column]))
+            part.stats["rewards_non_finite"] = non_finite
+        zero = zero_std_groups(part.rewards, c.reward_weights, G)
+        sampled_groups, zero_groups, rounds = sampled_groups + len(zero), zero_groups + int(zero.sum()), rounds + 1
+        if not c.dynamic_sampling:
+            kept = [part]
+            break
+        keep = [g * G + j for g in range(len(zero)) if not zero[g] for j in range(G)]
+        if keep:
+            kept.append(part.select(keep))
+        if sum(len(k) for k in kept) >= wanted * G or rounds > c.dynamic_sampling_max_rounds:
+            break
+    batch = Rollouts.concat(kept) if kept else part  # nothing informative: train on the last round
+    if len(batch) > wanted * G:
+        batch = batch.select(range(wanted * G))
+    metrics = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds,
+               **round_stats}
+    return Generated(batch=batch, metrics=metrics, times=times)

@@ -1,0 +1,147 @@
+"""The log-probs stage: [no grad] old-policy and reference log-probs, and the importance-sampling (IS)
+weights that correct for an engine whose log-probs are not the trainer's (TRL's
+vllm_importance_sampling_* semantics).
+
+Who computes the IS weights is decided once, at build (`ISPolicy.resolve`):
+
+    HF engine              it samples with the policy itself: its log-probs are the trainer's, no IS
+    one update per batch   (num_iterations = steps_per_generation = 1) the step's own forward gives
+                           them (train/step.py's `importance_weights`); no old-policy pass runs
+    otherwise              this stage: the old policy's log-probs, then the weights from them
+
+The stage returns a `SideInputs` record; the loop puts its tensors into the batch the step reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..metrics import Pooled
+from .batch import Rollouts
+from .forward import completion_logprobs
+from .setup import default_is_correction
+
+
+@dataclass(frozen=True)
+class ISPolicy:
+    """Where the IS weights come from in this run (module docstring)."""
+
+    shares_weights: bool  # the engine samples with the policy itself (HF): nothing to correct, nothing to sync
+    use_is: bool  # IS weights enter the loss
+    in_step: bool  # ... computed by the step's own forward (one update per generation batch)
+    needs_old_logp: bool  # the old policy's log-probs are a pass of their own (more than one update per batch)
+    mode: str  # TRL's is_mode: token_/sequence_ x truncate/mask
+    cap: float
+    clip_min: Optional[float]
+
+    @classmethod
+    def resolve(cls, config, engine, model, trainer_dtype: torch.dtype) -> "ISPolicy":
+        """From the config (`vllm_importance_sampling_correction`: None picks by the precisions and
+        staleness), the engine and the trainer's precision; warns where an explicit True cannot apply."""
+        shares = engine.shares_weights_with(model)
+        use_is = config.vllm_importance_sampling_correction
+        if use_is is None:
+            use_is = default_is_correction(engine.dtype, trainer_dtype, config.max_staleness)
+        if config.vllm_importance_sampling_correction and shares:
+            warnings.warn("vllm_importance_sampling_correction=True has no effect with the HF engine: it samples with "
+                          "the policy itself, so its log-probs are the trainer's (the correction stays off)",
+                          stacklevel=3)
+        on_policy = config.num_iterations == 1 and config.steps_per_generation == 1
+        use_is = use_is and not shares
+        return cls(shares_weights=shares, use_is=use_is, in_step=use_is and on_policy, needs_old_logp=not on_policy,
+                   mode=config.is_mode, cap=config.vllm_importance_sampling_cap,
+                   clip_min=config.vllm_importance_sampling_clip_min)
+
+    def with_use_is(self, on: bool) -> "ISPolicy":
+        return dataclasses.replace(self, use_is=on)
+
+    def checks(self, step: int, every: int) -> bool:
+        """Whether the stage measures the engine-vs-trainer gap at `step` (every `every` steps: sampling_check_steps;
+        not where the step computes the IS weights: its own forward has the trainer's log-probs)."""
+        return bool(every and step % every == 0 and not self.in_step)
+
+    def weights(self, trainer_logp: torch.Tensor, sampling_logp: torch.Tensor) -> torch.Tensor:
+        """The IS weights of one completion, from the trainer's and the sampler's log-probs."""
+        return importance_weights(trainer_logp, sampling_logp, mode=self.mode, cap=self.cap, clip_min=self.clip_min)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The frozen reference policy of the KL term (beta > 0) and its (possibly sharded) wrapper."""
+
+    model: torch.nn.Module
+    parallel: object  # distributed.Parallel
+
+
+@dataclass(frozen=True)
+class SideInputs:
+    """What the stage computed: each a list of `[C_i]` tensors, or None where the run does not need it."""
+
+    old_logp: Optional[list]
+    ref_logp: Optional[list]
+    is_weights: Optional[list]
+    metrics: dict  # sampling/*: the engine-vs-trainer log-prob gap, the IS ratios
+
+    def into(self, batch: Rollouts) -> Rollouts:
+        """The batch with these side inputs (a new Rollouts: the one given is not changed)."""
+        return dataclasses.replace(batch, old_logp=self.old_logp, ref_logp=self.ref_logp, is_weights=self.is_weights)
+
+
+def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: float, backend: str, check: bool) -> SideInputs:
+    """Old-policy log-probs (where needed, or `check`: the sampling diagnostics' pass), IS weights
+    (unless the step computes them), reference log-probs (beta > 0). No grad, no logits.
+    trained: the policy (`setup.Policy`: model, packer, parallel, reference)."""
+    compute = lambda m: completion_logprobs(m, trained.packer, batch.prompt_ids, batch.completion_ids,  # noqa: E731
+                                           temperature=temperature, backend=backend)
+    reference = trained.reference
+    metrics = {}
+    old_logp = is_weights = ref_logp = None
+    if policy.needs_old_logp or check:
+        with trained.parallel.gathered():  # FSDP2: one all-gather for the pass; ranks run their own micro-batches
+            trainer_logp = compute(trained.model)
+        metrics.update(sampling_stats(trainer_logp, batch.sampling_logp))
+        # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
+        old_logp = trainer_logp if policy.needs_old_logp else None
+    if policy.use_is and not policy.in_step:
+        is_weights = [policy.weights(o, s) for o, s in zip(old_logp, batch.sampling_logp, strict=True)]
+        flat = torch.cat(is_weights) if is_weights else torch.zeros(0)
+        if flat.numel():
+            metrics.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
+                            "sampling/importance_sampling_ratio/mean": Pooled.of(flat),
+                            "sampling/importance_sampling_ratio/max": flat.max().item()})
+    if reference is not None:
+        with reference.parallel.gathered():
+            ref_logp = compute(reference.model)
+    return SideInputs(old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, metrics=metrics)
+
+
+def sampling_stats(old: list[torch.Tensor], sampling: list[torch.Tensor]) -> dict:
+    """The engine's log-probs against the trainer's: mean and max |difference| over the batch's tokens."""
+    diffs = [(o - s).abs() for o, s in zip(old, sampling, strict=True) if o.numel() and s.numel() == o.numel()]
+    if not diffs:
+        return {}
+    flat = torch.nan_to_num(torch.cat(diffs), nan=0.0)
+    return {"sampling/logp_diff_mean": Pooled.of(flat), "sampling/logp_diff_max": flat.max().item()}
+
+
+
+
+def importance_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, *, mode: str, cap: float,
+                       clip_min: Optional[float]) -> torch.Tensor:
+    """IS weights `[C]` of one completion: exp(trainer - sampler) per token (token_*) or per sequence
+    (sequence_*, the summed difference, broadcast), truncated into [clip_min, cap] or zeroed outside.
+    Tokens without a sampling log-prob (NaN: not trained) add nothing to a sequence's sum."""
+    diff = torch.nan_to_num(old_logp.float() - sampling_logp.float(), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum().expand_as(diff)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=cap)
+    lo = -math.inf if clip_min is None else clip_min
+    return ratio.masked_fill((ratio < lo) | (ratio > cap), 0.0)

@@ -1,0 +1,29 @@
+"""The loop's state: everything of a run that changes while it trains, in one dataclass, saved in
+every checkpoint (`checkpoint.py`: trainer_state.pt["state"]) and restored by `resume.restore`.
+Its fields are a checkpoint format: add fields with defaults, never rename or drop one."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TrainState:
+    """Everything of the loop that a checkpoint must restore."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # passes over the training prompts started
+    cursor: int = 0  # next position in this epoch's prompt order
+    generation_calls: int = 0  # engine calls made (each gets seed + this, for reproducible sampling)
+    skipped_steps: int = 0  # steps dropped for a non-finite loss or gradient
+    signal_free_steps: int = 0  # steps in a row with no finite reward or a skipped update
+    eval_history: list = field(default_factory=list)  # (step, accuracy)
+    eval_reward_history: list = field(default_factory=list)  # (step, held-out mean of the first reward)
+    eval_metric_history: dict = field(default_factory=dict)  # name -> [(step, value)] of the eval_metrics
+    entropy_coef: Optional[float] = None  # the entropy bonus's coefficient now (adaptive: it moves); None: config's
+    last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
+    global_batch: int = 0  # completions per optimizer step over all ranks (a resumed run must keep it)
+    policy_version: int = 0  # weight syncs into the engine so far (partial rollouts: the version of each token)
+    in_flight: list = field(default_factory=list)  # partial rollouts: the groups carried over (train/partial_rollouts.py)
