@@ -33,8 +33,8 @@ from .objective import (
     LossOptions,
     option_warnings,
 )
+from .rollout import ENGINES  # (light: the engines themselves import lazily)
 
-ENGINES = ("auto", "vllm", "hf")
 ROLLOUT_MODES = ("parallel", "early_exit", "multi_answer")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
