@@ -21,9 +21,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import config_checks
+from . import config_checks, modes
 from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from .loss_types import loss_type
+from .modes import ROLLOUT_MODES
 from .objective import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -35,7 +36,6 @@ from .objective import (
 )
 from .rollout import ENGINES  # (light: the engines themselves import lazily)
 
-ROLLOUT_MODES = ("parallel", "early_exit", "multi_answer")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TRUNCATION = ("left", "error")
@@ -198,10 +198,9 @@ class GRPOConfig:
 
     @property
     def group_size(self) -> int:
-        """Trained sequences per prompt: its group, or with multi_answer its K thoughts and K x M answers."""
-        if self.rollout_mode == "multi_answer":
-            return self.num_generations * (1 + self.answers_per_thought)
-        return self.num_generations
+        """Trained sequences per prompt, as the rollout mode samples them (parallel: num_generations;
+        multi_answer: K thoughts and K x M answers)."""
+        return modes.rollout_mode(self.rollout_mode).group_size(self)
 
     @property
     def prompts_per_generation(self) -> int:
@@ -210,14 +209,10 @@ class GRPOConfig:
 
     @property
     def max_sequence_completion(self) -> int:
-        """Most tokens after the prompt in one trained sequence: the completion; with early_exit a
-        prefix, the injected text (bounded by its UTF-8 bytes) and the answer; with multi_answer a
-        thought and an answer."""
-        if self.rollout_mode == "early_exit":
-            return self.max_completion_length + len(self.early_exit_text.encode()) + self.early_exit_answer_length
-        if self.rollout_mode == "multi_answer":
-            return self.max_thought_length + self.max_completion_length
-        return self.max_completion_length
+        """Most tokens after the prompt in one trained sequence, as the rollout mode says: the
+        completion; with early_exit a prefix, the injected text (bounded by its UTF-8 bytes) and the
+        answer; with multi_answer a thought and an answer."""
+        return modes.rollout_mode(self.rollout_mode).max_sequence_completion(self)
 
     @property
     def is_mode(self) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .loss_types import loss_type
+from .modes import modes_where, rollout_mode
 
 PARTIAL_ROLLOUTS = "(partial rollouts continue single completions in vLLM's request loop)"
 # first reward functions whose values leave [0, 1] (a wrong answer scores below 0)
@@ -50,7 +51,7 @@ def _equals(value):
     return lambda v: v == value
 
 
-def _first_reward(c):
+def first_reward(c):
     return c.reward_funcs[0] if c.reward_funcs else None
 
 
@@ -63,42 +64,39 @@ def _shapes_parallel_groups(c):
             f"groups get their own from the weighted sum of the rewards (README, 'GRPO variants')")
 
 
-def _not_parallel(c):
-    return c.rollout_mode != "parallel"
+def _shapes_own_groups(c):
+    return not rollout_mode(c.rollout_mode).shapes_parallel_groups
 
 
 def _parallel_only(name: str, off) -> Combination:
-    return Combination(name, _equals(off), repr(off), _not_parallel, _shapes_parallel_groups)
+    return Combination(name, _equals(off), repr(off), _shapes_own_groups, _shapes_parallel_groups)
+
+
+def _modes_with(has) -> Callable:
+    """ok(rollout_mode): the mode has what `has` asks of it (an attribute of `modes.RolloutMode`)."""
+    return lambda name: has(rollout_mode(name))
+
+
+def _named(names: list[str]) -> str:
+    return " or ".join(repr(n) for n in names)
 
 
 COMBINATIONS = (
-    # rollout modes: early_exit and multi_answer shape their own groups
-    Combination("num_generations", None, lambda c: (
-        f"early_exit_points + 1 = {c.early_exit_points + 1} with rollout_mode='early_exit' (a serial group is the "
-        f"early_exit_points cuts plus the full completion); set num_generations or early_exit_points to match"),
-        lambda c: c.rollout_mode == "early_exit" and c.num_generations != c.early_exit_points + 1, ""),
-    Combination("early_exit_points", None, lambda c: (
-        f"at most max_completion_length ({c.max_completion_length}) with rollout_mode='early_exit': a completion of "
-        f"L tokens has at most L distinct cut positions, so more cuts would coincide"),
-        lambda c: c.rollout_mode == "early_exit" and c.early_exit_points > c.max_completion_length, ""),
+    # rollout modes that shape their own groups (a mode's own rows: its `checks()`, checked first)
     _parallel_only("dynamic_sampling", False),
     _parallel_only("difficulty_weighting", False),
     _parallel_only("reward_noise_rate", None),
     _parallel_only("partial_credit_judge", None),
     _parallel_only("multi_objective_aggregation", "sum_then_normalize"),
-    Combination("reward_funcs", None, lambda c: (
-        f"a 0/1 verifier first with rollout_mode='early_exit', not {_first_reward(c)!r}: the serial reward replaces "
-        f"the first function's value (its correctness is all it keeps), so {_first_reward(c)!r}'s length term would "
-        f"never train; S-GRPO's decay is the length term (put 'math' first, {_first_reward(c)!r} after it to add it "
-        f"with its weight)"),
-        lambda c: c.rollout_mode == "early_exit" and _first_reward(c) in OUTSIDE_01, ""),
     Combination("reward_noise_rate", None, lambda c: (
-        f"None with reward_funcs[0]={_first_reward(c)!r} ({OUTSIDE_01[_first_reward(c)]} leaves [0, 1]): the "
+        f"None with reward_funcs[0]={first_reward(c)!r} ({OUTSIDE_01[first_reward(c)]} leaves [0, 1]): the "
         f"noise-aware weights need a 0/1 verifier as the first reward"),
-        lambda c: c.reward_noise_rate is not None and _first_reward(c) in OUTSIDE_01, ""),
+        lambda c: c.reward_noise_rate is not None and first_reward(c) in OUTSIDE_01, ""),
     # partial rollouts: vLLM's request loop, parallel groups
     Combination("engine", lambda v: v in ("vllm", "auto"), "'vllm' or 'auto'", lambda c: c.max_staleness > 0, _partial),
-    Combination("rollout_mode", _equals("parallel"), "'parallel'", lambda c: c.max_staleness > 0, _partial),
+    Combination("rollout_mode", _modes_with(lambda m: m.supports_partial_rollouts),
+                lambda c: _named(modes_where(lambda m: m.supports_partial_rollouts)), lambda c: c.max_staleness > 0,
+                _partial),
     Combination("dynamic_sampling", _equals(False), "False", lambda c: c.max_staleness > 0, _partial),
     # loss types that fold the vLLM importance ratio into their own weight (vespo) need a token-level mode
     Combination("vllm_importance_sampling_mode", lambda v: v in (None, "token_truncate", "token_mask"),
@@ -110,8 +108,9 @@ COMBINATIONS = (
     Combination("bf16", None, lambda c: f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'",
                 lambda c: c.bf16 and c.dtype not in ("auto", "bfloat16"), ""),
     # many ranks (torchrun): what runs in one process only, for now
-    Combination("rollout_mode", _equals("parallel"), "", lambda c: True,
-                "the early_exit and multi_answer modes run in one process for now", ranks=True),
+    Combination("rollout_mode", _modes_with(lambda m: m.runs_on_many_ranks), "", lambda c: True,
+                lambda c: f"the {' and '.join(modes_where(lambda m: not m.runs_on_many_ranks))} modes run in one "
+                          f"process for now", ranks=True),
     Combination("dynamic_sampling", _equals(False), "", lambda c: True, "its extra rounds would differ per rank",
                 ranks=True),
     Combination("max_staleness", _equals(0), "", lambda c: True, "partial rollouts run in one process for now",
@@ -125,8 +124,9 @@ def _broken(row: Combination, c) -> bool:
 
 
 def check_combinations(c) -> None:
-    """The one-process rows of COMBINATIONS, in table order."""
-    for row in COMBINATIONS:
+    """The rollout mode's own rows (`RolloutMode.checks`), then the one-process rows of COMBINATIONS, in
+    table order."""
+    for row in (*rollout_mode(c.rollout_mode).checks(), *COMBINATIONS):
         if not row.ranks and _broken(row, c):
             because = row.text(row.because, c)
             fail(row.field, getattr(c, row.field), row.text(row.allowed, c) + (f" {because}" if because else ""))
@@ -212,8 +212,7 @@ def _type_name(annotation) -> str:
 def check_run(c, field_names: list[str]) -> None:
     """What no single field shows: whole groups per step, one sequence per micro-batch, matching lists."""
     if c.completions_per_step % c.group_size:
-        per_prompt = (f"num_generations x (1 + answers_per_thought) = {c.group_size} with rollout_mode='multi_answer'"
-                      if c.rollout_mode == "multi_answer" else f"num_generations ({c.num_generations})")
+        per_prompt = rollout_mode(c.rollout_mode).group_text(c)
         fail("per_device_train_batch_size", c.per_device_train_batch_size,
              f"per_device_train_batch_size x gradient_accumulation_steps ({c.completions_per_step}) "
              f"to be a multiple of {per_prompt}: groups stay whole")
@@ -224,7 +223,7 @@ def check_run(c, field_names: list[str]) -> None:
     if c.max_tokens_per_microbatch is not None and c.max_tokens_per_microbatch < max(longest, 1):
         fail("max_tokens_per_microbatch", c.max_tokens_per_microbatch,
              f"an integer >= the longest trained sequence ({longest} tokens: max_prompt_length + "
-             f"{'max_completion_length' if c.rollout_mode == 'parallel' else 'the ' + c.rollout_mode + ' sequence'}): "
+             f"{rollout_mode(c.rollout_mode).sequence_text(c)}): "
              f"one sequence must fit")
     if not c.early_exit_text.strip():
         fail("early_exit_text", c.early_exit_text, "a non-blank text (it tells the model to answer now)")

@@ -200,7 +200,7 @@ def restore(path: str, state_type, current, *, config, world, model, optimizer, 
     from . import checkpoint
 
     saved = checkpoint.load_trainer_state(path)
-    state = state_type(**saved["state"])
+    state = state_type.from_dict(saved["state"])
     if state.global_batch and state.global_batch != current.global_batch:  # (0: saved before it was kept)
         raise ValueError(
             f"{path} was trained with {state.global_batch} completions per step over all ranks; this run has "

@@ -289,7 +289,7 @@ class GRPOTrainer:
             return checkpoint.save_final_model(path, p.model, p.tokenizer, p.parallel)
         path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=p.model, tokenizer=p.tokenizer,
                                           optimizer=self.optimizer, scheduler=self.scheduler, parallel=p.parallel,
-                                          state=dataclasses.asdict(self.state), config=c.to_dict(), total_limit=c.save_total_limit)
+                                          state=self.state.to_dict(), config=c.to_dict(), total_limit=c.save_total_limit)
         self._saved_step = self.state.step
         return path
 

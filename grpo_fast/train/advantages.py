@@ -3,6 +3,8 @@
 
 "Correct" is the first reward function's value > 0 (the verifier's; missing counts as wrong).
 
+The modes live in `grpo_fast.modes` (one file each); this module holds what they share.
+
     rollout_mode=parallel      group advantages of the (weighted) rewards, after SGPO's partial
                                credit (groups with no correct answer: the first reward becomes
                                sigmoid(beta (judge score - gamma))); then GRPO-LEAD's difficulty
@@ -28,9 +30,10 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
+from ..modes import rollout_mode
 from .batch import Rollouts
 from .distributed import ONE_PROCESS, World, gather_rows
-from .score import score, weighted_rewards
+from .score import score
 
 
 @dataclass(frozen=True)
@@ -70,14 +73,19 @@ def correct(rewards: torch.Tensor) -> torch.Tensor:
 
 def advantages(batch: Rollouts, c: AdvantageOptions, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
                conversational: bool = False, world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
-    """(advantages [n] float32, stats) of a scored batch; `judge` is the partial-credit judge. Under
-    torchrun, `batch` is this rank's share of the generation batch (whole groups, the same size on
-    every rank): statistics over the whole batch (`scale_rewards="batch"`) use every rank's rewards.
-    Sets `batch.trained_rewards`: the scored rewards as the mode reshaped them (module docstring)."""
-    if c.rollout_mode == "early_exit":
-        return _serial_advantages(batch, c)
-    if c.rollout_mode == "multi_answer":
-        return _thought_answer_advantages(batch, c)
+    """(advantages [n] float32, stats) of a scored batch, as its rollout mode computes them
+    (`grpo_fast.modes`); `judge` is the partial-credit judge. Under torchrun, `batch` is this rank's
+    share of the generation batch (whole groups, the same size on every rank). Sets
+    `batch.trained_rewards`: the scored rewards as the mode reshaped them (module docstring)."""
+    return rollout_mode(c.rollout_mode).advantages(batch, c, judge, prompt_column=prompt_column,
+                                                   conversational=conversational, world=world)
+
+
+def group_advantages(batch: Rollouts, c: AdvantageOptions, judge: Optional[Callable] = None, *,
+                     prompt_column: str = "prompt", conversational: bool = False,
+                     world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
+    """The parallel mode's advantages: statistics over the whole batch (`scale_rewards="batch"`)
+    use every rank's rewards."""
     G, rewards, stats = c.num_generations, batch.rewards, {}
     ok = correct(rewards)
     if judge is not None:
@@ -123,33 +131,3 @@ def _partial_credit(batch: Rollouts, ok: torch.Tensor, c: AdvantageOptions, judg
                                                   beta=c.partial_credit_beta, gamma=c.partial_credit_gamma)
         rewards[rows, 0] = credit[rows].double()
     return rewards, {"partial_credit/frac_groups": none_right.float().mean().item()}
-
-
-def _serial_advantages(batch: Rollouts, c: AdvantageOptions) -> tuple[torch.Tensor, dict]:
-    G = c.num_generations
-    ok = correct(batch.rewards).view(-1, G)
-    serial = torch.stack([objective.decaying_serial_rewards(group) for group in ok])  # (P, m + 1)
-    rewards = batch.rewards.clone()
-    rewards[:, 0] = serial.reshape(-1).double()  # the verifier's value becomes the serial reward
-    batch.trained_rewards = rewards
-    total = weighted_rewards(rewards, c.reward_weights).view(-1, G)  # (P, m + 1); never NaN: column 0 is known
-    adv = total - total.mean(1, keepdim=True)
-    first = [int(group.nonzero()[0]) if group.any() else None for group in ok]  # exit index of the first right one
-    found = [f for f in first if f is not None]
-    bodies = [len(ids) - (reason == "stop") for ids, reason, kind in
-              zip(batch.completion_ids, batch.finish_reason, batch.kind or ["full"] * len(batch), strict=True)
-              if kind == "full"]
-    stats = {"early_exit/serial_reward_mean": serial.mean().item(),
-             "early_exit/first_correct_exit": sum(found) / len(found) if found else float("nan"),
-             # full completions shorter than early_exit_points: some of their cuts coincide (rollout_modes.py)
-             "early_exit/short_completion_frac": sum(b < c.early_exit_points for b in bodies) / max(len(bodies), 1)}
-    return adv.reshape(-1).float(), stats
-
-
-def _thought_answer_advantages(batch: Rollouts, c: AdvantageOptions) -> tuple[torch.Tensor, dict]:
-    K, M = c.num_generations, c.answers_per_thought
-    batch.trained_rewards = batch.rewards
-    total = torch.nan_to_num(weighted_rewards(batch.rewards, c.reward_weights), nan=0.0).view(-1, K * (1 + M))
-    thought, answer = objective.thought_answer_advantages(total[:, K:].reshape(-1, K, M))
-    adv = torch.cat([thought, answer.flatten(1)], dim=1)
-    return adv.reshape(-1).float(), {"multi_answer/thought_advantage_abs_mean": thought.abs().mean().item()}

@@ -4,8 +4,8 @@ which scores as it samples and draws more prompts until enough groups carry a si
 
 Seeds come from the run seed and counters kept in `TrainState` (`cursor`, `epoch`,
 `generation_calls`), so a resumed run draws the same prompts with the same sampling seeds.
-The rollout modes themselves live in `rollout_modes.py` (S-GRPO's early exit, GRPO-MA's multi-answer)
-and `partial_rollouts.py` (rounds that never wait for their longest completion); `sample` picks one.
+How a group is sampled is its rollout mode's (`grpo_fast.modes`, one registered object per mode:
+`sample` asks it); `partial_rollouts.py` runs rounds that never wait for their longest completion.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Callable, Optional
 import torch
 
 from ..metrics import timed
+from ..modes import rollout_mode
 from ..rollout.base import SamplingOptions, prompt_seeds
-from . import partial_rollouts, rollout_modes, setup
-from .batch import Rollouts, from_engine
+from . import partial_rollouts
+from .batch import Rollouts
 from .distributed import World
 from .score import conversational, score, zero_std_groups
 
@@ -94,15 +95,7 @@ def rank_share(prompt_index: list[int], world: World) -> tuple[list[int], int]:
 def sample(engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, config, sampling: SamplingOptions,
            seed: Callable[[], int]) -> Rollouts:
     """The engine's completions of `prompts` as the rollout mode samples them (`seed()`: the next call's seed)."""
-    c = config
-    if c.rollout_mode == "early_exit":
-        return rollout_modes.early_exit(engine, tokenizer, prompts, rows, c, seed, sampling=sampling)
-    if c.rollout_mode == "multi_answer":
-        return rollout_modes.multi_answer(engine, tokenizer, prompts, rows, c, setup.thought_end(c), seed,
-                                          sampling=sampling)
-    groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length, sampling=sampling,
-                             seed=prompt_seeds(seed(), len(prompts), first))
-    return from_engine(groups, prompts, rows)
+    return rollout_mode(config.rollout_mode).sample(engine, tokenizer, prompts, rows, first, config, sampling, seed)
 
 
 def generate(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, config,

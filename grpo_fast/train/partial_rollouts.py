@@ -1,11 +1,12 @@
 """Partial rollouts (`max_staleness >= 1`): a round stops once enough groups are complete; the
 completions still running carry over and continue in the next round, under the new weights.
 
-The pool of groups in flight lives in `TrainState.in_flight` (plain lists, so a checkpoint holds
-it and a resumed run continues the very same completions). A group is
+The pool of groups in flight lives in `TrainState.in_flight` as `Group` records, each holding its
+`Member`s: a member's tokens, the sampling log-prob of each, and the policy version (weight syncs so
+far) that sampled each. A checkpoint holds them as plain dicts (`to_dict`/`from_dict`: a group
 `{"prompt": index, "seed": int, "members": [member, ...]}`, a member
-`{"ids": [...], "logp": [...], "ver": [...], "finish": None | "stop" | "length"}`: its tokens, the
-sampling log-prob of each, and the policy version (weight syncs so far) that sampled each.
+`{"ids": [...], "logp": [...], "ver": [...], "finish": None | "stop" | "length"}`, the format every
+version wrote), so a resumed run continues the very same completions.
 
 Each round:
 1. groups whose oldest token would train more than `max_staleness` versions behind the policy are
@@ -23,7 +24,8 @@ Each round:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -31,25 +33,58 @@ from ..rollout.base import Continuation, SamplingOptions, hashed_seed
 from .batch import Rollouts
 
 
-def new_groups(prompt_index: list[int], seeds: list[int], group_size: int) -> list[dict]:
-    return [{"prompt": int(p), "seed": int(s),
-             "members": [{"ids": [], "logp": [], "ver": [], "finish": None} for _ in range(group_size)]}
-            for p, s in zip(prompt_index, seeds, strict=True)]
+@dataclass
+class Member:
+    """One completion of a group, as far as it has run."""
+
+    ids: list = field(default_factory=list)  # its tokens so far
+    logp: list = field(default_factory=list)  # the sampling log-prob of each
+    ver: list = field(default_factory=list)  # the policy version that sampled each
+    finish: Optional[str] = None  # None: still running; "stop" | "length"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Member":
+        return cls(list(d["ids"]), list(d["logp"]), list(d["ver"]), d["finish"])
 
 
-def oldest_version(group: dict) -> float:
-    return min((m["ver"][0] for m in group["members"] if m["ver"]), default=math.inf)
+@dataclass
+class Group:
+    """A prompt's group in flight: the prompt's index in the training data, the seed its members'
+    sampling seeds derive from, its members."""
+
+    prompt: int
+    seed: int
+    members: list  # [Member]
+
+    def to_dict(self) -> dict:
+        """The checkpoint's form: plain dicts and lists."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Group":
+        return cls(int(d["prompt"]), int(d["seed"]), [Member.from_dict(m) for m in d["members"]])
 
 
-def drop_stale(pool: list[dict], version: int, max_staleness: int) -> tuple[list[dict], int]:
+def new_groups(prompt_index: list[int], seeds: list[int], group_size: int) -> list[Group]:
+    return [Group(int(p), int(s), [Member() for _ in range(group_size)]) for p, s in zip(prompt_index, seeds, strict=True)]
+
+
+def oldest_version(group: Group) -> float:
+    return min((m.ver[0] for m in group.members if m.ver), default=math.inf)
+
+
+def drop_stale(pool: list[Group], version: int, max_staleness: int) -> tuple[list[Group], int]:
     """(the groups that can still train at `version`, how many were dropped)."""
     kept = [g for g in pool if version - oldest_version(g) <= max_staleness]
     return kept, len(pool) - len(kept)
 
 
-def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[dict]], prompt_ids: list[list[int]],
+def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[Group]], prompt_ids: list[list[int]],
               rows: list[dict], config, *, sampling: SamplingOptions,
-              version: int) -> tuple[Rollouts, list[dict], dict]:
+              version: int) -> tuple[Rollouts, list[Group], dict]:
     """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups), sampled with
     `sampling`: (the complete groups to train as Rollouts, the pool left for the next round, the
     round's rollout/ metrics).
@@ -67,22 +102,22 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
     ahead = (config.max_staleness + 1) * wanted
     running, requests, carried, members_left, slot = [], [], [], [], {}
 
-    def join(groups: list[dict]) -> list[Continuation]:
+    def join(groups: list[Group]) -> list[Continuation]:
         """Queue the unfinished members of `groups` (already in the pool or new) as requests."""
         new = []
         for g in groups:
             slot[id(g)] = len(members_left)
-            members_left.append(sum(m["finish"] is None for m in g["members"]))
-            for j, m in enumerate(g["members"]):
-                if m["finish"] is None:
+            members_left.append(sum(m.finish is None for m in g.members))
+            for j, m in enumerate(g.members):
+                if m.finish is None:
                     running.append((g, j, m))
-                    carried.append(bool(m["ids"]))  # continued from an earlier round
-                    new.append(Continuation(prompt_ids[g["prompt"]] + m["ids"], budget - len(m["ids"]),
-                                            hashed_seed(g["seed"], j, len(m["ids"]))))
+                    carried.append(bool(m.ids))  # continued from an earlier round
+                    new.append(Continuation(prompt_ids[g.prompt] + m.ids, budget - len(m.ids),
+                                            hashed_seed(g.seed, j, len(m.ids))))
         requests.extend(new)
         return new
 
-    def top_up(busy: int) -> list[dict]:  # new groups for the free slots, within the admission bound
+    def top_up(busy: int) -> list[Group]:  # new groups for the free slots, within the admission bound
         n = min((slots - busy) // size, ahead - len(pool))
         fresh = draw(n) if n > 0 else []
         pool.extend(fresh)
@@ -104,18 +139,18 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
     result = engine.generate_until(requests, enough, more=more, sampling=sampling)
     last_step = {}  # id(group) -> the engine step at which its last member finished in this round
     for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
-        m["ids"] += c.token_ids
-        m["logp"] += c.logprobs
-        m["ver"] += [version] * len(c.token_ids)
-        m["finish"] = c.finish_reason
-        if c.finish_reason is None and len(m["ids"]) >= budget:  # aborted on its last token
-            m["finish"] = "length"
+        m.ids += c.token_ids
+        m.logp += c.logprobs
+        m.ver += [version] * len(c.token_ids)
+        m.finish = c.finish_reason
+        if c.finish_reason is None and len(m.ids) >= budget:  # aborted on its last token
+            m.finish = "length"
         if step is not None:
             last_step[id(g)] = max(last_step.get(id(g), -1), step)
-    complete = [k for k, g in enumerate(pool) if all(m["finish"] is not None for m in g["members"])]
+    complete = [k for k, g in enumerate(pool) if all(m.finish is not None for m in g.members)]
     order = sorted(complete, key=lambda k: (oldest_version(pool[k]), last_step.get(id(pool[k]), -1), k))[:wanted]
     trained, left = [pool[k] for k in order], [g for k, g in enumerate(pool) if k not in order]
-    stale = [version - v for g in trained for m in g["members"] for v in m["ver"]]
+    stale = [version - v for g in trained for m in g.members for v in m.ver]
     stats = {"rollout/carried_over": sum(carried),
              "rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0),
              "rollout/busy_fraction": result.busy_fraction(slots),
@@ -125,13 +160,13 @@ def run_round(engine, tokenizer, pool: list[dict], draw: Callable[[int], list[di
     return _as_rollouts(trained, prompt_ids, rows, tokenizer), left, stats
 
 
-def _as_rollouts(groups: list[dict], prompt_ids, rows, tokenizer) -> Rollouts:
-    members = [(g["prompt"], m) for g in groups for m in g["members"]]
+def _as_rollouts(groups: list[Group], prompt_ids, rows, tokenizer) -> Rollouts:
+    members = [(g.prompt, m) for g in groups for m in g.members]
     return Rollouts(
         prompt_ids=[list(prompt_ids[p]) for p, _ in members],
-        completion_ids=[list(m["ids"]) for _, m in members],
-        sampling_logp=[torch.tensor(m["logp"], dtype=torch.float32) for _, m in members],
-        finish_reason=[m["finish"] for _, m in members],
-        completion_texts=[tokenizer.decode(m["ids"], skip_special_tokens=True) for _, m in members],
+        completion_ids=[list(m.ids) for _, m in members],
+        sampling_logp=[torch.tensor(m.logp, dtype=torch.float32) for _, m in members],
+        finish_reason=[m.finish for _, m in members],
+        completion_texts=[tokenizer.decode(m.ids, skip_special_tokens=True) for _, m in members],
         rows=[rows[p] for p, _ in members],
     )

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..modes import rollout_mode
 from ..rewards.registry import reward_name
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def check_context(config, model_config, where: str) -> None:
     after = max(config.max_sequence_completion, config.eval_max_completion_length or 0)
     budget = (config.max_prompt_length or 0) + after
     if config.max_prompt_length is not None and budget > limit:
-        what = "max_completion_length" if config.rollout_mode == "parallel" else f"the longest {config.rollout_mode} sequence"
+        what = rollout_mode(config.rollout_mode).sequence_text(config, longest=True)
         raise ValueError(f"max_prompt_length ({config.max_prompt_length}) + {what} ({after}) = {budget} tokens "
                          f"exceeds the model's context of {limit} (max_position_embeddings of {where}); lower them")
     if config.vllm_max_model_length is not None and config.vllm_max_model_length > limit:
@@ -139,8 +140,7 @@ def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Opt
     train_rows, eval_rows = datasets_from_config(config)
     funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
                              lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
-                             num_generations=config.num_generations * (  # lead: a prompt's graded completions
-                                 config.answers_per_thought if config.rollout_mode == "multi_answer" else 1))
+                             num_generations=rollout_mode(config.rollout_mode).graded_per_prompt(config))  # lead
     return funcs, train_rows, eval_rows, task_eval_metrics(config.task) if config.dataset is None else None
 
 

@@ -5,8 +5,10 @@ Its fields are a checkpoint format: add fields with defaults, never rename or dr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
+
+from .partial_rollouts import Group
 
 
 @dataclass
@@ -26,4 +28,14 @@ class TrainState:
     last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
     global_batch: int = 0  # completions per optimizer step over all ranks (a resumed run must keep it)
     policy_version: int = 0  # weight syncs into the engine so far (partial rollouts: the version of each token)
-    in_flight: list = field(default_factory=list)  # partial rollouts: the groups carried over (train/partial_rollouts.py)
+    in_flight: list = field(default_factory=list)  # partial rollouts: the `Group`s carried over (train/partial_rollouts.py)
+
+    def to_dict(self) -> dict:
+        """The checkpoint's form (plain dicts and lists; a group in flight as `Group.to_dict` writes it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "TrainState":
+        """A checkpoint's state, of this version or an earlier one (fields added since take their defaults)."""
+        state = cls(**saved)
+        return replace(state, in_flight=[Group.from_dict(g) for g in state.in_flight])

@@ -5,7 +5,6 @@ eos_token_id list, which vLLM stops on), so lengths are geometric (~6.5% per tok
 budget: the long tail that partial rollouts are for.
 """
 
-import copy
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, printed_resume=False,
         run_round = generate.partial_round
 
         def recorded(*args, **kwargs):
-            pool = copy.deepcopy(trainer.state.in_flight)
+            pool = [g.to_dict() for g in trainer.state.in_flight]  # (a copy, in the checkpoint's form)
             batch, stats = run_round(*args, **kwargs)
             rounds.append((pool, batch))
             return batch, stats
@@ -145,9 +144,23 @@ def test_a_group_is_dropped_whole_by_its_oldest_token():
     from grpo_fast.train.partial_rollouts import drop_stale, new_groups
 
     pool = new_groups([0, 1, 2], [5, 6, 7], 2)
-    pool[0]["members"][1]["ver"] = [3, 4]  # oldest token 2 versions behind version 5
-    pool[1]["members"][0]["ver"] = [4, 4]
+    pool[0].members[1].ver = [3, 4]  # oldest token 2 versions behind version 5
+    pool[1].members[0].ver = [4, 4]
     kept, dropped = drop_stale(pool, version=5, max_staleness=1)
-    assert [g["prompt"] for g in kept] == [1, 2] and dropped == 1
+    assert [g.prompt for g in kept] == [1, 2] and dropped == 1
     assert drop_stale(pool, version=5, max_staleness=2) == (pool, 0)
 
+
+
+def test_groups_in_flight_are_records_that_keep_the_checkpoint_format():
+    from grpo_fast.train.partial_rollouts import Group, Member, new_groups
+    from grpo_fast.train.state import TrainState
+
+    group = new_groups([3], [7], 2)[0]
+    group.members[0] = Member([5, 6], [-0.5, -1.25], [1, 2], "stop")
+    saved = {"prompt": 3, "seed": 7, "members": [{"ids": [5, 6], "logp": [-0.5, -1.25], "ver": [1, 2], "finish": "stop"},
+                                                 {"ids": [], "logp": [], "ver": [], "finish": None}]}
+    assert group.to_dict() == saved and Group.from_dict(saved) == group
+    state = TrainState(policy_version=2, in_flight=[group])
+    assert state.to_dict()["in_flight"] == [saved]
+    assert TrainState.from_dict(state.to_dict()) == state

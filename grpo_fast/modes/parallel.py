@@ -1,0 +1,35 @@
+"""GRPO's parallel groups: num_generations independent completions per prompt; group advantages of the
+(weighted) rewards, shaped by the options for parallel groups (train/advantages.py)."""
+
+from __future__ import annotations
+
+from . import RolloutMode, register
+
+
+class Parallel(RolloutMode):
+    name = "parallel"
+    summary = "num_generations independent completions per prompt"
+    supports_partial_rollouts = True
+    shapes_parallel_groups = True
+    runs_on_many_ranks = True
+
+    def sequence_text(self, c, longest=False) -> str:
+        return "max_completion_length"
+
+    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
+        from ..rollout.base import prompt_seeds
+        from ..train.batch import from_engine
+
+        groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
+                                 sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first))
+        return from_engine(groups, prompts, rows)
+
+    def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
+        from ..train.advantages import group_advantages
+        from ..train.distributed import ONE_PROCESS
+
+        return group_advantages(batch, c, judge, prompt_column=prompt_column, conversational=conversational,
+                                world=world or ONE_PROCESS)
+
+
+register(Parallel())

@@ -1,0 +1,79 @@
+"""A rollout mode is one registered object (`grpo_fast.modes`). This file defines a new one, in the test
+alone (one class, one `register` call), and the config accepts it, its checks refuse what it cannot
+run in the same words as the built-in modes', and the trainer trains a step with it; an unknown mode
+raises naming the known ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_fast.modes import ROLLOUT_MODES, RolloutMode, register, rollout_mode, unregister
+
+
+class LeaveOneOut(RolloutMode):
+    """RLOO: num_generations independent completions per prompt, each one's advantage its reward minus
+    the mean of the group's others."""
+
+    name = "leave_one_out"
+    summary = "num_generations completions per prompt, baseline the mean of the others"
+
+    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
+        from grpo_fast.rollout.base import prompt_seeds
+        from grpo_fast.train.batch import from_engine
+
+        groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
+                                 sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first))
+        return from_engine(groups, prompts, rows)
+
+    def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
+        from grpo_fast.train.score import weighted_rewards
+
+        G = c.num_generations
+        batch.trained_rewards = batch.rewards
+        total = torch.nan_to_num(weighted_rewards(batch.rewards, c.reward_weights), nan=0.0).view(-1, G)  # (P, G)
+        baseline = (total.sum(1, keepdim=True) - total) / (G - 1)
+        return (total - baseline).reshape(-1).float(), {"leave_one_out/baseline_mean": baseline.mean().item()}
+
+
+@pytest.fixture
+def new_mode():
+    mode = register(LeaveOneOut())
+    yield mode.name
+    unregister(mode.name)
+
+
+def test_the_built_in_modes_are_the_registry():
+    assert list(ROLLOUT_MODES) == ["parallel", "early_exit", "multi_answer"]
+
+
+def test_the_config_takes_a_new_mode_and_its_checks_read_what_it_supports(new_mode, tmp_path):
+    from tests.trainer.common import config
+
+    c = config(tmp_path, rollout_mode=new_mode)
+    assert c.group_size == 4 and c.max_sequence_completion == 8
+    with pytest.raises(ValueError, match=r"dynamic_sampling=True is invalid: expected False with "
+                                         r"rollout_mode='leave_one_out': it shapes the advantages of parallel groups"):
+        config(tmp_path, rollout_mode=new_mode, dynamic_sampling=True)
+    with pytest.raises(ValueError, match=r"rollout_mode='leave_one_out' is invalid: expected 'parallel' with "
+                                         r"max_staleness=1"):
+        config(tmp_path, rollout_mode=new_mode, max_staleness=1, engine="vllm")
+
+
+def test_the_trainer_trains_a_step_with_a_new_rollout_mode(new_mode, tmp_path, tiny):
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.trainer.common import config, rows, target_fraction
+
+    c = config(tmp_path, rollout_mode=new_mode, max_steps=1, save_final=False, eval_before_train=False)
+    last = GRPOTrainer(c, [target_fraction], rows(), model=tiny[0], tokenizer=tiny[1]).train()
+    assert last["grad_norm"] > 0 and "leave_one_out/baseline_mean" in last, last
+
+
+def test_an_unknown_rollout_mode_raises_naming_the_known_ones(tmp_path):
+    from tests.trainer.common import config
+
+    with pytest.raises(ValueError, match=r"rollout_mode='leave_one_out'.*'parallel'.*'early_exit'.*'multi_answer'"):
+        config(tmp_path, rollout_mode="leave_one_out")
+    with pytest.raises(ValueError, match=r"rollout_mode='nope' is not supported; expected one of \['parallel', "
+                                         r"'early_exit', 'multi_answer'\]"):
+        rollout_mode("nope")
