@@ -114,6 +114,8 @@ class LossOptions:
         for name in ("mask_truncated_completions", "use_bias_correction_kl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if torch.compiler.is_compiling():  # dynamo cannot trace the walk over field metadata (a graph break
+            return                          # under fullgraph=True); the same options are checked eagerly
         for f in dataclasses.fields(self):
             bounds, value = f.metadata.get("bounds"), getattr(self, f.name)
             optional = f.default is None
