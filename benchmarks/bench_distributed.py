@@ -10,7 +10,7 @@ OMP_NUM_THREADS=1 per rank); the ranks measure, rank 0 hands its figures back, a
 writes the report. The model is a LlamaForCausalLM with random weights (no download): SmolLM2-135M's
 shape by default (falls back to the tiny shape when memory is short), fp32 on the CPU. Each rank
 trains on its own micro-batch of `--tokens` tokens, through the trainer's own wrappers and loss
-(`grpo_fast.train.distributed.parallelize`, DDP or FSDP2 over DecoderForward; the fused log-prob
+(`grpo_fast.distributed.parallelize`, DDP or FSDP2 over DecoderForward; the fused log-prob
 op on the lm_head weight of `policy_parts`).
 
 What is timed (median of `--steps` repeats after one warm-up):
@@ -154,7 +154,7 @@ def timed_wait(log: CommLog, kind: str, nbytes: int, work_fn):
 def wrap(lm, world, strategy: str):
     """(the module to call where the decoder would be, whole weights for the engine: a function
     returning (name, tensor) pairs), from the trainer's own `parallelize`."""
-    from grpo_fast.train import distributed
+    from grpo_fast import distributed
 
     parallel = distributed.parallelize(lm, world, strategy)
     return parallel.forward, parallel.full_weights
@@ -335,7 +335,7 @@ def run_ranks(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from grpo_fast.train.distributed import join
+    from grpo_fast.distributed import join
 
     torch.set_num_threads(1)  # one core per rank: the 2 ranks share the 2 cores
     world = join()

@@ -59,8 +59,8 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, scheduler, state: dict,
                     config: dict, total_limit: int | None = None, parallel=None) -> str:
     """Write `<output_dir>/checkpoint-<step>` atomically; prune to `total_limit` checkpoints.
-    parallel (train/distributed.py, None for one process): every rank calls this."""
-    from .train.distributed import ONE_PROCESS, Parallel, gather_objects
+    parallel (distributed.py, None for one process): every rank calls this."""
+    from .distributed import ONE_PROCESS, Parallel, gather_objects
 
     parallel = parallel or Parallel(model, ONE_PROCESS)
     world = parallel.world
@@ -163,7 +163,7 @@ def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -
     world (many ranks): every rank calls this and writes its part into the same temporary folder;
     rank 0 makes and renames it, and a failure on any rank fails the write on all of them.
     """
-    from .train.distributed import ONE_PROCESS, any_rank, barrier, gather_objects
+    from .distributed import ONE_PROCESS, any_rank, barrier, gather_objects
 
     world = world or ONE_PROCESS
     parent, name = os.path.split(os.path.abspath(target))

@@ -285,7 +285,7 @@ def peer_death_line(err: BaseException, prefix: str, output_dir: str, rank: int,
     """What rank `rank` says when `err` ended it: None when `err` is no collective broken by a dead
     peer on this host; else the line naming the dead rank(s) ('' on all but the lowest surviving
     rank, so that one rank says it)."""
-    from .train.distributed import dead_peers, is_collective_failure
+    from .distributed import dead_peers, is_collective_failure
 
     if not is_collective_failure(err):
         return None
@@ -336,8 +336,8 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
         print(f"grpo-fast train: {err}", file=sys.stderr)
         return 2
     from . import run_folder
+    from .distributed import check_config
     from .launcher import run_torchrun
-    from .train.distributed import check_config
 
     try:
         run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)

@@ -8,7 +8,7 @@ one line for how the job ended.
   a kill -9 of the launcher ends every rank at once, and with it the output folder's lock. (torchrun
   starts each rank in its own session, so a signal to the launcher's process group does not reach them.)
 - How it ended, one line in all: a rank's error is that rank's own line (a rank that sees a peer die
-  names it, `train/distributed.py: dead_peers`); SIGTERM/SIGINT go to every rank, rank 0 saves and
+  names it, `distributed.py: dead_peers`); SIGTERM/SIGINT go to every rank, rank 0 saves and
   says where, and the launcher exits 128 + the signal; torchrun's own log and traceback stay out
   (`--debug` shows them).
 """

@@ -25,11 +25,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import checkpoint, resume, run_folder
+from . import checkpoint, distributed, resume, run_folder
 from .config import GRPOConfig
 from .metrics import logs_step, open_logger, progress, synced_time, timed
 from .rollout.base import check_engine
-from .train import advantages, distributed, generate, logprobs, setup, step, sync
+from .train import advantages, generate, logprobs, setup, step, sync
 from .train import evaluate as evaluation
 from .train.forward import Packer
 from .train.interrupt import Interrupted, StopRequests, TrainingInterrupted
@@ -69,7 +69,7 @@ class GRPOTrainer:
         reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset)
         self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=dict(eval_metrics or {}))
         torch.manual_seed(c.seed)
-        model, tokenizer, model_path = setup.load_policy(c, model, tokenizer)
+        model, tokenizer, model_path = setup.prepare_policy(c, model, tokenizer)
         setup.warn_emulated_bf16(c, model)
         prompt_ids = setup.encode(train_rows, tokenizer, c)
         setup.check_prompt_lengths(prompt_ids, c, model.config, "train_dataset")
@@ -115,8 +115,6 @@ class GRPOTrainer:
             run_folder.check_start(config)  # before the dataset is read
         funcs, train_rows, eval_rows, eval_metrics = setup.inputs_from_config(config)
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
-
-    # ---- the loop ----------------------------------------------------------------------------
 
     def train(self) -> dict:
         """Train for config.max_steps optimizer steps; returns the last logged metrics. The output folder is
@@ -259,8 +257,6 @@ class GRPOTrainer:
     def precision_summary(self) -> str:
         """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
         return setup.precision_summary(self.policy.model, self.engine, self.policy.packer, self.config, self.is_policy)
-
-    # ---- evaluation, metrics, checkpoints ----------------------------------------------------
 
     def evaluate(self, rows: Optional[list] = None) -> dict:
         """Greedy held-out accuracy and rewards (train/evaluate.py); rows: the eval dataset's by default."""

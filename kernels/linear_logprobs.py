@@ -16,7 +16,7 @@ backward Per chunk of C rows: one kernel recomputes each [BLOCK_N, BLOCK_V] tile
          into a bounded [C, V] slab; cuBLAS then does grad_hidden = slab @ W and
          grad_weight += slab.T @ hidden (fp32 accumulation across chunks). 3 matmuls. The chunks
          and the gradient matmuls are the chunk driver's, shared with the CPU backends
-         (grpo_fast/ops/chunks.py); this file gives it the workspace budget and the slabs.
+         (grpo_fast/ops/chunk_driver.py); this file gives it the workspace budget and the slabs.
 fused    Forward and gradients with 3 matmuls, not 4: per chunk the forward kernel also stores
          each logit tile relative to the row's running max, d = z - m (<= 0), in the input dtype,
          plus that max per (row, tile) in fp32 (STORE_LOGITS); the callback turns the chunk's
@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from grpo_fast.ops import chunks
+from grpo_fast.ops import chunk_driver
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton's interpreter (3.9) runs tl.dot on bf16 as np.matmul of the uint16 bit patterns it stores
@@ -465,7 +465,7 @@ def workspace_bytes(device: torch.device) -> int:
 def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int], budget: int = WORKSPACE_BYTES):
     """(rows of the workspace, [(start, end)] chunks): the chunk driver's plan within the workspace
     budget, in chunks of equal size (a small tail runs cuBLAS at a low rate)."""
-    return chunks.plan(n, vocab, bytes_per_logit, budget=budget, balanced=True, chunk_size=chunk_size)
+    return chunk_driver.plan(n, vocab, bytes_per_logit, budget=budget, balanced=True, chunk_size=chunk_size)
 
 
 def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None,
@@ -492,7 +492,7 @@ def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(T
                     None if g_h is None else g_h[s:e], None if h is None else h[s:e])
         return grad_logits
 
-    return chunks.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad)
+    return chunk_driver.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad)
 
 
 def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None,
@@ -526,4 +526,4 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
                                g_h, None if g_h is None else entropy[s:e].contiguous())
         return logits
 
-    return (logp, entropy, *chunks.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))
+    return (logp, entropy, *chunk_driver.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))

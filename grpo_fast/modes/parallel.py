@@ -25,8 +25,8 @@ class Parallel(RolloutMode):
         return from_engine(groups, prompts, rows)
 
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
+        from ..distributed import ONE_PROCESS
         from ..train.advantages import group_advantages
-        from ..train.distributed import ONE_PROCESS
 
         return group_advantages(batch, c, judge, prompt_column=prompt_column, conversational=conversational,
                                 world=world or ONE_PROCESS)

@@ -11,7 +11,7 @@ bias [V] or None, target [N] int64):
 
 `dloss_dlogp(start, end, logp_chunk) -> g_chunk` is built inside the registered ops from tensors and
 the loss options (grpo_fast/ops/grpo_loss.py); the backends split the rows into chunks with the
-shared chunk driver (chunks.py). Heavy imports (the native extension, Triton) happen here, when a
+shared chunk driver (chunk_driver.py). Heavy imports (the native extension, Triton) happen here, when a
 backend is first asked for.
 """
 
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from ..objective import BACKENDS
-from . import chunked
+from . import row_ops
 
 
 def resolve(backend: str, device: torch.device) -> str:
@@ -44,18 +44,18 @@ def resolve(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _from_row_ops(row_ops: chunked.RowOps) -> SimpleNamespace:
+def _from_row_ops(ops: row_ops.RowOps) -> SimpleNamespace:
     return SimpleNamespace(
-        forward=functools.partial(chunked.forward, row_ops),
-        backward=functools.partial(chunked.backward, row_ops),
-        fused=functools.partial(chunked.fused, row_ops),
+        forward=functools.partial(row_ops.forward, ops),
+        backward=functools.partial(row_ops.backward, ops),
+        fused=functools.partial(row_ops.fused, ops),
     )
 
 
 @functools.lru_cache(maxsize=None)
 def get(name: str) -> SimpleNamespace:
     if name == "torch":
-        return _from_row_ops(chunked.TORCH_ROW_OPS)
+        return _from_row_ops(row_ops.TORCH_ROW_OPS)
     if name == "cpu":
         from . import cpu
 

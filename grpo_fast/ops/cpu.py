@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from .chunked import RowOps
+from .row_ops import RowOps
 
 _DTYPE_BITS = {torch.float32: 32, torch.bfloat16: 16}
 

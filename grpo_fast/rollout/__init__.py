@@ -22,6 +22,17 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def engine_kind(kind: str, *, loadable_from_disk: bool) -> str:
+    """"vllm" or "hf" for `kind`; the one rule of "auto": vLLM when it is installed and the model can be
+    loaded from a folder (vLLM loads from disk), HF otherwise. The trainer can always write a model
+    passed in to a folder, so there "auto" means vLLM whenever it is installed."""
+    if kind not in ENGINES:
+        raise ValueError(f"kind must be one of {list(ENGINES)}, got {kind!r}")
+    if kind == "auto":
+        return "vllm" if vllm_available() and loadable_from_disk else "hf"
+    return kind
+
+
 def make_engine(kind: str = "auto", *, model=None, tokenizer=None, model_path=None, **engine_kwargs) -> RolloutEngine:
     """Build a rollout engine.
 
@@ -30,10 +41,7 @@ def make_engine(kind: str = "auto", *, model=None, tokenizer=None, model_path=No
     HF otherwise. Remaining keyword arguments go to the engine's constructor (the HF engine takes
     only `max_model_len` and `batch_size` and ignores vLLM's options).
     """
-    if kind not in ENGINES:
-        raise ValueError(f"kind must be one of {list(ENGINES)}, got {kind!r}")
-    if kind == "auto":
-        kind = "vllm" if vllm_available() and model_path is not None else "hf"
+    kind = engine_kind(kind, loadable_from_disk=model_path is not None)
     if kind == "vllm":
         if model_path is None:
             raise ValueError("kind='vllm' needs model_path (a folder of safetensors + tokenizer vLLM can load)")
@@ -74,6 +82,7 @@ __all__ = [
     "HFEngine",
     "VLLMEngine",
     "make_engine",
+    "engine_kind",
     "vllm_available",
     "ENGINES",
 ]

@@ -30,9 +30,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
+from ..distributed import ONE_PROCESS, World, gather_rows
 from ..modes import rollout_mode
 from .batch import Rollouts
-from .distributed import ONE_PROCESS, World, gather_rows
 from .score import score
 
 

@@ -9,9 +9,10 @@ from typing import Optional
 
 import torch
 
+from .. import distributed
 from ..rewards.registry import reward_name
 from ..rollout.base import GREEDY
-from . import distributed, setup
+from . import setup
 from .advantages import correct
 from .batch import from_engine
 from .score import conversational, score, weighted_mean

@@ -16,12 +16,12 @@ from typing import Callable, Optional
 
 import torch
 
+from ..distributed import World
 from ..metrics import timed
 from ..modes import rollout_mode
 from ..rollout.base import SamplingOptions, prompt_seeds
 from . import partial_rollouts
 from .batch import Rollouts
-from .distributed import World
 from .score import conversational, score, zero_std_groups
 
 # Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run

@@ -215,7 +215,7 @@ def warn_emulated_bf16(config, model) -> None:
                       stacklevel=3)
 
 
-def load_policy(config, model=None, tokenizer=None):
+def prepare_policy(config, model=None, tokenizer=None):
     """(model, tokenizer, model_path): the given ones, or loaded from config.model / the default.
 
     model_path is a folder vLLM can load when one is known (None for a model passed in)."""
@@ -270,13 +270,10 @@ def check_partial_rollouts(engine, config) -> None:
 
 
 def build_engine(config, model, tokenizer, model_path):
-    """The rollout engine of config.engine ("auto": vLLM when installed and the model is on disk)."""
-    from ..rollout import make_engine, vllm_available
+    """The rollout engine of config.engine (`rollout.engine_kind`: "auto" is vLLM when installed)."""
+    from ..rollout import engine_kind, make_engine
 
-    kind = config.engine
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
-    if kind == "hf":
+    if engine_kind(config.engine, loadable_from_disk=True) == "hf":  # a model passed in is written to disk below
         return make_engine("hf", model=model, tokenizer=tokenizer, max_model_len=config.vllm_max_model_length)
     folder = None
     if model_path is None:  # a model passed in: vLLM loads from disk, so write it once

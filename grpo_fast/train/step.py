@@ -33,12 +33,12 @@ from typing import Callable, Optional
 import torch
 
 from .. import objective
+from ..distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
 from ..loss_types import loss_type
 from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
 from .batch import Rollouts
-from .distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
 from .forward import Packer, completion_hidden, policy_parts
 
 __all__ = ["LossOptions", "optimizer_step", "step_metrics", "step_slices", "train_step", "trainable_mask",
@@ -65,7 +65,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
     TRL's adaptive controller reads). num_items_in_batch: the normaliser of dapo, cispo and vespo
     (default: this step's trainable tokens). options.entropy_coef: the bonus applied in this step.
-    parallel: many ranks (train/distributed.py): the decoder runs through the DDP module or the FSDP2
+    parallel: many ranks (distributed.py): the decoder runs through the DDP module or the FSDP2
     root; DDP all-reduces the gradients at the last micro-batch only, FSDP2 reduce-scatters them at
     each (its forwards are collectives, so every rank runs as many micro-batches as the busiest one,
     the extra ones backing a zero); a non-finite loss on any rank skips the step on all of them.

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from .distributed import any_rank
+from ..distributed import any_rank
 from .forward import completion_logprobs
 
 logger = logging.getLogger(__name__)

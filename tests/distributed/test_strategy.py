@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from grpo_fast import distributed
 from grpo_fast.config import GRPOConfig
-from grpo_fast.train import distributed
 
 
 def _host_bytes() -> int:

@@ -44,7 +44,7 @@ def test_errors_under_nproc_per_node_are_one_line_before_torchrun_starts(tmp_pat
 _PEER = """
 import os, signal, sys
 from grpo_fast.cli import peer_death_line
-from grpo_fast.train import distributed
+from grpo_fast import distributed
 
 world = distributed.join()
 if world.rank == 1:

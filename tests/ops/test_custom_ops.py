@@ -200,11 +200,11 @@ def test_options_object_and_keywords_together_refused():
 def test_weight_grad_is_the_buffer_the_forward_filled(backend, monkeypatch):
     """Peak memory as before registration: backward scales the forward's [V, H] gradient in place
     and autograd takes that very buffer as weight.grad (no copy, no second buffer)."""
-    from grpo_fast.ops import chunks
+    from grpo_fast.ops import chunk_driver
 
     filled = []
-    result = chunks.ParamGrads.result
-    monkeypatch.setattr(chunks.ParamGrads, "result", lambda self: filled.append(self.grad_weight) or result(self))
+    result = chunk_driver.ParamGrads.result
+    monkeypatch.setattr(chunk_driver.ParamGrads, "result", lambda self: filled.append(self.grad_weight) or result(self))
     x = _inputs()
     loss, _ = fused_linear_grpo_loss(x["hidden"], x["weight"], x["target_ids"], x["advantages"], x["mask"],
                                      old_logp=x["old_logp"], bias=x["bias"], backend=backend)

@@ -167,10 +167,10 @@ def test_no_grad_inputs(backend):
 def test_many_chunks(backend, name, monkeypatch):
     """A slab of 3 rows: the chunk loop (slab reuse, ragged last chunk, grad_weight summed over
     chunks, in bf16 too) gives the spec's answer."""
-    from grpo_fast.ops import chunked
+    from grpo_fast.ops import row_ops
 
     case = OPTION_CASES[name]
-    monkeypatch.setattr(chunked, "SLAB_BYTES", 3 * case.V * torch.finfo(case.dtype).bits // 8)
-    monkeypatch.setattr(chunked, "MIN_ROWS", 1)
-    assert chunked.chunk_rows(case.B * case.T, case.V, itemsize=torch.finfo(case.dtype).bits // 8) == 3
+    monkeypatch.setattr(row_ops, "SLAB_BYTES", 3 * case.V * torch.finfo(case.dtype).bits // 8)
+    monkeypatch.setattr(row_ops, "MIN_ROWS", 1)
+    assert row_ops.chunk_rows(case.B * case.T, case.V, itemsize=torch.finfo(case.dtype).bits // 8) == 3
     _check_against_spec(case, backend)

@@ -99,15 +99,15 @@ def test_logp_only_and_partial_grads(backend):
 
 def test_chunking_does_not_change_results():
     """Several chunks (and a ragged last one) give the one-chunk answer: the loop is exact."""
-    from grpo_fast.ops import chunked
+    from grpo_fast.ops import row_ops
 
     hidden, weight, b, target, grad_out = _inputs((11,), 8, 37, torch.float32, True)
-    ops = chunked.TORCH_ROW_OPS
-    one = chunked.forward(ops, hidden, weight, b, target, 0.7)
-    many = chunked.forward(ops, hidden, weight, b, target, 0.7, chunk_size=4)
+    ops = row_ops.TORCH_ROW_OPS
+    one = row_ops.forward(ops, hidden, weight, b, target, 0.7)
+    many = row_ops.forward(ops, hidden, weight, b, target, 0.7, chunk_size=4)
     for a, c in zip(one, many, strict=True):
         assert_close(c, a, atol=scaled(1e-6, a), name="forward")
-    g1 = chunked.backward(ops, hidden, weight, b, target, one[2], grad_out, 0.7)
-    g4 = chunked.backward(ops, hidden, weight, b, target, one[2], grad_out, 0.7, chunk_size=4)
+    g1 = row_ops.backward(ops, hidden, weight, b, target, one[2], grad_out, 0.7)
+    g4 = row_ops.backward(ops, hidden, weight, b, target, one[2], grad_out, 0.7, chunk_size=4)
     for a, c in zip(g1, g4, strict=True):
         assert_close(c, a, atol=scaled(1e-6, a), name="backward")

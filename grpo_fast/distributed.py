@@ -49,7 +49,7 @@ def join(strategy: str = "auto") -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
         return ONE_PROCESS
-    from ..launcher import die_with_launcher
+    from .launcher import die_with_launcher
 
     die_with_launcher()  # (grpo-fast's ranks set it at start; a script of the user's under torchrun here)
     if not dist.is_initialized():
@@ -95,7 +95,7 @@ def _alive(pid: int) -> bool:
 def is_collective_failure(err: BaseException) -> bool:
     """Whether `err` (or what it wraps: a cause, a torch.distributed.checkpoint rank failure) is a
     collective that failed because a peer's connection broke (gloo and NCCL raise RuntimeErrors)."""
-    from ..errors import chain
+    from .errors import chain
 
     broken = ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
     return any(isinstance(e, getattr(dist, "DistError", ())) or (isinstance(e, RuntimeError) and any(
@@ -105,7 +105,7 @@ def is_collective_failure(err: BaseException) -> bool:
 def check_config(config, size: Optional[int] = None) -> None:
     """What many ranks do not run yet (config_checks.COMBINATIONS' `ranks` rows), refused by name before any
     work (size: the ranks to come, for the launcher's check before torchrun starts; else WORLD_SIZE)."""
-    from ..config_checks import check_ranks
+    from .config_checks import check_ranks
 
     check_ranks(config, size or os.environ.get("WORLD_SIZE"))
 
@@ -140,7 +140,7 @@ def reduce_metrics(metrics: dict, world: World) -> dict:
     """One value per metric over every rank's values, as `metrics.combine` declares it (sums for
     counts, min / max for extremes, pooled means and stds from all ranks' values, else the mean
     over the ranks); one process: its own values, `Pooled` ones resolved."""
-    from ..metrics import combine
+    from .metrics import combine
 
     return combine(gather_objects(metrics, world))
 
@@ -279,7 +279,7 @@ def parallelize(model: torch.nn.Module, world: World, strategy: str = "auto", fr
     embeddings, final norm and lm_head are one unit, whole from the root's forward to the end of its
     backward: the fused loss reads the lm_head weight there). frozen: the reference model, which is
     never trained: sharded under FSDP2 like the policy, as it is under DDP."""
-    from ..models.adapter import causal_lm_of, decoder_of
+    from .models.adapter import causal_lm_of, decoder_of
 
     lm = causal_lm_of(model)
     if not world.joined or (world.size == 1 and strategy != "fsdp2"):

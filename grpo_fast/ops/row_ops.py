@@ -3,7 +3,7 @@
 For each chunk of C tokens: `logits = hidden_c @ weight.T` (one matmul into a bounded `[C, V]`
 slab), a row pass (log-sum-exp, target log-prob, entropy), and for gradients a second row pass
 that overwrites the slab in place with `g * (onehot - softmax) / temperature`; the chunk driver
-(`chunks.py`, shared with the Triton backend) turns the slabs into parameter gradients. Memory is
+(`chunk_driver.py`, shared with the Triton backend) turns the slabs into parameter gradients. Memory is
 O(C * V) whatever N is. The backends differ only in the row passes (`RowOps`): PyTorch ops for
 `torch`, one vectorised OpenMP C++ pass for `cpu`.
 """
@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import chunks
+from . import chunk_driver
 
 # Slab budget: 32 MiB of logits (256 fp32 rows at V = 32768). Bounded memory is the point, but a
 # chunk is also the K of the grad_weight update and the M of the other two matmuls: measured
@@ -80,7 +80,7 @@ def chunk_rows(n: int, vocab: int, chunk_size: Optional[int] = None, itemsize: i
 
 def _plan(n, vocab, chunk_size, itemsize):
     # the module's constants are read at each call (tests shrink them to force many chunks)
-    return chunks.plan(n, vocab, itemsize, budget=SLAB_BYTES, min_rows=MIN_ROWS, chunk_size=chunk_size)
+    return chunk_driver.plan(n, vocab, itemsize, budget=SLAB_BYTES, min_rows=MIN_ROWS, chunk_size=chunk_size)
 
 
 def _logits(slab, hidden_c, weight, bias, row_ops: RowOps):
@@ -150,5 +150,5 @@ def _grad_pass(row_ops, hidden, weight, bias, target, temperature, needs, chunk_
         return row_ops.grad_(logits, target[s:e], lse_c, g, temperature, grad_entropy[s:e].float(), entropy[s:e].float())
 
     slab_dtype = weight.dtype if weight.dtype in row_ops.slab_dtypes else torch.float32
-    grads = chunks.param_grads(hidden, weight, bias, needs, spans, slab_dtype, chunk_grad)
+    grads = chunk_driver.param_grads(hidden, weight, bias, needs, spans, slab_dtype, chunk_grad)
     return (logp, entropy, *grads)

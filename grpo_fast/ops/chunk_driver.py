@@ -5,7 +5,7 @@ d(loss)/d(logits) of its rows (how is the backend's business: a matmul and a C++
 Triton kernel); this file owns the rest, once for all backends:
 
 - how many rows a chunk holds: a memory budget for the slab, which each backend sets
-  (`chunked.SLAB_BYTES` for the CPU backends, `kernels.linear_logprobs.workspace_bytes` on a GPU);
+  (`row_ops.SLAB_BYTES` for the CPU backends, `kernels.linear_logprobs.workspace_bytes` on a GPU);
 - the gradient matmuls `grad_hidden = slab @ W`, `grad_weight += slab.T @ hidden`, `grad_bias += sum(slab)`;
 - the accumulation rule of the parameter gradients across chunks (below, `ParamGrads`).
 """
