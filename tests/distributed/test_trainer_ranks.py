@@ -20,12 +20,28 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "distributed" / "train_ranks.py")
 
 
-def _run(cmd, out):
+def _launch(cmd, outs):
+    """Run `cmd` (one launch of train_ranks.py, one job per folder of `outs`): per job, (what rank 0
+    printed, the metrics lines, the final weights)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{"))), steps, load_file(out / "final" / "model.safetensors")
+    seen = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert len(seen) == len(outs), done.stdout[-2000:]
+    return [(s, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
+             load_file(out / "final" / "model.safetensors")) for s, out in zip(seen, outs, strict=True)]
+
+
+def _run(cmd, out):
+    return _launch(cmd, [out])[0]
+
+
+def _jobs(jobs):
+    """train_ranks.py's arguments for several jobs [(out, per_device, engine, *overrides)], `+` between them."""
+    args = []
+    for out, *rest in jobs:
+        args += [*(["+"] if args else []), str(out), *rest]
+    return args
 
 
 def _one(tiny_model_dir, out, engine, *overrides):
@@ -43,17 +59,43 @@ def _sampled(out, world):
     return [sorted(tuple(ids) for rank in ranks for ids in rank[call]) for call in range(len(ranks[0]))]
 
 
-_ONE_PROCESS = {}
+# the global-statistics run: batch-scaled advantages (each rank gathers the other's rewards for the std),
+# the sharded reference (beta > 0) and the old-policy pass (μ = 2) in their gathered passes, in one run
+GLOBAL_STATS = ["distributed_strategy=fsdp2", "scale_rewards=batch", "beta=0.05", "num_iterations=2"]
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_model_dir, tmp_path_factory):
+def hf_runs(tiny_model_dir, tmp_path_factory):
+    """Every HF-engine run of the equality tests below, in three launches (one process; 2 ranks; one
+    process again for what resumes the 2-rank checkpoints), by name: (folder, seen, metrics, weights)."""
+    root = tmp_path_factory.mktemp("hf")
+    launches = [
+        (1, [("one", "16", "hf"), ("one-global-stats", "16", "hf", *GLOBAL_STATS)]),
+        (2, [("ddp", "8", "hf", "distributed_strategy=ddp"), ("fsdp2", "8", "hf", "distributed_strategy=fsdp2"),
+             ("two-global-stats", "8", "hf", *GLOBAL_STATS),  # and 1 -> 2: a one-process checkpoint sharded over two ranks
+             ("fsdp2-resumed2", "8", "hf", "distributed_strategy=fsdp2", f"resume_from_checkpoint={root / 'one' / 'checkpoint-1'}")]),
+        (1, [(f"{s}-resumed", "16", "hf", f"resume_from_checkpoint={root / s / 'checkpoint-1'}") for s in ("ddp", "fsdp2")]),
+    ]
+    runs = {}
+    for ranks, jobs in launches:
+        jobs = [(root / name, *rest) for name, *rest in jobs]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        cmd = [*(torchrun if ranks > 1 else [sys.executable]), SCRIPT, tiny_model_dir, *_jobs(jobs)]
+        outs = [job[0] for job in jobs]
+        runs.update({out.name: (out, *result) for out, result in zip(outs, _launch(cmd, outs), strict=True)})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory, hf_runs):
     """The reference runs, made once per engine: one process, 16 completions per step."""
+    references = {"hf": hf_runs["one"]}
+
     def run(engine: str):
-        if engine not in _ONE_PROCESS:
+        if engine not in references:
             out = tmp_path_factory.mktemp(f"one-{engine}") / "run"
-            _ONE_PROCESS[engine] = (out, *_one(tiny_model_dir, out, engine))
-        return _ONE_PROCESS[engine]
+            references[engine] = (out, *_one(tiny_model_dir, out, engine))
+        return references[engine]
 
     return run
 
@@ -61,12 +103,16 @@ def one_process(tiny_model_dir, tmp_path_factory):
 # (DDP with vLLM ran here too, until the suite's time asked for one vLLM case: FSDP2 covers more, the
 # layer-by-layer sync into each rank's engine; DDP hands the engine the live module, as one process does)
 @pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("fsdp2", "hf"), ("fsdp2", "vllm")])
-def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, strategy, engine):
+def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, hf_runs,
+                                                                     strategy, engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
     one, seen1, steps1, weights1 = one_process(engine)
-    two = tmp_path / "two"
-    seen2, steps2, weights2 = _two(tiny_model_dir, two, engine, f"distributed_strategy={strategy}")
+    if engine == "hf":  # made with the other HF runs, in their launches
+        two, seen2, steps2, weights2 = hf_runs[strategy]
+    else:
+        two = tmp_path / "two"
+        seen2, steps2, weights2 = _two(tiny_model_dir, two, engine, f"distributed_strategy={strategy}")
     assert _sampled(two, 2) == _sampled(one, 1), "2 ranks sample exactly what one process samples"
     assert seen1 == {"world": 1, "step": 2, "strategy": "none"}
     assert seen2 == {"world": 2, "step": 2, "strategy": strategy} | ({"all_reduce_after_close": 2.0} if engine == "vllm" else {})
@@ -79,13 +125,10 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
         assert len(gaps) == 2 and max(gaps) <= 1e-3, gaps
         return
     # one checkpoint format for any number of ranks: 2 -> 1 with the same global batch
-    resumed = tmp_path / "resumed"
-    _, steps3, weights3 = _one(tiny_model_dir, resumed, engine, f"resume_from_checkpoint={two / 'checkpoint-1'}")
+    _, _, steps3, weights3 = hf_runs[f"{strategy}-resumed"]
     _assert_resumed_like(steps3, weights3, steps1, weights1, initial)
     if strategy == "fsdp2":  # and 1 -> 2: a one-process checkpoint sharded over two ranks
-        resumed2 = tmp_path / "resumed2"
-        _, steps4, weights4 = _two(tiny_model_dir, resumed2, engine, "distributed_strategy=fsdp2",
-                                   f"resume_from_checkpoint={one / 'checkpoint-1'}")
+        _, _, steps4, weights4 = hf_runs["fsdp2-resumed2"]
         _assert_resumed_like(steps4, weights4, steps1, weights1, initial)
         return
     other = subprocess.run([sys.executable, SCRIPT, tiny_model_dir, str(tmp_path / "other"), "8", engine,
@@ -146,14 +189,10 @@ def _assert_same_counts_extremes_and_stds(a: dict, b: dict):
         assert b[name] == pytest.approx(a[name], rel=1e-6), (name, a["step"], a[name], b[name])
 
 
-@pytest.mark.parametrize("overrides", [
-    # batch-scaled advantages (each rank gathers the other's rewards for the std), the sharded reference
-    # (beta > 0) and the old-policy pass (μ = 2) in their gathered passes, in one run
-    ["distributed_strategy=fsdp2", "scale_rewards=batch", "beta=0.05", "num_iterations=2"],
-], ids=["fsdp2-batch-scaled-kl-iterations2"])
-def test_global_statistics_and_side_passes_train_like_one_process(tmp_path, tiny_model_dir, overrides):
-    _, steps1, weights1 = _one(tiny_model_dir, tmp_path / "one", "hf", *overrides)
-    _, steps2, weights2 = _two(tiny_model_dir, tmp_path / "two", "hf", *overrides)
+def test_global_statistics_and_side_passes_train_like_one_process(tiny_model_dir, hf_runs):
+    overrides = GLOBAL_STATS
+    _, _, steps1, weights1 = hf_runs["one-global-stats"]
+    _, _, steps2, weights2 = hf_runs["two-global-stats"]
     _assert_trained_alike(steps1, weights1, steps2, weights2, load_file(Path(tiny_model_dir) / "model.safetensors"))
     if "beta=0.05" in overrides:
         # step 2, μ's second pass, moved off the reference (the value itself is a mean of the ranks' token means)

@@ -1,8 +1,14 @@
-"""Run by torchrun, or as a plain process (tests/distributed/test_trainer_ranks.py): a short GRPO run
-of the tiny model with the given engine (hf, or vllm: one in-process engine per rank); further
-`name=value` arguments override the config (resume_from_checkpoint=..., scale_rewards=batch,
-distributed_strategy=fsdp2; kill_rank_after_step=R:N, a fault for the elastic-restart test); the global batch is per_device_train_batch_size x ranks. Each rank writes
-the completion ids it sampled, per reward call (train and eval), to sampled-rank<r>.json."""
+"""Run by torchrun, or as a plain process (tests/distributed/test_trainer_ranks.py): short GRPO runs
+of the tiny model, one after another in this process (jobs separated by `+`: each starting a process
+costs ~10 s of imports on the 2-core machines, so runs that start the same world share one launch):
+
+    train_ranks.py MODEL_DIR OUT PER_DEVICE ENGINE [name=value ...] [+ OUT PER_DEVICE ENGINE ...]
+
+ENGINE is hf, or vllm (one in-process engine per rank); `name=value` arguments override the config
+(resume_from_checkpoint=..., scale_rewards=batch, distributed_strategy=fsdp2; kill_rank_after_step=R:N,
+a fault for the elastic-restart test); the global batch is per_device_train_batch_size x ranks. Each
+rank writes the completion ids it sampled, per reward call (train and eval), to OUT/sampled-rank<r>.json; rank 0
+prints one JSON line per job, in order."""
 
 import json
 import os
@@ -17,8 +23,16 @@ from tests.tiny_model import load_tiny_model
 from tests.trainer.common import config, rows, target_fraction
 
 
-def main(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
+def main(model_dir: str, *argv: str) -> None:
     torch.set_num_threads(1)
+    jobs = [[]]
+    for arg in argv:
+        jobs.append([]) if arg == "+" else jobs[-1].append(arg)
+    for output_dir, per_device, engine, *overrides in jobs:
+        run(model_dir, output_dir, int(per_device), engine, *overrides)
+
+
+def run(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
     model, tokenizer = load_tiny_model(model_dir)
     overrides = dict(o.split("=", 1) for o in overrides)
     kill = overrides.pop("kill_rank_after_step", None)  # "R:N": rank R kills itself after step N (first attempt only)
@@ -63,4 +77,4 @@ def _kill_after_step(rank: int, step: int) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:])
+    main(*sys.argv[1:])
