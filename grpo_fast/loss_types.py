@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .registry import Registry
+
 # vespo's gamma weight works on the log of the sequence's ratio product, clamped as TRL does
 VESPO_LOG_W_MIN, VESPO_LOG_W_MAX, VESPO_LOG_RATIO_CLAMP = math.log(1e-8), 20.0, 20.0
 
@@ -106,26 +108,9 @@ class LossType:
     summary: str = ""
 
 
-LOSS_TYPES: dict[str, LossType] = {}  # name -> row, in registration order
-
-
-def register(row: LossType) -> LossType:
-    if row.name in LOSS_TYPES:
-        raise ValueError(f"loss_type {row.name!r} is registered already")
-    LOSS_TYPES[row.name] = row
-    return row
-
-
-def unregister(name: str) -> None:
-    LOSS_TYPES.pop(name, None)
-
-
-def loss_type(name: str) -> LossType:
-    """The row of `name`; an unknown name raises naming the known ones."""
-    try:
-        return LOSS_TYPES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"loss_type={name!r} is not supported; expected one of {list(LOSS_TYPES)}") from None
+LOSS_TYPES: Registry = Registry("loss_type")  # name -> row, in registration order
+register, unregister = LOSS_TYPES.register, LOSS_TYPES.unregister
+loss_type = LOSS_TYPES.lookup  # the row of a name; an unknown name raises naming the known ones
 
 
 def all_metric_names() -> tuple[str, ...]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from ..registry import Registry
+
 
 class RolloutMode:
     """One rollout mode. Subclasses set `name` and override what differs from GRPO's parallel groups."""
@@ -67,26 +69,9 @@ class RolloutMode:
         raise NotImplementedError
 
 
-ROLLOUT_MODES: dict[str, RolloutMode] = {}  # name -> mode, in registration order
-
-
-def register(mode: RolloutMode) -> RolloutMode:
-    if mode.name in ROLLOUT_MODES:
-        raise ValueError(f"rollout_mode {mode.name!r} is already registered")
-    ROLLOUT_MODES[mode.name] = mode
-    return mode
-
-
-def unregister(name: str) -> None:
-    ROLLOUT_MODES.pop(name, None)
-
-
-def rollout_mode(name: str) -> RolloutMode:
-    """The registered mode `name`; an unknown name raises with the known ones."""
-    try:
-        return ROLLOUT_MODES[name]
-    except KeyError:
-        raise ValueError(f"rollout_mode={name!r} is not supported; expected one of {list(ROLLOUT_MODES)}") from None
+ROLLOUT_MODES: Registry = Registry("rollout_mode")  # name -> mode, in registration order
+register, unregister = ROLLOUT_MODES.register, ROLLOUT_MODES.unregister
+rollout_mode = ROLLOUT_MODES.lookup  # the registered mode of a name; an unknown name raises naming the known ones
 
 
 def modes_where(has: Callable[[RolloutMode], bool]) -> list[str]:
