@@ -231,6 +231,9 @@ def check_run(c, field_names: list[str]) -> None:
         fail("thought_end", c.thought_end, "None (the task's own) or a non-blank text")
     if c.partial_credit_judge is not None and not c.partial_credit_judge.strip():
         fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
+    from . import trackers
+
+    trackers.check(c.report_to)
     if not c.reward_funcs:
         fail("reward_funcs", c.reward_funcs, "at least one reward function name")
     if c.reward_weights is not None:

@@ -1,8 +1,9 @@
-"""What a run reports: metrics.jsonl, TensorBoard events, a PNG of reward and eval accuracy, and a
-live progress bar. Names follow TRL (reward, reward_std, rewards/<func>/mean, kl, entropy, ...).
+"""What a run reports: metrics.jsonl, the trackers of `report_to` (grpo_fast/trackers.py: TensorBoard
+by default, wandb, trackio, mlflow), a PNG of reward and eval accuracy, and a live progress bar.
+Names follow TRL (reward, reward_std, rewards/<func>/mean, kl, entropy, ...).
 
-All output lands in the run's output_dir. TensorBoard and matplotlib load lazily; a missing one
-is reported once and skipped (the jsonl file is always written).
+The run's own files land in its output_dir. The trackers and matplotlib load lazily; a missing
+matplotlib or default TensorBoard is reported once and skipped (the jsonl file is always written).
 
 How a metric combines over ranks is declared here (`reduction`, `Pooled`, `combine`), so that N
 ranks log what one process with the same global batch logs: counts add up, extremes stay
@@ -19,6 +20,8 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from .trackers import close_all, scalars
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +135,14 @@ def _clean(value):
 
 
 class MetricsLogger:
-    """Append one JSON line per logged step to `<output_dir>/metrics.jsonl` and mirror to TensorBoard.
+    """Append one JSON line per logged step to `<output_dir>/metrics.jsonl` and mirror it to the trackers
+    of `report_to` (grpo_fast/trackers.py).
 
     `history` keeps every logged record in memory for the plot; a resumed run reloads the records
     already in the file (up to the resumed step) so the plot covers the whole run.
     """
 
-    def __init__(self, output_dir: str, *, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, output_dir: str, *, resume_step: int = 0, trackers: Sequence = ()):
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -147,7 +151,7 @@ class MetricsLogger:
         with open(tmp, "w") as f:
             f.writelines(json.dumps(record) + "\n" for record in self.history)
         os.replace(tmp, self.path)
-        self.writer = self._tensorboard() if tensorboard else None
+        self.trackers = list(trackers)  # report_to's (grpo_fast/trackers.py), started by the caller
 
     def _reload(self, resume_step: int) -> list[dict]:
         """The records up to `resume_step`. A torn last line (the process was killed mid-write) is
@@ -169,25 +173,20 @@ class MetricsLogger:
                                  f"to resume") from None
         return [r for r in records if r.get("step", 0) <= resume_step]
 
-    def _tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:  # pragma: no cover - tensorboard is a dependency
-            logger.warning("TensorBoard unavailable (%s): metrics go to metrics.jsonl only", err)
-            return None
-        return SummaryWriter(log_dir=os.path.join(self.output_dir, "tensorboard"))
-
     def log(self, step: int, metrics: dict) -> dict:
         record = {"step": step, "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for name, value in record.items():
-                if name not in ("step", "time") and value is not None:
-                    self.writer.add_scalar(name, value, step)
-            self.writer.flush()
+        values = scalars(record)
+        for tracker in self.trackers:
+            tracker.log(step, values)
         return record
+
+    def log_table(self, step: int, columns: Sequence[str], rows: list[list]) -> None:
+        """A table (the sampled completions) to the trackers that show tables."""
+        for tracker in self.trackers:
+            tracker.log_table(step, columns, rows)
 
     def plot(self, filename: str = "reward.png") -> str | None:
         """Write reward (and eval accuracy when logged) against step to a PNG; return its path."""
@@ -219,8 +218,8 @@ class MetricsLogger:
         return path
 
     def close(self):
-        if self.writer is not None:
-            self.writer.close()
+        close_all(self.trackers)
+        self.trackers = []
 
 
 class ProgressBar:
@@ -255,13 +254,18 @@ class ProgressBar:
         if not self.progress.console.is_terminal:  # a log file: one line per step instead of a live bar
             self.progress.console.print(f"step {step}/{self.total}  {figures}")
 
-    def print(self, message: str):
+    def print(self, message):
+        """A line, or a rich renderable (a table), above the bar (rank 0 only)."""
         if not self.messages:
             return
         if self.progress is not None:
             self.progress.console.print(message)
-        else:
+        elif isinstance(message, str):
             print(message, flush=True)
+        else:
+            from rich.console import Console
+
+            Console().print(message)
 
     def close(self):
         if self.progress is not None:
@@ -295,9 +299,14 @@ def logs_step(step: int, config) -> bool:
     return step % config.logging_steps == 0 or step == config.max_steps
 
 
-def open_logger(output_dir: str, step: int, main: bool):
-    """Rank 0's MetricsLogger (resuming at `step`); other ranks write nothing (rank 0 writes the all-rank means)."""
-    return MetricsLogger(output_dir, resume_step=step) if main else OtherRankMetrics()
+def open_logger(config, state, main: bool):
+    """Rank 0's MetricsLogger (resuming at `state.step`, with the trackers of `config.report_to`, continuing
+    the runs in `state.tracker_runs`); other ranks write nothing (rank 0 writes the all-rank means)."""
+    if not main:
+        return OtherRankMetrics()
+    from .trackers import open_trackers
+
+    return MetricsLogger(config.output_dir, resume_step=state.step, trackers=open_trackers(config, state.tracker_runs))
 
 
 def progress(config, step: int, main: bool = True) -> "ProgressBar":
@@ -311,6 +320,9 @@ class OtherRankMetrics:
 
     def log(self, step: int, metrics: dict) -> dict:
         return metrics
+
+    def log_table(self, step: int, columns, rows) -> None:
+        pass
 
     def plot(self):
         return None

