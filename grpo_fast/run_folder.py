@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 # what a run writes into its folder (overwrite_output_dir deletes these and nothing else)
-RUN_FILES = ("metrics.jsonl", "reward.png", "summary.json", "final", "tensorboard", "run_config.json")
+RUN_FILES = ("metrics.jsonl", "reward.png", "summary.json", "final", "tensorboard", "wandb", "run_config.json")
 # what every start writes before its first step: a folder with one of these was a run's, checkpoint or not
 STARTED_FILES = ("run_config.json", "metrics.jsonl")
 _warned_step_zero: set[str] = set()  # output folders whose resume from step 0 this process has announced
