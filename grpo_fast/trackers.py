@@ -112,8 +112,9 @@ class Trackio:
         import trackio
 
         self.trackio = trackio
+        # a fresh run starts a new trackio run even where one of its name exists (an earlier run's)
         self.run = trackio.init(project=config.project, name=runs.get("trackio") or _run_name(config),
-                                config=config.to_dict(), resume="allow")
+                                config=config.to_dict(), resume="allow" if "trackio" in runs else "never")
         runs["trackio"] = self.run.name
 
     def log(self, step: int, metrics: dict) -> None:

@@ -4,7 +4,10 @@ Without a GPU, Triton kernels run through Triton's interpreter: TRITON_INTERPRET
 before any kernel is defined, so it is set here, before the tests import grpo_fast.kernels.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at test time
+# trackio reads TRACKIO_DIR once, when first imported (TRL and transformers may import it while the tests are
+# collected): the suite's trackio runs go to a folder of this process, removed at its exit
+if "TRACKIO_DIR" not in os.environ:
+    os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="grpo_fast-tests-trackio-")
+    atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -6,25 +6,13 @@ import glob
 import json
 import math
 import os
-import shutil
 import struct
-import tempfile
 
 import pytest
 
 from grpo_fast.trainer import GRPOTrainer
 from tests.tiny_model import load_tiny_model
 from tests.trainer.common import config, rows, target_fraction
-
-# trackio reads TRACKIO_DIR once, when it is imported (nothing imports it before these tests)
-TRACKIO_DIR = tempfile.mkdtemp(prefix="grpo_fast-trackio-")
-os.environ["TRACKIO_DIR"] = TRACKIO_DIR
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _trackio_dir():
-    yield
-    shutil.rmtree(TRACKIO_DIR, ignore_errors=True)
 
 
 def _train(tmp_path, tiny_path, **overrides):
@@ -68,22 +56,23 @@ def _same(read_back: dict, logged: dict, where: str):
 
 def test_trackio_and_wandb_keep_what_metrics_jsonl_has_and_a_resume_continues_their_runs(tmp_path, tiny_path,
                                                                                            monkeypatch):
+    project = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}"  # this test's own trackio project
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    c, lines = _train(tmp_path, tiny_path, report_to="trackio,wandb", project="grpo-fast-tests", run_name="tracked",
+    c, lines = _train(tmp_path, tiny_path, report_to="trackio,wandb", project=project, run_name="tracked",
                       max_steps=3, save_steps=2)
     # resume from checkpoint-2: step 3 again, into the same tracker runs
-    _, resumed = _train(tmp_path, tiny_path, report_to="trackio,wandb", project="grpo-fast-tests", run_name="tracked",
+    _, resumed = _train(tmp_path, tiny_path, report_to="trackio,wandb", project=project, run_name="tracked",
                         max_steps=3, save_steps=2, resume_from_checkpoint="latest")
     assert [r["step"] for r in lines] == [1, 2, 3] and [r["step"] for r in resumed] == [1, 2, 3]
 
     import trackio.utils
     from trackio.sqlite_storage import SQLiteStorage
 
-    assert str(trackio.utils.TRACKIO_DIR) == TRACKIO_DIR, "trackio writes into this test's folder"
-    assert SQLiteStorage.get_runs("grpo-fast-tests") == ["tracked"], "the resumed run continued the same trackio run"
-    logs = [r for r in SQLiteStorage.get_logs("grpo-fast-tests", "tracked") if "loss" in r]
+    assert str(trackio.utils.TRACKIO_DIR) == os.environ["TRACKIO_DIR"], "trackio writes into the suite's folder"
+    assert SQLiteStorage.get_runs(project) == ["tracked"], "the resumed run continued the same trackio run"
+    logs = [r for r in SQLiteStorage.get_logs(project, "tracked") if "loss" in r]
     assert [r["step"] for r in logs] == [1, 2, 3, 3], "trackio keeps both attempts at step 3"
     for got, want in zip(logs, [*lines, resumed[-1]], strict=True):
         _same({k: v for k, v in got.items() if k not in ("step", "timestamp")}, want, f"trackio step {want['step']}")
