@@ -140,7 +140,9 @@ class MLflow:
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", config.project))
         self.run = mlflow.start_run(run_id=runs.get("mlflow"), run_name=_run_name(config))
         if "mlflow" not in runs:  # (parameters are written once: mlflow refuses to change one)
-            mlflow.log_params({k: str(v)[:500] for k, v in config.to_dict().items()})
+            params = [(k, str(v)[:500]) for k, v in config.to_dict().items()]
+            for start in range(0, len(params), 100):  # (at most 100 per request)
+                mlflow.log_params(dict(params[start:start + 100]))
         runs["mlflow"] = self.run.info.run_id
 
     def log(self, step: int, metrics: dict) -> None:
