@@ -189,6 +189,8 @@ class GRPOConfig:
 
     def __post_init__(self):
         config_checks.coerce_numeric_strings(self)
+        if isinstance(self.report_to, (list, tuple)):  # TRL's form; kept as the comma-separated string the CLI reads
+            self.report_to = ",".join(map(str, self.report_to))
         config_checks.validate(self, field_names())  # first: the default below reads fields whose types it checks
         if self.vllm_max_model_length is None and self.max_prompt_length is not None:
             self.vllm_max_model_length = self.max_prompt_length + self.max_sequence_completion

@@ -102,6 +102,10 @@ def test_unknown_or_missing_trackers_are_refused_before_work(tmp_path, value, ma
         config(tmp_path, report_to=value)
 
 
+def test_report_to_takes_trls_list_too(tmp_path):
+    assert config(tmp_path, report_to=["tensorboard", "wandb"]).report_to == "tensorboard,wandb"
+
+
 def test_log_completions_shows_each_completion_with_its_rewards(tmp_path, tiny_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # rich's width when the output is not a terminal: one line per row
     scored = []
