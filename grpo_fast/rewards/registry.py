@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .reward_model import RewardModel, is_reward_model_folder
 from .steps import chain_steps
 from .verifiable import LeadReward, LengthAwareMathReward, boxed_math_reward, format_reward, math_reward
 
@@ -71,9 +72,10 @@ def get_reward_funcs(names: list[str] | str, **options) -> list[Callable]:
     """Reward functions for ``names``, in order.
 
     Args:
-        names: a list of names, or one string (comma-separated for several). Each is a built-in
-            (``"math"``, ``"format"``, ``"math_length"``), a ``"module.path:function"`` import path,
-            or already a callable (passed through).
+        names: a list of names, or one string (comma-separated for several). Each is, in this order of
+            resolution, a built-in (``"math"``, ``"format"``, ``"math_length"``), a ``"module.path:function"``
+            import path, or a folder with a config.json: a reward model (rewards/reward_model.py); or
+            already a callable (passed through) or a loaded transformers reward model.
         **options: keyword options for the built-in factories that declare them, e.g.
             ``max_completion_length=256, buffer=64`` for ``"math_length"``; ignored by the others.
 
@@ -88,7 +90,9 @@ def get_reward_funcs(names: list[str] | str, **options) -> list[Callable]:
         )
     funcs = []
     for name in names:
-        if callable(name):
+        if _is_pretrained_model(name):  # (TRL accepts a loaded reward model; a module is callable too)
+            funcs.append(RewardModel.from_model(name))
+        elif callable(name):
             funcs.append(name)
         elif not isinstance(name, str):
             raise TypeError(f"reward names: expected str or callable entries, got {type(name).__name__}")
@@ -96,8 +100,19 @@ def get_reward_funcs(names: list[str] | str, **options) -> list[Callable]:
             funcs.append(_build_builtin(name, options))
         elif ":" in name:
             funcs.append(_import_function(name))
+        elif is_reward_model_folder(name):
+            funcs.append(RewardModel.from_folder(name))
         else:
             raise ValueError(
-                f"unknown reward {name!r}: expected one of {sorted(BUILTIN_REWARDS)} or a 'module.path:function' import path"
+                f"unknown reward {name!r}: expected one of {sorted(BUILTIN_REWARDS)}, a 'module.path:function' import "
+                f"path or a reward model folder (config.json, weights and tokenizer of a sequence-classification model)"
             )
     return funcs
+
+
+def _is_pretrained_model(obj) -> bool:
+    if "transformers" not in sys.modules:  # (nothing can be one before transformers is imported)
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(obj, PreTrainedModel)
