@@ -41,7 +41,7 @@ def reduction(name: str) -> str:
     `sampling/logp_diff_max`, `.../importance_sampling_ratio/min`); else "mean" (a per-rank mean over
     equal shares of the batch, or a figure every rank has alike). Values that need more than one
     number to pool exactly (a mean or std over a rank's own values) are `Pooled` instead."""
-    if name in SUMMED:
+    if name in SUMMED or name.endswith("/timeouts"):  # (rewards/<name>/timeouts: calls past reward_timeout)
         return "sum"
     words = name.rsplit("/", 1)[-1].split("_")
     if "max" in words:

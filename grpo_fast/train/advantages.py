@@ -120,7 +120,7 @@ def _partial_credit(batch: Rollouts, ok: torch.Tensor, c: AdvantageOptions, judg
     rows = [g * G + j for g in range(len(none_right)) if none_right[g] for j in range(G)]
     rewards = batch.rewards.clone()
     if rows:
-        scores, _ = score([judge], batch.select(rows), prompt_column, conversational)
+        scores = score([judge], batch.select(rows), prompt_column, conversational).rewards
         judged = torch.nan_to_num(scores[:, 0], nan=0.0)  # None (no reasoning to judge): no credit
         if bool(((judged < 0) | (judged > 1)).any()):
             raise ValueError(f"partial_credit_judge={c.partial_credit_judge!r}: expected scores in [0, 1], got values "

@@ -48,10 +48,10 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
                                  max_new_tokens=c.eval_max_completion_length or c.max_completion_length) if mine else []
     if mine:
         batch = from_engine(groups, prompt_ids, mine)
-        rewards, _ = score(reward_funcs, batch, c.prompt_column, chat)
+        rewards = score(reward_funcs, batch, c.prompt_column, chat, timeout=c.reward_timeout).rewards
         lengths = batch.completion_lengths()
         if eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})
-            extra, _ = score(list(eval_metrics.values()), batch, c.prompt_column, chat)
+            extra = score(list(eval_metrics.values()), batch, c.prompt_column, chat).rewards
     rewards, lengths, extra = (distributed.gather_rows(t, world) for t in (rewards, lengths, extra))
     right = correct(rewards)
     out = {"eval/accuracy": right.float().mean().item(), "eval/reward": weighted_mean(rewards, c.reward_weights),

@@ -19,6 +19,7 @@ import torch
 from ..distributed import World
 from ..metrics import timed
 from ..modes import rollout_mode
+from ..rewards.registry import reward_name
 from ..rollout.base import SamplingOptions, prompt_seeds
 from . import partial_rollouts
 from .batch import Rollouts
@@ -153,9 +154,13 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                 generated += sum(len(ids) for ids in part.completion_ids)
                 round_stats["rollout/generated_tokens"] = generated
         with timed(times, "time/reward"):
-            part.rewards, non_finite = score(data.reward_funcs, part, c.prompt_column,
-                                             conversational(part.rows[0][c.prompt_column]))
-            part.stats["rewards_non_finite"] = non_finite
+            scores = score(data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
+                           group_size=G, timeout=c.reward_timeout)
+            part.rewards = scores.rewards
+            part.stats["rewards_non_finite"] = scores.non_finite
+            if c.reward_timeout is not None:  # (counted, and logged, where calls can time out)
+                part.stats.update({f"rewards/{reward_name(f)}/timeouts": scores.timeouts.get(reward_name(f), 0)
+                                   for f in data.reward_funcs})
         zero = zero_std_groups(part.rewards, c.reward_weights, G)
         sampled_groups, zero_groups, rounds = sampled_groups + len(zero), zero_groups + int(zero.sum()), rounds + 1
         if not c.dynamic_sampling:

@@ -3,8 +3,11 @@ reward metrics (what is logged is what trained: `trained_rewards` where shaping 
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
-from typing import Callable, Optional, Sequence
+import threading
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -19,47 +22,120 @@ def conversational(prompt) -> bool:
 
 
 
-def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str, conversational: bool) -> tuple[torch.Tensor, int]:
-    """(rewards (n, k) float64, count of non-finite values): None and non-finite values become NaN (missing).
+class Scores(NamedTuple):
+    rewards: torch.Tensor  # (n, k) float64, NaN = missing
+    non_finite: int  # values that were NaN/inf (not None): a reward function's bug, worth a metric
+    timeouts: dict  # reward name -> calls past reward_timeout (their values are missing)
 
-    Each function is called as TRL calls it: `f(prompts=, completions=, completion_ids=,
-    **columns)` with every other dataset column as a list of one entry per completion. A function
-    that raises, or returns the wrong number of values or a non-number, is an error naming it.
-    The count is of values that were NaN/inf (not None): a reward function's bug, worth a metric.
-    Thoughts (multi_answer) are not graded: their rows stay NaN.
+
+def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str, conversational: bool, *,
+          group_size: int = 1, timeout: Optional[float] = None) -> Scores:
+    """The batch's rewards: None and non-finite values become NaN (missing).
+
+    Each function is called as TRL calls it: `f(prompts=, completions=, completion_ids=, **columns)` with
+    every other dataset column as a list of one entry per completion; a function with `takes_groups = True`
+    once per group of `group_size` consecutive entries, in order, with that group's lists. `async def`
+    functions run concurrently with each other on one event loop (TRL's semantics), after the others.
+    A call past `timeout` seconds gives no values (cancelled if async; a sync one is left running in a
+    daemon thread), counted in `timeouts`. A function that raises, or returns the wrong number of values
+    or a non-number, is an error naming it. Thoughts (multi_answer) are not graded: their rows stay NaN.
     """
     if batch.kind is not None and "thought" in batch.kind:  # multi_answer: its answers are graded, not thoughts
         graded = [i for i, kind in enumerate(batch.kind) if kind != "thought"]
         rewards = torch.full((len(batch), len(reward_funcs)), math.nan, dtype=torch.float64)
-        rewards[graded], non_finite = score(reward_funcs, batch.select(graded), prompt_column, conversational)
-        return rewards, non_finite
+        inner = score(reward_funcs, batch.select(graded), prompt_column, conversational, timeout=timeout)
+        rewards[graded] = inner.rewards
+        return Scores(rewards, inner.non_finite, inner.timeouts)
     n = len(batch)
     prompts = [r[prompt_column] for r in batch.rows]
     completions = ([[{"role": "assistant", "content": t}] for t in batch.completion_texts]
                    if conversational else list(batch.completion_texts))
     columns = {key: [r.get(key) for r in batch.rows] for key in batch.rows[0] if key != prompt_column}
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=batch.completion_ids, **columns)
+    calls = {}  # function index -> [(slice, kwargs)]: one call, or one per group
+    for j, func in enumerate(reward_funcs):
+        parts = [slice(s, s + group_size) for s in range(0, n, group_size)] if getattr(func, "takes_groups", False) else [slice(0, n)]
+        calls[j] = [(part, {k: v[part] for k, v in kwargs.items()}) for part in parts]
+    results = {j: [_call_sync(reward_funcs[j], kw, timeout) for _, kw in calls[j]]
+               for j in calls if not inspect.iscoroutinefunction(reward_funcs[j])}
+    asynchronous = [j for j in calls if j not in results]
+    if asynchronous:
+        results.update(asyncio.run(_call_async({j: (reward_funcs[j], [kw for _, kw in calls[j]]) for j in asynchronous},
+                                               timeout)))
     rewards = torch.full((n, len(reward_funcs)), math.nan, dtype=torch.float64)
-    non_finite = 0
+    non_finite, timeouts = 0, {}
     for j, func in enumerate(reward_funcs):
         name = reward_name(func)
-        try:
-            values = func(prompts=prompts, completions=completions, completion_ids=batch.completion_ids, **columns)
-        except Exception as err:
-            raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
-        if values is None or not hasattr(values, "__len__") or len(values) != n:
-            got = "None" if values is None else (f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__)
-            raise ValueError(f"reward function {name!r} must return one value per completion ({n}), got {got}")
-        for i, v in enumerate(values):
-            if v is None:
+        for (part, _), values in zip(calls[j], results[j], strict=True):
+            if isinstance(values, BaseException):
+                raise RuntimeError(f"reward function {name!r} raised {type(values).__name__}: {values}") from values
+            if values is _TIMED_OUT:
+                timeouts[name] = timeouts.get(name, 0) + 1
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) and not (isinstance(v, torch.Tensor) and v.numel() == 1):
-                raise ValueError(f"reward function {name!r} returned {v!r} (type {type(v).__name__}) for completion {i}; expected a float or None")
-            v = float(v)
-            if math.isfinite(v):
-                rewards[i, j] = v
-            else:
-                non_finite += 1
-    return rewards, non_finite
+            non_finite += _fill(rewards, j, part, values, name, len(range(n)[part]))
+    return Scores(rewards, non_finite, timeouts)
+
+
+_TIMED_OUT = object()
+
+
+def _call_sync(func, kwargs, timeout):
+    """func(**kwargs), or its exception, or _TIMED_OUT when it runs past `timeout` (then left running in a
+    daemon thread: Python cannot stop a thread, and a daemon one does not hold up the process's exit)."""
+    if timeout is None:
+        try:
+            return func(**kwargs)
+        except Exception as err:
+            return err
+    out = [_TIMED_OUT]
+
+    def run():
+        try:
+            out[0] = func(**kwargs)
+        except Exception as err:
+            out[0] = err
+
+    thread = threading.Thread(target=run, daemon=True, name=f"reward {reward_name(func)}")
+    thread.start()
+    thread.join(timeout)
+    return _TIMED_OUT if thread.is_alive() else out[0]
+
+
+async def _call_async(calls: dict, timeout) -> dict:
+    """{j: (async func, [kwargs per call])} -> {j: [values, exception or _TIMED_OUT per call]}, all at once."""
+    async def one(func, kwargs):
+        try:
+            return await asyncio.wait_for(func(**kwargs), timeout)
+        except asyncio.TimeoutError:
+            return _TIMED_OUT
+        except Exception as err:
+            return err
+
+    order = [(j, kwargs) for j, (_, many) in calls.items() for kwargs in many]
+    done = await asyncio.gather(*(one(calls[j][0], kwargs) for j, kwargs in order))
+    out: dict = {j: [] for j in calls}
+    for (j, _), values in zip(order, done, strict=True):
+        out[j].append(values)
+    return out
+
+
+def _fill(rewards: torch.Tensor, j: int, part: slice, values, name: str, n: int) -> int:
+    """Write one call's values into column j's rows `part`; the count of non-finite values."""
+    if values is None or not hasattr(values, "__len__") or len(values) != n:
+        got = "None" if values is None else (f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__)
+        raise ValueError(f"reward function {name!r} must return one value per completion ({n}), got {got}")
+    non_finite = 0
+    for i, v in zip(range(rewards.shape[0])[part], values, strict=True):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) and not (isinstance(v, torch.Tensor) and v.numel() == 1):
+            raise ValueError(f"reward function {name!r} returned {v!r} (type {type(v).__name__}) for completion {i}; expected a float or None")
+        v = float(v)
+        if math.isfinite(v):
+            rewards[i, j] = v
+        else:
+            non_finite += 1
+    return non_finite
 
 
 def weighted_rewards(rewards: torch.Tensor, weights: Optional[Sequence[float]]) -> torch.Tensor:

@@ -27,7 +27,7 @@ def test_columns_arrive_as_lists_and_none_and_nonfinite_become_missing():
         return [1.0, None, math.nan, math.inf]
 
     batch = _batch()
-    rewards, non_finite = score([f], batch, "prompt", conversational=False)
+    rewards, non_finite, _ = score([f], batch, "prompt", conversational=False)
     assert seen["answer"] == ["0", "1", "2", "3"] and seen["completions"] == batch.completion_texts
     assert rewards[0, 0] == 1.0 and rewards[1:, 0].isnan().all()
     assert non_finite == 2  # NaN and inf, not None
