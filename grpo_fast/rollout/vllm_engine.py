@@ -114,6 +114,7 @@ class VLLMEngine(RolloutEngine):
             # would be the trainer's thread count too: give both back.
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
+        compat.started()
 
         self.model_path = model_path
         self.max_model_len = int(max_model_len)

@@ -41,6 +41,30 @@ def test_trainer_keeps_its_torch_threads(engine):
         torch.set_num_threads(engine.threads_before_start)
 
 
+def test_a_second_engine_runs_beside_and_closing_it_leaves_the_first_working(engine, tiny_policy, tmp_path):
+    """Two in-process engines (a judge beside the policy's): both generate; closing one keeps vLLM's
+    process-wide parallel state for the other (the last one to close tears it down)."""
+    engine.update_weights(tiny_policy[0])
+    before = engine.generate(PROMPTS, n=2, max_new_tokens=6, seed=3)
+    torch.manual_seed(7)
+    other_model = copy.deepcopy(tiny_policy[0])
+    with torch.no_grad():
+        for p in other_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    other_model.save_pretrained(tmp_path / "other")
+    tiny_policy[1].save_pretrained(tmp_path / "other")
+    other = make_engine("vllm", model_path=str(tmp_path / "other"), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+    try:
+        theirs = other.generate(PROMPTS, n=2, max_new_tokens=6, seed=3)
+        assert [[c.token_ids for c in g] for g in theirs] != [[c.token_ids for c in g] for g in before]
+        assert [[c.token_ids for c in g] for g in engine.generate(PROMPTS, n=2, max_new_tokens=6, seed=3)] == \
+            [[c.token_ids for c in g] for g in before], "the first engine samples as before the second started"
+    finally:
+        other.close()
+    after = engine.generate(PROMPTS, n=2, max_new_tokens=6, seed=3)
+    assert [[c.token_ids for c in g] for g in after] == [[c.token_ids for c in g] for g in before]
+
+
 @pytest.fixture(scope="module")
 def perturbed(tiny_policy):
     """A copy of the policy with every weight moved: the 'trained' policy."""
