@@ -4,6 +4,7 @@ reward metrics (what is logged is what trained: `trained_rewards` where shaping 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 import threading
@@ -60,8 +61,8 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
                for j in calls if not inspect.iscoroutinefunction(reward_funcs[j])}
     asynchronous = [j for j in calls if j not in results]
     if asynchronous:
-        results.update(asyncio.run(_call_async({j: (reward_funcs[j], [kw for _, kw in calls[j]]) for j in asynchronous},
-                                               timeout)))
+        results.update(_run(_call_async({j: (reward_funcs[j], [kw for _, kw in calls[j]]) for j in asynchronous},
+                                        timeout)))
     rewards = torch.full((n, len(reward_funcs)), math.nan, dtype=torch.float64)
     non_finite, timeouts = 0, {}
     for j, func in enumerate(reward_funcs):
@@ -77,6 +78,16 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
 
 
 _TIMED_OUT = object()
+
+
+def _run(coroutine):
+    """asyncio.run, also where this thread already runs an event loop (a notebook): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (its calls are bounded by the timeout or by nothing, as here)
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _call_sync(func, kwargs, timeout):

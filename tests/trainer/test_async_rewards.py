@@ -40,6 +40,17 @@ def test_async_reward_functions_overlap():
     assert time.monotonic() - start < 1.4, "three 0.5 s calls took as long as in sequence"  # (a loose backstop)
 
 
+def test_async_rewards_also_score_inside_a_running_event_loop():
+    async def reward(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [2.0] * len(prompts)
+
+    async def from_a_notebook():  # a loop already runs in this thread
+        return score([reward], _batch(), "prompt", False)
+
+    assert asyncio.run(from_a_notebook()).rewards.eq(2.0).all()
+
+
 def test_a_group_reward_function_sees_each_group_once_whole_and_in_order():
     seen = []
 
