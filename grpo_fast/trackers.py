@@ -3,9 +3,9 @@
 
 Nothing here needs a network unless the user's settings ask for one: TensorBoard writes
 `<output_dir>/tensorboard`; wandb honours `WANDB_MODE=offline` and writes under `<output_dir>/wandb`
-(or `WANDB_DIR`); trackio keeps a local database in `TRACKIO_DIR` (default `~/.cache/huggingface/trackio`)
-unless `TRACKIO_SPACE_ID` names a Space; mlflow writes to its default tracking store unless `MLFLOW_TRACKING_URI` says
-otherwise. A resumed run continues its tracker runs: their ids live in `TrainState.tracker_runs`, saved
+(or `WANDB_DIR`); trackio keeps a local database in `TRACKIO_DIR` (default
+`~/.cache/huggingface/trackio`) unless `TRACKIO_SPACE_ID` names a Space; mlflow writes to its default
+tracking store unless `MLFLOW_TRACKING_URI` says otherwise. A resumed run continues its tracker runs: their ids live in `TrainState.tracker_runs`, saved
 in every checkpoint.
 """
 
