@@ -22,10 +22,10 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 DEFAULT = "tensorboard"  # grpo_fast's default (TRL and transformers default to "none")
 
 
-def names(report_to) -> list[str]:
-    """The trackers `report_to` names (a comma-separated string or a list), in TRACKERS order;
-    `all`: every installed one. Raises ValueError for an unknown value."""
-    given = [v.strip() for v in (report_to.split(",") if isinstance(report_to, str) else report_to or []) if v.strip()]
+def names(report_to: str) -> list[str]:
+    """The trackers `report_to` names (comma-separated; GRPOConfig joins TRL's list form), in TRACKERS
+    order; `all`: every installed one. Raises ValueError for an unknown value."""
+    given = [v.strip() for v in report_to.split(",") if v.strip()]
     unknown = [v for v in given if v not in (*TRACKERS, "none", "all")]
     if unknown or (len(given) > 1 and {"none", "all"} & set(given)):
         raise ValueError(f"report_to={report_to!r} is not supported; expected a comma-separated list of "

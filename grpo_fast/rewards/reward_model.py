@@ -22,7 +22,7 @@ def is_reward_model_folder(entry) -> bool:
 
 def check_reward_model_folder(path) -> None:
     """Before any weights load: the folder holds config.json, weights and a tokenizer, and its config is a
-    sequence-classification model with at least one label (a causal LM would get a random head)."""
+    sequence-classification model (a causal LM would get a random head)."""
     import json
 
     from ..models import check_model_folder

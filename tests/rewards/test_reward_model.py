@@ -10,6 +10,7 @@ import torch
 
 from grpo_fast.rewards import get_reward_funcs
 from grpo_fast.rewards.reward_model import RewardModel
+from tests.helpers import assert_close, scaled
 from tests.tiny_model import build_tiny_tokenizer, tiny_llama_config
 
 PROMPTS = ["question 1: ", "a much longer question, number 2: ", "3"]
@@ -38,8 +39,7 @@ def _plain(folder, texts):
 
 
 def _close(a, b):
-    scale = max(1.0, *(abs(x) for x in b))
-    assert all(abs(x - y) <= 1e-5 * scale for x, y in zip(a, b, strict=True)), (a, b)
+    assert_close(a, b, atol=scaled(1e-5, b), name="reward model scores")
 
 
 def test_a_folder_scores_as_a_plain_forward_whatever_the_batch(reward_folder):
