@@ -236,6 +236,13 @@ def check_run(c, field_names: list[str]) -> None:
     trackers.check(c.report_to)
     if not c.reward_funcs:
         fail("reward_funcs", c.reward_funcs, "at least one reward function name")
+    lo_hi = c.judge_score_range
+    if (not isinstance(lo_hi, (list, tuple)) or len(lo_hi) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in lo_hi)
+            or not lo_hi[0] < lo_hi[1]):
+        fail("judge_score_range", lo_hi, "[low, high]: two finite numbers with low < high")
+    if c.judge_model is None and any(r in ("judge_score", "judge_rank") for r in [*c.reward_funcs, c.partial_credit_judge]):
+        fail("judge_model", None, "a judge model (a local folder of a causal LM, or 'default') for the judge_score / judge_rank rewards")
     if c.reward_weights is not None:
         if len(c.reward_weights) != len(c.reward_funcs):
             fail("reward_weights", c.reward_weights, f"one weight per reward function ({len(c.reward_funcs)}: {c.reward_funcs})")

@@ -31,7 +31,7 @@ PROGRESS_KEYS = ("reward", "eval/accuracy", "completions/mean_length", "step_tim
 SUMMED = frozenset({
     "num_tokens", "num_micro_batches", "tokens_per_second", "rewards/non_finite",
     "rollout/generated_tokens", "rollout/reprefill_tokens", "rollout/carried_over", "rollout/dropped_stale",
-    "rollout/in_flight",
+    "rollout/in_flight", "judge/tokens", "judge/requests", "judge/unparsable", "judge/overlong",
 })
 
 

@@ -31,6 +31,7 @@ class RolloutMode:
     shapes_parallel_groups: bool = False  # takes the options that shape parallel groups' advantages (dynamic
     #   sampling, difficulty weights, noise-aware weights, partial credit, multi-objective aggregation)
     runs_on_many_ranks: bool = False  # under torchrun
+    streams_groups: bool = False  # `sample` takes on_group: its groups can be scored as the engine finishes them
 
     def checks(self) -> tuple:
         """config_checks.Combination rows that hold while this mode is chosen (checked before the table's)."""
@@ -59,7 +60,8 @@ class RolloutMode:
     def sample(self, engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, c, sampling,
                seed: Callable[[], int]):
         """The `Rollouts` of `prompts` (`first`: the position of prompts[0] in the generation batch, which
-        seeds it; `seed()`: the next engine call's seed)."""
+        seeds it; `seed()`: the next engine call's seed). A mode with `streams_groups` also takes
+        `on_group=` and hands it to the engine (prompt i's group: the Rollouts' rows i*G ... (i+1)*G - 1)."""
         raise NotImplementedError
 
     def advantages(self, batch, c, judge=None, *, prompt_column: str = "prompt", conversational: bool = False,

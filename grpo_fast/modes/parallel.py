@@ -12,16 +12,17 @@ class Parallel(RolloutMode):
     supports_partial_rollouts = True
     shapes_parallel_groups = True
     runs_on_many_ranks = True
+    streams_groups = True
 
     def sequence_text(self, c, longest=False) -> str:
         return "max_completion_length"
 
-    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
+    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, on_group=None):
         from ..rollout.base import prompt_seeds
         from ..train.batch import from_engine
 
         groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
-                                 sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first))
+                                 sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first), on_group=on_group)
         return from_engine(groups, prompts, rows)
 
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):

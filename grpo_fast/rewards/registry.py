@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .judge import JudgeRank, JudgeScore
 from .reward_model import RewardModel, is_reward_model_folder
 from .steps import chain_steps
 from .verifiable import LeadReward, LengthAwareMathReward, boxed_math_reward, format_reward, math_reward
@@ -20,6 +21,8 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "math_length": LengthAwareMathReward,
     "lead": LeadReward,
     "chain_steps": chain_steps,  # a step judge (partial_credit_judge), in [0, 1]
+    "judge_score": JudgeScore,  # a generative judge (judge=JudgeOptions), in [0, 1] (rewards/judge.py)
+    "judge_rank": JudgeRank,  # the same judge scoring a whole group at once (takes_groups)
 }
 
 
@@ -77,7 +80,8 @@ def get_reward_funcs(names: list[str] | str, **options) -> list[Callable]:
             import path, or a folder with a config.json: a reward model (rewards/reward_model.py); or
             already a callable (passed through) or a loaded transformers reward model.
         **options: keyword options for the built-in factories that declare them, e.g.
-            ``max_completion_length=256, buffer=64`` for ``"math_length"``; ignored by the others.
+            ``max_completion_length=256, buffer=64`` for ``"math_length"``, ``judge=JudgeOptions(model=...)``
+            for ``"judge_score"`` and ``"judge_rank"``; ignored by the others.
 
     Raises:
         ValueError: an unknown name (listing the known ones) or an import path that does not resolve.

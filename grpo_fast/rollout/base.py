@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import re
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Optional, Sequence, Union
 
@@ -140,6 +141,7 @@ class SamplingRequest:
     sampling: SamplingOptions
     stop_token_ids: tuple[int, ...]
     seed: Union[int, tuple[int, ...], None]  # one for the call, or one per prompt
+    regex: Optional[str] = None  # the output format: decoding constrained to text that matches it (a judge's)
 
     @property
     def per_prompt_seeds(self) -> bool:
@@ -160,6 +162,7 @@ def validate_request(
     seed,
     vocab_size: int,
     max_model_len: int,
+    regex: Optional[str] = None,
 ) -> tuple[list[list[int]], SamplingRequest]:
     """Check `generate`'s arguments before any work; return the prompts as lists of int and the request.
 
@@ -178,6 +181,13 @@ def validate_request(
         seed = tuple(int(s) for s in seed)
     elif seed is not None and not _is_int(seed):
         raise ValueError(f"seed must be an int, one int per prompt, or None, got {seed!r}")
+    if regex is not None:
+        if not isinstance(regex, str) or not regex:
+            raise ValueError(f"regex (the output format) must be a non-empty regular expression or None, got {regex!r}")
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ValueError(f"regex (the output format) {regex!r} is not a regular expression: {err}") from None
     stops = tuple(int(t) for t in (stop_token_ids or ()))
     bad_stops = [t for t in stops if not 0 <= t < vocab_size]
     if bad_stops:
@@ -209,6 +219,7 @@ def validate_request(
         sampling=sampling,
         stop_token_ids=stops,
         seed=seed if seed is None or isinstance(seed, tuple) else int(seed),
+        regex=regex,
     )
     return prompts, request
 
@@ -234,13 +245,14 @@ ENGINE_CONTRACT = {
     "max_model_len": "prompt + completion limit in tokens",
     "dtype": "the torch dtype it samples in (the IS correction's default and the sync check's bound read it)",
     "shares_weights_with": "shares_weights_with(model) -> bool: samples with the policy's own weights (no sync, no IS)",
-    "generate": "generate(prompt_ids, n=, max_new_tokens=, sampling=, seed=) -> groups of Completion",
+    "generate": "generate(prompt_ids, n=, max_new_tokens=, sampling=, seed=, regex=, on_group=) -> groups of Completion",
     "update_weights": "update_weights(model or (name, tensor) pairs): the new policy weights, in place",
     "prompt_logprobs": "prompt_logprobs(token_ids) -> log-probs of token_ids[1:] (the sync probe)",
     "reset_prefix_cache": "reset_prefix_cache(): forget cached KV blocks",
     "sleep": "sleep(): release memory during the training part of a step (a no-op where unsupported)",
     "wake": "wake(): restore what sleep released",
     "runs_partial_rollouts": "whether it implements generate_until (partial rollouts)",
+    "streams_groups": "whether generate calls on_group as each group finishes (then groups are scored meanwhile)",
 }
 
 
@@ -261,6 +273,7 @@ class RolloutEngine:
     max_model_len: int
     dtype: torch.dtype
     runs_partial_rollouts = False  # implements `_generate_until`
+    streams_groups = False  # `_generate` calls on_group itself, as each group finishes (else: after the call)
 
     def shares_weights_with(self, model) -> bool:
         """Whether it samples with `model`'s own weights (then nothing is synced and no IS is needed)."""
@@ -278,6 +291,8 @@ class RolloutEngine:
         sampling: Optional[SamplingOptions] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
         seed: Union[int, Sequence[int], None] = None,
+        regex: Optional[str] = None,
+        on_group: Optional[Callable[[int, list[Completion]], None]] = None,
         **options,
     ) -> list[list[Completion]]:
         """Sample `n` completions for every prompt; returns one group (list of n) per prompt, in order.
@@ -289,6 +304,11 @@ class RolloutEngine:
         seed: makes this call's sampling reproducible (None: continue the engine's random stream). A
         list gives each prompt its own seed: a prompt's group then depends only on its prompt and
         seed, not on the other prompts of the call, so a batch split over ranks samples the same.
+        regex: constrain decoding to text matching it (vLLM's structured outputs; a grammar logits
+        processor on HF), e.g. a judge's score format; None: free text.
+        on_group(i, group): called with prompt i's group as soon as all its n completions have finished
+        (vLLM: while the engine still decodes the other prompts, so they can be scored meanwhile; an
+        engine that cannot stream calls it for every group after the batch), in the calling thread.
         """
         prompts, request = validate_request(
             prompt_ids,
@@ -299,14 +319,19 @@ class RolloutEngine:
             seed=seed,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
+            regex=regex,
         )
         if not prompts:
             return []
-        groups = self._generate(prompts, request)
+        groups = self._generate(prompts, request, on_group if self.streams_groups else None)
         assert len(groups) == len(prompts) and all(len(g) == request.n for g in groups)
+        if on_group is not None and not self.streams_groups:
+            for i, group in enumerate(groups):
+                on_group(i, group)
         return groups
 
-    def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest,
+                  on_group: Optional[Callable[[int, list[Completion]], None]] = None) -> list[list[Completion]]:
         raise NotImplementedError
 
     def generate_until(

@@ -122,7 +122,7 @@ class HFEngine(RolloutEngine):
     def update_weights(self, weights) -> None:
         """Nothing to copy: this engine generates with the policy module itself."""
 
-    def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None) -> list[list[Completion]]:
         rows = [p for p in prompts for _ in range(request.n)]
         # per-prompt seeds: row j of prompt i samples with its own generator, seeded seed_i + j (as vLLM
         # seeds a request's j-th completion); one seed for the call: the global RNG, seeded once
@@ -158,13 +158,31 @@ class HFEngine(RolloutEngine):
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
-            logits_processor=LogitsProcessorList([*_warpers(request.sampling), recorder, *self._row_sampler(request, row_seeds)]),
+            logits_processor=LogitsProcessorList([*self._output_format(request.regex), *_warpers(request.sampling),
+                                                  recorder, *self._row_sampler(request, row_seeds)]),
         )
         logprobs = recorder.finish(sequences)
         new_ids = sequences[:, input_ids.shape[1] :]
         return [
             self._completion(new_ids[i].tolist(), logprobs[i].tolist(), limits[i], stop_ids) for i in range(len(rows))
         ]
+
+    def _output_format(self, regex: str | None) -> list:
+        """A grammar processor (xgrammar, the library behind vLLM's structured outputs) that masks every
+        token leaving `regex`'s language, before the warpers (as vLLM masks before sampling); one per
+        `generate` call (it keeps the rows' matcher states), the compiled grammar kept per regex."""
+        if regex is None:
+            return []
+        import xgrammar
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        if not hasattr(self, "_grammars"):
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=sorted(self.eos_ids))
+            self._grammar_compiler, self._grammars = xgrammar.GrammarCompiler(info), {}
+        if regex not in self._grammars:
+            self._grammars[regex] = self._grammar_compiler.compile_regex(regex)
+        return [LogitsProcessor(self._grammars[regex])]
 
     def _row_sampler(self, request: SamplingRequest, row_seeds: list[int] | None) -> list:
         if row_seeds is None or request.greedy:

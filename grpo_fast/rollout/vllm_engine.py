@@ -65,6 +65,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     runs_partial_rollouts = True
+    streams_groups = True
 
     def __init__(
         self,
@@ -138,20 +139,51 @@ class VLLMEngine(RolloutEngine):
         return compat.live_model(self.llm)
 
     # ---- generation -----------------------------------------------------------------------
-    def _generate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
         copies = request.n if request.greedy else 1
         seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
+        whole = {} if on_group is None else compat.RequestLoop.final_output()  # (what LLM.generate sets)
         params = [_sampling_params(request, n=1 if request.greedy else request.n, max_tokens=request.max_new_tokens,
-                                   seed=seed)  # children of one request get seed + index (vLLM's parallel sampling)
+                                   seed=seed, **whole)  # children of one request get seed + index (vLLM's parallel sampling)
                   for seed in seeds for _ in range(copies)]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
         tokenizer = self.llm.get_tokenizer()
-        completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
-        return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
+        if on_group is None:
+            with compat.ENGINE_LOCK:
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+            completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
+            return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
+        return self._generate_streaming(requests, params, copies, len(prompts), request.n, on_group, tokenizer)
+
+    def _generate_streaming(self, requests, params, copies: int, n_prompts: int, n: int, on_group, tokenizer):
+        """`generate` through vLLM's request loop, handing each prompt's group to on_group(i, group) at the
+        step its last completion finishes (the same requests and seeds as `LLM.generate`: the same tokens)."""
+        engine = compat.RequestLoop(self.llm)
+        if engine.busy():
+            raise RuntimeError("generate: the vLLM engine still has requests of another call running")
+        self._rounds += 1
+        groups: list[list] = [[] for _ in range(n_prompts)]
+        ids = [f"generate{self._rounds}-{k}" for k in range(len(requests))]
+        owner = {rid: k // copies for k, rid in enumerate(ids)}  # request id -> its prompt
+        try:
+            for rid, prompt, p in zip(ids, requests, params, strict=True):
+                engine.add(rid, prompt, p)
+            while engine.busy():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    i = owner[out.request_id]
+                    groups[i] += [self._completion(c, tokenizer) for c in out.outputs]
+                    if len(groups[i]) == n:
+                        on_group(i, groups[i])
+        finally:
+            left = [rid for rid in ids if len(groups[owner[rid]]) < n]
+            if left:  # (an error, or on_group raising: nothing of this call stays in the engine)
+                engine.abort(left)
+        return groups
 
     def _generate_until(self, requests, request: SamplingRequest, enough, more) -> Round:
         """vLLM's engine request loop: add every request, step until `enough` (adding what `more`
@@ -208,7 +240,8 @@ class VLLMEngine(RolloutEngine):
         if len(ids) < 2:
             raise ValueError(f"prompt_logprobs: needs at least 2 tokens, got {len(ids)}")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        with compat.ENGINE_LOCK:
+            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
     @staticmethod
@@ -229,14 +262,15 @@ class VLLMEngine(RolloutEngine):
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake() first")
         stream = self._prepare(_named_tensors(weights))
-        if not self.on_cpu:
-            for bucket in self._buckets(stream):
-                self.model.load_weights(weights=bucket)
-        elif self._repack_targets is not None:
-            self._load_and_repack(stream)
-        else:
-            compat.reload_weights(self.llm, stream, self.tied_embeddings)
-        self.reset_prefix_cache()
+        with compat.ENGINE_LOCK:
+            if not self.on_cpu:
+                for bucket in self._buckets(stream):
+                    self.model.load_weights(weights=bucket)
+            elif self._repack_targets is not None:
+                self._load_and_repack(stream)
+            else:
+                compat.reload_weights(self.llm, stream, self.tied_embeddings)
+            self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks (computed by old weights, or by a probe that should leave no trace)."""
@@ -323,7 +357,8 @@ def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed,
 
     # every SamplingOptions field by its name (they are named as vLLM names them): a new option needs no line here
     return SamplingParams(n=n, max_tokens=max_tokens, **dataclasses.asdict(request.sampling),
-                          stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0, detokenize=False, **extra)
+                          stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0, detokenize=False,
+                          **compat.structured_output(request.regex), **extra)
 
 
 def _token_logprobs(steps, token_ids) -> list[float]:

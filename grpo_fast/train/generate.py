@@ -22,8 +22,8 @@ from ..modes import rollout_mode
 from ..rewards.registry import reward_name
 from ..rollout.base import SamplingOptions, prompt_seeds
 from . import partial_rollouts
-from .batch import Rollouts
-from .score import conversational, score, zero_std_groups
+from .batch import Rollouts, from_engine
+from .score import GroupScorer, conversational, judge_metrics, score, zero_std_groups
 
 # Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run
 # reaches, so two runs' seeds (seed s, counter k) and (s', k') never coincide unless s = s', k = k'
@@ -94,19 +94,39 @@ def rank_share(prompt_index: list[int], world: World) -> tuple[list[int], int]:
 
 
 def sample(engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, config, sampling: SamplingOptions,
-           seed: Callable[[], int]) -> Rollouts:
-    """The engine's completions of `prompts` as the rollout mode samples them (`seed()`: the next call's seed)."""
-    return rollout_mode(config.rollout_mode).sample(engine, tokenizer, prompts, rows, first, config, sampling, seed)
+           seed: Callable[[], int], on_group=None) -> Rollouts:
+    """The engine's completions of `prompts` as the rollout mode samples them (`seed()`: the next call's seed;
+    on_group: handed to the engine where the mode streams its groups)."""
+    mode = rollout_mode(config.rollout_mode)
+    extra = {"on_group": on_group} if on_group is not None else {}
+    assert not extra or mode.streams_groups, f"rollout mode {mode.name!r} does not stream its groups"
+    return mode.sample(engine, tokenizer, prompts, rows, first, config, sampling, seed, **extra)
+
+
+def group_scorer(engine, data: TrainData, prompt_index: list[int], config) -> Optional[GroupScorer]:
+    """A scorer of the groups as the engine finishes them, where both the engine (vLLM) and the rollout mode
+    stream groups; None elsewhere (the batch is scored after sampling)."""
+    if not (engine.streams_groups and rollout_mode(config.rollout_mode).streams_groups):
+        return None
+    prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
+
+    def make_batch(indices: list[int], groups: list) -> Rollouts:
+        return from_engine(groups, [prompts[i] for i in indices], [rows[i] for i in indices])
+
+    return GroupScorer(data.reward_funcs, make_batch, config.prompt_column,
+                       conversational(rows[0][config.prompt_column]), group_size=config.group_size,
+                       timeout=config.reward_timeout)
 
 
 def generate(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, config,
-             sampling: SamplingOptions, engine_weights) -> Rollouts:
+             sampling: SamplingOptions, engine_weights, on_group=None) -> Rollouts:
     """Sample the prompts `prompt_index` (sleep mode: the engine woken for it, put back to sleep after)."""
     prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
     if config.vllm_enable_sleep_mode:
         engine.wake()
     with engine_weights():
-        batch = sample(engine, tokenizer, prompts, rows, first, config, sampling, lambda: next_seed(state, config))
+        batch = sample(engine, tokenizer, prompts, rows, first, config, sampling, lambda: next_seed(state, config),
+                       on_group)
     if config.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
         engine.sleep()
     return batch
@@ -144,19 +164,24 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                                  "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
     generated = 0
     while True:
+        scorer = None
         with timed(times, "time/generate"):
             if c.max_staleness:
                 part, round_stats = partial_round(engine, tokenizer, data, state, c, sampling)
             else:
                 more = world.size * (wanted - sum(len(k) // G for k in kept))
-                part = generate(engine, tokenizer, data, *rank_share(next_prompts(state, more, len(data.rows), c), world),
-                                state, c, sampling, engine_weights)
+                index, first = rank_share(next_prompts(state, more, len(data.rows), c), world)
+                scorer = group_scorer(engine, data, index, c)  # (vLLM: groups scored while the rest decode)
+                part = generate(engine, tokenizer, data, index, first, state, c, sampling, engine_weights,
+                                scorer.on_group if scorer is not None else None)
                 generated += sum(len(ids) for ids in part.completion_ids)
                 round_stats["rollout/generated_tokens"] = generated
-        with timed(times, "time/reward"):
-            scores = score(data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
-                           group_size=G, timeout=c.reward_timeout)
+        with timed(times, "time/reward"):  # (what scoring adds after decoding: the early groups' time is hidden)
+            scores = (scorer.finish(len(part) // G) if scorer is not None else
+                      score(data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
+                            group_size=G, timeout=c.reward_timeout))
             part.rewards = scores.rewards
+            part.stats.update(judge_metrics([*data.reward_funcs, data.judge]))
             part.stats["rewards_non_finite"] = scores.non_finite
             if c.reward_timeout is not None:  # (counted, and logged, where calls can time out)
                 part.stats.update({f"rewards/{reward_name(f)}/timeouts": scores.timeouts.get(reward_name(f), 0)

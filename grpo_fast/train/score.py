@@ -7,7 +7,9 @@ import asyncio
 import concurrent.futures
 import inspect
 import math
+import queue
 import threading
+import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -78,6 +80,79 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
 
 
 _TIMED_OUT = object()
+
+
+class GroupScorer:
+    """Scores a generation batch group by group while the engine still decodes the rest: `on_group(i,
+    group)` (the engine's callback) queues prompt i's finished group; a worker thread scores whatever
+    groups are queued each time it is free (several at once in one call per reward function, as `score`
+    calls them), so the reward functions' time hides behind decoding. `finish()` waits for the last ones
+    and returns the batch's `Scores`, rows in prompt order (group i's rows at i * G ... (i + 1) * G - 1).
+
+    make_batch(indices, groups) -> Rollouts of those groups (the rows of those prompts). Results equal
+    `score` on the whole batch for reward functions that score each completion (or, with takes_groups,
+    each group) on its own, which is TRL's contract for them. `scored_at[i]`: when group i's scoring began."""
+
+    def __init__(self, reward_funcs: Sequence[Callable], make_batch: Callable, prompt_column: str, conversational: bool,
+                 *, group_size: int, timeout: Optional[float] = None):
+        self._args = (reward_funcs, prompt_column, conversational, group_size, timeout)
+        self._make_batch, self._queue, self._done, self._error = make_batch, queue.Queue(), {}, None
+        self.scored_at: dict = {}
+        self._worker = threading.Thread(target=self._work, daemon=True, name="grpo_fast group scorer")
+        self._worker.start()
+
+    def on_group(self, i: int, group) -> None:
+        self._queue.put((i, group))
+
+    def _work(self) -> None:
+        funcs, column, chat, G, timeout = self._args
+        end = False
+        while not end:
+            items = [self._queue.get()]
+            while not self._queue.empty():  # everything finished meanwhile: one call
+                items.append(self._queue.get())
+            end = items[-1] is None
+            items = [item for item in items if item is not None]
+            if not items or self._error is not None:
+                continue
+            started = time.monotonic()
+            self.scored_at.update({i: started for i, _ in items})
+            try:
+                scores = score(funcs, self._make_batch([i for i, _ in items], [g for _, g in items]), column, chat,
+                               group_size=G, timeout=timeout)
+            except BaseException as err:  # (raised by finish(), in the trainer's thread)
+                self._error = err
+                continue
+            for k, (i, _) in enumerate(items):
+                self._done[i] = Scores(scores.rewards[k * G:(k + 1) * G], 0, {})
+            first = items[0][0]  # the call's counters go with its first group
+            self._done[first] = self._done[first]._replace(non_finite=scores.non_finite, timeouts=scores.timeouts)
+
+    def finish(self, n_groups: int) -> Scores:
+        """The Scores of groups 0 .. n_groups - 1 (waiting for the worker); a reward function's error re-raised."""
+        self._queue.put(None)
+        self._worker.join()
+        if self._error is not None:
+            raise self._error
+        missing = [i for i in range(n_groups) if i not in self._done]
+        assert not missing, f"groups never handed to the scorer: {missing}"
+        parts = [self._done[i] for i in range(n_groups)]
+        timeouts: dict = {}
+        for p in parts:
+            for name, count in p.timeouts.items():
+                timeouts[name] = timeouts.get(name, 0) + count
+        return Scores(torch.cat([p.rewards for p in parts]), sum(p.non_finite for p in parts), timeouts)
+
+
+def judge_metrics(reward_funcs: Sequence[Optional[Callable]]) -> dict:
+    """judge/* counters since the last call, summed over the distinct judges the reward functions use."""
+    judges = {id(j): j for f in reward_funcs if (j := getattr(f, "judge", None)) is not None
+              and callable(getattr(j, "metrics", None))}
+    out: dict = {}
+    for judge in judges.values():
+        for name, value in judge.metrics().items():
+            out[name] = out.get(name, 0) + value
+    return out
 
 
 def _run(coroutine):

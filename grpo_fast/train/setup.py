@@ -138,10 +138,18 @@ def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Opt
     from ..rewards import get_reward_funcs
 
     train_rows, eval_rows = datasets_from_config(config)
-    funcs = get_reward_funcs(list(config.reward_funcs), max_completion_length=config.max_completion_length,
-                             lead_alpha=config.lead_alpha, lead_wrong_reward=config.lead_wrong_reward,
-                             num_generations=rollout_mode(config.rollout_mode).graded_per_prompt(config))  # lead
+    funcs = get_reward_funcs(list(config.reward_funcs), **reward_options(config))
     return funcs, train_rows, eval_rows, task_eval_metrics(config.task) if config.dataset is None else None
+
+
+def reward_options(config) -> dict:
+    """The options the built-in reward factories take from the config (lead's, math_length's, the judges')."""
+    from ..rewards.judge import JudgeOptions
+
+    return dict(max_completion_length=config.max_completion_length, lead_alpha=config.lead_alpha,
+                lead_wrong_reward=config.lead_wrong_reward,
+                num_generations=rollout_mode(config.rollout_mode).graded_per_prompt(config),  # lead
+                judge=JudgeOptions.from_config(config))
 
 
 def encode(rows, tokenizer, config) -> list[list[int]]:
@@ -328,7 +336,7 @@ def partial_credit_judge(config, rows: list[dict]) -> Optional[Callable]:
     from ..rewards import get_reward_funcs
 
     try:
-        (judge,) = get_reward_funcs([config.partial_credit_judge])
+        (judge,) = get_reward_funcs([config.partial_credit_judge], **reward_options(config))
     except ValueError as err:
         raise ValueError(f"partial_credit_judge={config.partial_credit_judge!r}: {err}") from None
     check_reward_columns([judge], rows, "train_dataset")

@@ -332,5 +332,5 @@ def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, ti
     m["learning_rate"] = learning_rate
     m["skipped_steps"] = state.skipped_steps
     m["rewards/non_finite"] = batch.stats.get("rewards_non_finite", 0)
-    m.update({k: v for k, v in batch.stats.items() if k.endswith("/timeouts")})  # (with reward_timeout only)
+    m.update({k: v for k, v in batch.stats.items() if k.endswith("/timeouts") or k.startswith("judge/")})  # (where they apply)
     return m

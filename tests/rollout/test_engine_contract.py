@@ -69,6 +69,7 @@ class _FullEngine:
     vocab_size = 320
     max_model_len = 64
     runs_partial_rollouts = False
+    streams_groups = False
 
     @property
     def dtype(self):

@@ -1,0 +1,289 @@
+"""Generative judges as reward functions: a language model reads the prompt and a completion (or a whole
+group) and answers with a score.
+
+- `judge_score` (`JudgeScore`): one request per completion, answered with one number in
+  `score_range`, mapped to [0, 1] (so it can also be SGPO's `partial_credit_judge`).
+- `judge_rank` (`JudgeRank`, RULER-style): one request per group (`takes_groups`): the judge sees every
+  member of the group side by side and answers with one score per member, comma-separated, so the
+  scores are relative to each other as GRPO's advantages are.
+
+The judge decodes under its output format (a regular expression; vLLM's structured outputs, or
+xgrammar's logits processor on the HF engine) unless `structured_output` is off; then the last match
+of the format in its free text is taken. An answer that does not parse, or a score outside the range, is
+asked again up to `max_retries` times (a greedy judge would repeat itself: retries sample at
+temperature 1), then gives None (a missing value, as TRL treats None). The judge runs on an engine of
+its own, in this process (`engine`: vllm | hf | auto), which the policy's weight sync never touches;
+reward functions sharing one `JudgeOptions` share one engine (`judge_for`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+DEFAULT_SCORE_PROMPT = (
+    "Rate how well the response answers the question, from {min} (useless) to {max} (perfect).\n\n"
+    "Question:\n{prompt}\n\nResponse:\n{completion}\n\nReply with the score only."
+)
+DEFAULT_RANK_PROMPT = (
+    "Here are {n} responses to the same question. Score each from {min} (worst) to {max} (best), "
+    "comparing them with each other.\n\nQuestion:\n{prompt}\n\n{completions}\n\n"
+    "Reply with {n} scores, comma-separated, in the order of the responses."
+)
+ENGINES = ("auto", "vllm", "hf")
+
+
+@dataclass(frozen=True)
+class JudgeOptions:
+    """How a judge runs (GRPOConfig's judge_* fields; `from_config`)."""
+
+    model: str  # a local folder of a causal LM, or "default" (the default model)
+    engine: str = "auto"
+    prompt: Optional[str] = None  # None: DEFAULT_SCORE_PROMPT / DEFAULT_RANK_PROMPT
+    temperature: float = 0.0
+    max_new_tokens: int = 64
+    max_retries: int = 2
+    score_range: tuple = (0.0, 10.0)
+    structured_output: bool = True
+    dtype: str = "float32"  # the vLLM judge's
+    seed: int = 0
+
+    def __post_init__(self):
+        lo, hi = self.score_range
+        object.__setattr__(self, "score_range", (float(lo), float(hi)))
+
+    @classmethod
+    def from_config(cls, config) -> Optional["JudgeOptions"]:
+        if config.judge_model is None:
+            return None
+        return cls(model=config.judge_model, engine=config.judge_engine, prompt=config.judge_prompt,
+                   temperature=config.judge_temperature, max_new_tokens=config.judge_max_new_tokens,
+                   max_retries=config.judge_max_retries, score_range=tuple(config.judge_score_range),
+                   structured_output=config.judge_structured_output, seed=config.seed,
+                   dtype=config.vllm_dtype if config.vllm_dtype != "auto" else _auto_dtype())
+
+
+def _auto_dtype() -> str:
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"  # (a judge's scores need no bf16 speed on a CPU)
+
+
+def number_pattern(score_range: tuple) -> str:
+    """A number as a judge writes it within `score_range`: digits enough for the range, one decimal."""
+    lo, hi = score_range
+    digits = len(str(int(max(abs(lo), abs(hi)))))
+    return ("-?" if lo < 0 else "") + f"[0-9]{{1,{digits}}}(\\.[0-9])?"
+
+
+def render(text) -> str:
+    """A prompt or completion as the judge reads it: plain text, or a chat's messages one per line."""
+    if isinstance(text, list):
+        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in text)
+    return str(text)
+
+
+@dataclass
+class Judge:
+    """One judge model on its own engine: `ask` sends requests and parses the answers; `requests` logs every
+    request's text in order (what the judge saw); `metrics()` pops the counters since the last call."""
+
+    options: JudgeOptions
+    engine: object
+    tokenizer: object
+    context: int
+    requests: list = field(default_factory=list)
+    _counts: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0, "unparsable": 0, "requests": 0,
+                                                   "overlong": 0})
+
+    @classmethod
+    def start(cls, options: JudgeOptions) -> "Judge":
+        """Check the folder (before any weights load), then load the tokenizer and start the engine."""
+        import json
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        from ..models.loading import resolve_model_path
+        from ..rollout import engine_kind
+
+        if options.engine not in ENGINES:
+            raise ValueError(f"judge_engine must be one of {list(ENGINES)}, got {options.engine!r}")
+        try:
+            path = resolve_model_path(options.model)
+        except ValueError as err:
+            raise ValueError(f"judge_model={options.model!r}: {err}") from None
+        config = json.loads((Path(path) / "config.json").read_text())
+        context = int(config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings") or 2048)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if engine_kind(options.engine, loadable_from_disk=True) == "vllm":
+            from ..rollout import make_engine
+
+            context = min(context, 8192)  # (the KV cache of a judge beside the policy's engine)
+            engine = make_engine("vllm", model_path=path, dtype=options.dtype, max_model_len=context, seed=options.seed,
+                                 gpu_memory_utilization=0.15)
+        else:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            from ..rollout.hf_engine import HFEngine
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+            model.requires_grad_(False)
+            engine = HFEngine(model, tokenizer, max_model_len=context)
+        return cls(options, engine, tokenizer, context)
+
+    def encode(self, text: str) -> list[int]:
+        """The judge's input ids: its chat template around one user message when it has one."""
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def ask(self, texts: list[str], pattern: str, parse: Callable[[str], Optional[object]]) -> list[Optional[object]]:
+        """One answer per text, parsed by `parse` (None: unparsable); decoded under `pattern` when
+        structured output is on; unparsable ones asked again up to max_retries times."""
+        from ..rollout.base import SamplingOptions, hashed_seed
+
+        o = self.options
+        start = time.perf_counter()
+        self.requests += texts
+        self._counts["requests"] += len(texts)
+        ids = [self.encode(t) for t in texts]
+        answers: list = [None] * len(texts)
+        pending = [i for i, x in enumerate(ids) if len(x) + o.max_new_tokens <= self.context]
+        self._counts["overlong"] += len(texts) - len(pending)  # (no room to answer: missing)
+        for attempt in range(1 + o.max_retries):
+            if not pending:
+                break
+            temperature = o.temperature if attempt == 0 or o.temperature > 0 else 1.0
+            groups = self.engine.generate(
+                [ids[i] for i in pending], n=1, max_new_tokens=o.max_new_tokens,
+                sampling=SamplingOptions(temperature=temperature),
+                seed=[hashed_seed(zlib.crc32(texts[i].encode()), attempt, o.seed) for i in pending],
+                regex=pattern if o.structured_output else None)
+            for i, (c,) in zip(pending, groups, strict=True):
+                self._counts["tokens"] += len(c.token_ids)
+                answers[i] = parse(c.text if o.structured_output else _last_match(pattern, c.text))
+            pending = [i for i in pending if answers[i] is None]
+        self._counts["unparsable"] += len(pending)
+        self._counts["seconds"] += time.perf_counter() - start
+        return answers
+
+    def scale(self, value: float) -> Optional[float]:
+        """A score in score_range mapped to [0, 1]; None outside the range."""
+        lo, hi = self.options.score_range
+        return (value - lo) / (hi - lo) if lo <= value <= hi else None
+
+    def metrics(self) -> dict:
+        """judge/tokens, judge/seconds, judge/unparsable, judge/requests, judge/overlong since the last call."""
+        out = {f"judge/{k}": v for k, v in self._counts.items()}
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._counts["seconds"] = 0.0
+        return out
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+        _JUDGES.pop(self.options, None)
+
+
+def _last_match(pattern: str, text: str) -> Optional[str]:
+    """The last match of the format in free text (a judge that reasons first), or None."""
+    found = [m.group(0) for m in re.finditer(pattern, text)]
+    return found[-1] if found else None
+
+
+_JUDGES: dict = {}  # JudgeOptions -> Judge: reward functions with the same options share one engine
+
+
+def judge_for(options: JudgeOptions) -> Judge:
+    if options not in _JUDGES:
+        _JUDGES[options] = Judge.start(options)
+    return _JUDGES[options]
+
+
+def _template(options: JudgeOptions, default: str, needs: str, name: str) -> str:
+    prompt = options.prompt if options.prompt is not None else default
+    missing = [p for p in ("{prompt}", needs) if p not in prompt]
+    if missing:
+        raise ValueError(f"judge_prompt for {name}: expected a template with {{prompt}} and {needs}, "
+                         f"missing {missing}; got {prompt!r}")
+    lo, hi = options.score_range
+    num = (lambda x: str(int(x)) if float(x).is_integer() else str(x))
+    return prompt.replace("{min}", num(lo)).replace("{max}", num(hi))
+
+
+def _need_judge(judge: Optional[JudgeOptions], name: str) -> JudgeOptions:
+    if judge is None:
+        raise ValueError(f"reward {name!r} needs a judge model: set judge_model (a local folder of a causal LM, or "
+                         f"'default'), or from Python get_reward_funcs([{name!r}], judge=JudgeOptions(model=...))")
+    lo, hi = judge.score_range
+    if not lo < hi:
+        raise ValueError(f"judge_score_range must be [low, high] with low < high, got {list(judge.score_range)}")
+    return judge
+
+
+class JudgeScore:
+    """judge_score: the judge scores each completion alone; in [0, 1] (score_range mapped), None when unparsable."""
+
+    __name__ = "judge_score"
+
+    def __init__(self, judge: Optional[JudgeOptions] = None):
+        self.options = _need_judge(judge, "judge_score")
+        self.template = _template(self.options, DEFAULT_SCORE_PROMPT, "{completion}", "judge_score")
+        self.pattern = number_pattern(self.options.score_range)
+        self.judge = judge_for(self.options)
+
+    def __call__(self, prompts, completions, **columns) -> list[Optional[float]]:
+        texts = [self.template.replace("{prompt}", render(p)).replace("{completion}", _content(c))
+                 for p, c in zip(prompts, completions, strict=True)]
+        return self.judge.ask(texts, self.pattern, self._parse)
+
+    def _parse(self, text: Optional[str]) -> Optional[float]:
+        try:
+            return self.judge.scale(float(text.strip()))
+        except (AttributeError, ValueError):
+            return None
+
+
+
+class JudgeRank:
+    """judge_rank (RULER-style): the judge sees a whole group and scores each member against the others;
+    called once per group (`takes_groups`); [0, 1] per member, None for the group when unparsable."""
+
+    __name__ = "judge_rank"
+    takes_groups = True
+
+    def __init__(self, judge: Optional[JudgeOptions] = None):
+        self.options = _need_judge(judge, "judge_rank")
+        self.template = _template(self.options, DEFAULT_RANK_PROMPT, "{completions}", "judge_rank")
+        self.number = number_pattern(self.options.score_range)
+        self.judge = judge_for(self.options)
+
+    def __call__(self, prompts, completions, **columns) -> list[Optional[float]]:
+        n = len(completions)
+        listed = "\n\n".join(f"Response {k + 1}:\n{_content(c)}" for k, c in enumerate(completions))
+        text = self.template.replace("{prompt}", render(prompts[0])).replace("{completions}", listed).replace("{n}", str(n))
+        pattern = self.number + f"(, {self.number}){{{n - 1}}}" if n > 1 else self.number
+        (scores,) = self.judge.ask([text], pattern, lambda t: self._parse(t, n))
+        return scores if scores is not None else [None] * n
+
+    def _parse(self, text: Optional[str], n: int) -> Optional[list]:
+        try:
+            values = [self.judge.scale(float(v)) for v in text.strip().split(",")]
+        except (AttributeError, ValueError):
+            return None
+        return values if len(values) == n and None not in values else None
+
+
+def _content(completion) -> str:
+    """A completion's text: itself, or a conversational completion's last message's content."""
+    if isinstance(completion, list):
+        return str(completion[-1].get("content", "")) if completion else ""
+    return str(completion)
