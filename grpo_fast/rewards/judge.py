@@ -73,8 +73,13 @@ def _auto_dtype() -> str:
 
 
 def number_pattern(score_range: tuple) -> str:
-    """A number as a judge writes it within `score_range`: digits enough for the range, one decimal."""
+    """A number as a judge writes it within `score_range`, with at most one decimal: for integer bounds at
+    most 100 apart exactly the range (0-10: `(10(\\.0)?|(9|...|0)(\\.[0-9])?)`), else digits enough for it
+    (the parse then refuses what lies outside)."""
     lo, hi = score_range
+    if float(lo).is_integer() and float(hi).is_integer() and hi - lo <= 100:
+        below = sorted(range(int(lo), int(hi)), key=lambda k: (len(str(k)), k), reverse=True)  # (longest first: a
+        return f"({int(hi)}(\\.0)?|({'|'.join(map(str, below))})(\\.[0-9])?)"        #  search takes "10", not "1")
     digits = len(str(int(max(abs(lo), abs(hi)))))
     return ("-?" if lo < 0 else "") + f"[0-9]{{1,{digits}}}(\\.[0-9])?"
 

@@ -98,6 +98,8 @@ class GroupScorer:
         self._args = (reward_funcs, prompt_column, conversational, group_size, timeout)
         self._make_batch, self._queue, self._done, self._error = make_batch, queue.Queue(), {}, None
         self.scored_at: dict = {}
+        self._threads = torch.get_num_threads()  # (the worker's OpenMP count starts at the default; vLLM's CPU
+        #   attention checks that it is the count the engine was built with, so a judge called from it must agree)
         self._worker = threading.Thread(target=self._work, daemon=True, name="grpo_fast group scorer")
         self._worker.start()
 
@@ -106,6 +108,7 @@ class GroupScorer:
 
     def _work(self) -> None:
         funcs, column, chat, G, timeout = self._args
+        torch.set_num_threads(self._threads)
         end = False
         while not end:
             items = [self._queue.get()]

@@ -106,3 +106,21 @@ def test_max_model_len_caps_generation(tiny_policy):
     (a,), (b,) = engine.generate([[1, 2, 3, 4, 5, 6], [1, 2]], n=1, max_new_tokens=10, temperature=0)
     assert len(a.token_ids) == 2 and a.finish_reason == "length"
     assert len(b.token_ids) == 6
+
+
+def test_decoding_under_a_regex_and_on_group_after_the_batch(engine):
+    """The HF engine constrains decoding with xgrammar's processor (what vLLM's structured outputs use), sampled
+    and greedy; it cannot stream, so on_group comes for every group, in order, after the batch."""
+    import re
+
+    pattern = r"[0-9]{1,2}(, [0-9]{1,2}){2}"
+    handed = []
+    for temperature in (1.0, 0.0):
+        groups = engine.generate(PROMPTS, n=2, max_new_tokens=20, temperature=temperature, seed=3, regex=pattern,
+                                 on_group=lambda i, g: handed.append(i))
+        texts = [c.text for g in groups for c in g]
+        assert all(re.fullmatch(pattern, t) for t in texts), texts
+        assert all(c.finish_reason == "stop" and len(c.logprobs) == len(c.token_ids) for g in groups for c in g)
+    assert handed == [0, 1, 2, 0, 1, 2]
+    free = engine.generate(PROMPTS, n=2, max_new_tokens=20, seed=3)
+    assert not any(re.fullmatch(pattern, c.text) for g in free for c in g)

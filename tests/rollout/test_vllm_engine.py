@@ -324,3 +324,72 @@ def test_generate_until_refuses_bad_requests(engine):
     with pytest.raises(ValueError, match=r"prompt_ids\[0\] holds token id"):
         engine.generate_until([Continuation([10_000], 4, 0)], lambda flags: False)
     assert engine.generate_until([], lambda flags: True).completions == []
+
+
+SCORES = r"[0-9]{1,2}(\.[0-9])?(, [0-9]{1,2}(\.[0-9])?){3}"  # a judge's answer format: four scores
+
+
+def test_decoding_under_a_regex_matches_it_and_free_decoding_does_not(engine, tiny_policy):
+    """Structured outputs (the judges' format): every sampled and greedy answer matches the regex; the same
+    requests decoded freely do not (a random model writes anything)."""
+    import re
+
+    engine.update_weights(tiny_policy[0])
+    for temperature in (1.0, 0.0):
+        groups = engine.generate(PROMPTS, n=2, max_new_tokens=30, temperature=temperature, seed=4, regex=SCORES)
+        texts = [c.text for g in groups for c in g]
+        assert all(re.fullmatch(SCORES, t) for t in texts), texts
+        assert all(c.finish_reason == "stop" for g in groups for c in g)
+    free = engine.generate(PROMPTS, n=2, max_new_tokens=30, seed=4)
+    assert not any(re.fullmatch(SCORES, c.text) for g in free for c in g)
+    with pytest.raises(ValueError, match=r"regex \(the output format\) '\[0-9' is not a regular expression"):
+        engine.generate(PROMPTS, n=1, max_new_tokens=4, regex="[0-9")
+
+
+def test_on_group_hands_each_group_over_as_it_finishes_with_the_same_tokens(engine, tiny_policy):
+    """on_group(i, group) comes at the engine step the group's last completion ends (a prompt close to
+    max_model_len ends first), in the calling thread, and the call samples what a plain call samples."""
+    import threading
+
+    engine.update_weights(tiny_policy[0])
+    prompts = [[5, 6, 7], list(range(3, 3 + MAX_MODEL_LEN - 4)), [9, 10, 11]]  # the middle one has room for 4 tokens
+    plain = engine.generate(prompts, n=2, max_new_tokens=40, seed=[1, 2, 3])
+    handed = []
+    streamed = engine.generate(prompts, n=2, max_new_tokens=40, seed=[1, 2, 3],
+                               on_group=lambda i, g: handed.append((i, [c.token_ids for c in g], threading.current_thread())))
+    assert [[c.token_ids for c in g] for g in streamed] == [[c.token_ids for c in g] for g in plain]
+    assert [[c.logprobs for c in g] for g in streamed] == [[c.logprobs for c in g] for g in plain]
+    assert sorted(i for i, _, _ in handed) == [0, 1, 2] and handed[0][0] == 1, "the short group first"
+    assert all(ids == [c.token_ids for c in streamed[i]] for i, ids, _ in handed)
+    assert all(t is threading.current_thread() for _, _, t in handed)
+
+
+def test_groups_are_scored_while_the_engine_still_decodes_the_rest(engine, tiny_policy):
+    """A GroupScorer fed by on_group scores the early groups before the last group finishes decoding (their
+    timestamps), and its scores equal the whole batch's scored at once."""
+    import time
+
+    from grpo_fast.train.batch import from_engine
+    from grpo_fast.train.score import GroupScorer, score
+
+    engine.update_weights(tiny_policy[0])
+    prompts = [list(range(3, 3 + MAX_MODEL_LEN - 4)), [5, 6, 7], [9, 10, 11]]  # group 0 has room for 4 tokens
+    rows = [{"prompt": f"p{i}"} for i in range(len(prompts))]
+    started, finished = {}, {}
+
+    def length(prompts, completions, completion_ids, **columns):
+        started.setdefault(prompts[0], time.monotonic())
+        return [float(len(ids)) for ids in completion_ids]
+
+    scorer = GroupScorer([length], lambda idx, groups: from_engine(groups, [prompts[i] for i in idx], [rows[i] for i in idx]),
+                         "prompt", False, group_size=2)
+
+    def on_group(i, group):
+        finished[i] = time.monotonic()
+        scorer.on_group(i, group)
+
+    groups = engine.generate(prompts, n=2, max_new_tokens=48, seed=[1, 2, 3], on_group=on_group)
+    early = scorer.finish(len(prompts))
+    assert started["p0"] < max(finished.values()), (started, finished)
+    whole = score([length], from_engine(groups, prompts, rows), "prompt", False, group_size=2)
+    assert torch.equal(early.rewards, whole.rewards) and early.rewards[:2].eq(4).all()
