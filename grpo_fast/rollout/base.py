@@ -323,7 +323,8 @@ class RolloutEngine:
         )
         if not prompts:
             return []
-        groups = self._generate(prompts, request, on_group if self.streams_groups else None)
+        # (an engine that does not stream keeps the two-argument _generate)
+        groups = self._generate(prompts, request, on_group) if self.streams_groups and on_group else self._generate(prompts, request)
         assert len(groups) == len(prompts) and all(len(g) == request.n for g in groups)
         if on_group is not None and not self.streams_groups:
             for i, group in enumerate(groups):
@@ -342,13 +343,15 @@ class RolloutEngine:
         more: Optional[Callable[[list[bool]], Sequence[Continuation]]] = None,
         sampling: Optional[SamplingOptions] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
+        on_finished: Optional[Callable[[int, Completion], None]] = None,
         **options,
     ) -> Round:
         """Run `requests` (one completion each) step by step until `enough(finished)` is true after a
         step (finished: one flag per request) or every request has finished; abort the rest and
         return what each produced. After every step that was not enough, `more(finished)` may add
         requests (they join the running batch at once: how a round keeps its slots full).
-        `sampling` and its fields as keywords: as in `generate`.
+        `sampling` and its fields as keywords: as in `generate`. on_finished(k, completion): called when
+        request k finishes, at that step (so its group can be scored while the round runs on).
         Partial rollouts (train/partial_rollouts.py) are built on it."""
         sampling = _sampling(sampling, options)
 
@@ -363,7 +366,9 @@ class RolloutEngine:
         first, request = admit(requests)
         if not first:
             return Round([], [], [])
-        result = self._generate_until(first, request, enough, (lambda f: admit(more(f))[0]) if more else (lambda f: []))
+        extra = {"on_finished": on_finished} if on_finished is not None else {}
+        result = self._generate_until(first, request, enough, (lambda f: admit(more(f))[0]) if more else (lambda f: []),
+                                      **extra)
         assert len(result.completions) >= len(first)
         return result
 

@@ -185,7 +185,7 @@ class VLLMEngine(RolloutEngine):
                 engine.abort(left)
         return groups
 
-    def _generate_until(self, requests, request: SamplingRequest, enough, more) -> Round:
+    def _generate_until(self, requests, request: SamplingRequest, enough, more, on_finished=None) -> Round:
         """vLLM's engine request loop: add every request, step until `enough` (adding what `more`
         gives after each step), abort the rest.
 
@@ -220,6 +220,8 @@ class VLLMEngine(RolloutEngine):
                     logprobs[i] += _token_logprobs(c.logprobs, c.token_ids)
                     if out.finished:
                         finish[i], finished_at[i] = c.finish_reason, len(running) - 1
+                        if on_finished is not None:
+                            on_finished(i, Completion(list(ids[i]), list(logprobs[i]), c.finish_reason, ""))
                 if enough([f is not None for f in finish]):
                     break
                 add(more([f is not None for f in finish]))

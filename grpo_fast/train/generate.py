@@ -23,7 +23,7 @@ from ..rewards.registry import reward_name
 from ..rollout.base import SamplingOptions, prompt_seeds
 from . import partial_rollouts
 from .batch import Rollouts, from_engine
-from .score import GroupScorer, conversational, judge_metrics, score, zero_std_groups
+from .score import GroupScorer, Scores, conversational, judge_metrics, score, zero_std_groups
 
 # Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run
 # reaches, so two runs' seeds (seed s, counter k) and (s', k') never coincide unless s = s', k = k'
@@ -132,8 +132,11 @@ def generate(engine, tokenizer, data: TrainData, prompt_index: list[int], first:
     return batch
 
 
-def partial_round(engine, tokenizer, data: TrainData, state, config, sampling: SamplingOptions) -> tuple[Rollouts, dict]:
-    """Partial rollouts: drop the too-stale groups, run a round (it draws new prompts as slots free up)."""
+def partial_round(engine, tokenizer, data: TrainData, state, config,
+                  sampling: SamplingOptions) -> tuple[Rollouts, dict, Optional[Callable[[], Scores]]]:
+    """Partial rollouts: drop the too-stale groups, run a round (it draws new prompts as slots free up);
+    (the groups to train, the round's metrics, where the engine streams a call that waits for their
+    scores: each group was scored as its last member finished, while the round ran on; else None)."""
     c = config
     pool, dropped = partial_rollouts.drop_stale(state.in_flight, state.policy_version, c.max_staleness)
 
@@ -143,12 +146,23 @@ def partial_round(engine, tokenizer, data: TrainData, state, config, sampling: S
 
     if c.vllm_enable_sleep_mode:
         engine.wake()
-    batch, state.in_flight, stats = partial_rollouts.run_round(
-        engine, tokenizer, pool, draw, data.prompt_ids, data.rows, c, sampling=sampling, version=state.policy_version)
+    scorer = None
+    if engine.streams_groups:
+        scorer = GroupScorer(data.reward_funcs, lambda keys, groups: Rollouts.concat(groups), c.prompt_column,
+                             conversational(data.rows[0][c.prompt_column]), group_size=c.group_size,
+                             timeout=c.reward_timeout)
+    batch, state.in_flight, stats, trained = partial_rollouts.run_round(
+        engine, tokenizer, pool, draw, data.prompt_ids, data.rows, c, sampling=sampling, version=state.policy_version,
+        on_complete=(lambda g, group: scorer.on_group(id(g), group)) if scorer is not None else None)
     if c.vllm_enable_sleep_mode:
         engine.sleep()
     stats["rollout/dropped_stale"] = dropped
-    return batch, stats
+    if scorer is None:
+        return batch, stats, None
+    # (a group complete before this round, trained only now, was never handed over: scored at the end)
+    G = c.group_size
+    late = {id(g): batch.select(range(k * G, (k + 1) * G)) for k, g in enumerate(trained)}
+    return batch, stats, lambda: scorer.finish([id(g) for g in trained], late=late)
 
 
 # ---- the stage: generate and score, with dynamic sampling ------------------------------------
@@ -164,10 +178,10 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                                  "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
     generated = 0
     while True:
-        scorer = None
+        scorer, early = None, None
         with timed(times, "time/generate"):
             if c.max_staleness:
-                part, round_stats = partial_round(engine, tokenizer, data, state, c, sampling)
+                part, round_stats, early = partial_round(engine, tokenizer, data, state, c, sampling)
             else:
                 more = world.size * (wanted - sum(len(k) // G for k in kept))
                 index, first = rank_share(next_prompts(state, more, len(data.rows), c), world)
@@ -177,7 +191,7 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                 generated += sum(len(ids) for ids in part.completion_ids)
                 round_stats["rollout/generated_tokens"] = generated
         with timed(times, "time/reward"):  # (what scoring adds after decoding: the early groups' time is hidden)
-            scores = (scorer.finish(len(part) // G) if scorer is not None else
+            scores = (early() if early is not None else scorer.finish(range(len(part) // G)) if scorer is not None else
                       score(data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
                             group_size=G, timeout=c.reward_timeout))
             part.rewards = scores.rewards

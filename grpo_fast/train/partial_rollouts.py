@@ -83,11 +83,13 @@ def drop_stale(pool: list[Group], version: int, max_staleness: int) -> tuple[lis
 
 
 def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[Group]], prompt_ids: list[list[int]],
-              rows: list[dict], config, *, sampling: SamplingOptions,
-              version: int) -> tuple[Rollouts, list[Group], dict]:
+              rows: list[dict], config, *, sampling: SamplingOptions, version: int,
+              on_complete: Optional[Callable[[Group, Rollouts], None]] = None) -> tuple[Rollouts, list[Group], dict, list[Group]]:
     """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups), sampled with
     `sampling`: (the complete groups to train as Rollouts, the pool left for the next round, the
-    round's rollout/ metrics).
+    round's rollout/ metrics, the trained groups in the Rollouts' order). on_complete(group, its
+    Rollouts): called at the engine step a group's last member finishes in this round (to score it
+    while the round runs on; a group complete before the round is not handed over).
 
     Three rules keep the engine busy without bias or waste (docs/design.md, "Partial rollouts"):
     - slots: the round keeps prompts_per_generation x (1 + rollout_overprovision) groups' worth of
@@ -101,6 +103,7 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
     slots = math.ceil(wanted * (1 + config.rollout_overprovision)) * size
     ahead = (config.max_staleness + 1) * wanted
     running, requests, carried, members_left, slot = [], [], [], [], {}
+    queued, done = {}, {}  # id(group) -> its requests (member, request index); request index -> Completion
 
     def join(groups: list[Group]) -> list[Continuation]:
         """Queue the unfinished members of `groups` (already in the pool or new) as requests."""
@@ -110,6 +113,7 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
             members_left.append(sum(m.finish is None for m in g.members))
             for j, m in enumerate(g.members):
                 if m.finish is None:
+                    queued.setdefault(id(g), []).append((j, len(running)))
                     running.append((g, j, m))
                     carried.append(bool(m.ids))  # continued from an earlier round
                     new.append(Continuation(prompt_ids[g.prompt] + m.ids, budget - len(m.ids),
@@ -136,7 +140,18 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
     def more(finished: list[bool]) -> list[Continuation]:
         return join(top_up(finished.count(False)))
 
-    result = engine.generate_until(requests, enough, more=more, sampling=sampling)
+    def finished(k: int, c) -> None:  # (the engine's callback: request k ended at this step)
+        done[k] = c
+        g = running[k][0]
+        if all(r in done for _, r in queued[id(g)]):
+            ended = {j: done[r] for j, r in queued[id(g)]}
+            members = [Member(m.ids + ended[j].token_ids, m.logp + ended[j].logprobs,
+                              m.ver + [version] * len(ended[j].token_ids), ended[j].finish_reason) if j in ended else m
+                       for j, m in enumerate(g.members)]
+            on_complete(g, _as_rollouts([Group(g.prompt, g.seed, members)], prompt_ids, rows, tokenizer))
+
+    result = engine.generate_until(requests, enough, more=more, sampling=sampling,
+                                   on_finished=finished if on_complete is not None else None)
     last_step = {}  # id(group) -> the engine step at which its last member finished in this round
     for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
         m.ids += c.token_ids
@@ -157,7 +172,7 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
              "rollout/generated_tokens": sum(len(c.token_ids) for c in result.completions),
              "rollout/reprefill_tokens": sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c),
              "rollout/in_flight": len(pool)}
-    return _as_rollouts(trained, prompt_ids, rows, tokenizer), left, stats
+    return _as_rollouts(trained, prompt_ids, rows, tokenizer), left, stats, trained
 
 
 def _as_rollouts(groups: list[Group], prompt_ids, rows, tokenizer) -> Rollouts:

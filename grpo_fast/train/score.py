@@ -83,28 +83,31 @@ _TIMED_OUT = object()
 
 
 class GroupScorer:
-    """Scores a generation batch group by group while the engine still decodes the rest: `on_group(i,
-    group)` (the engine's callback) queues prompt i's finished group; a worker thread scores whatever
-    groups are queued each time it is free (several at once in one call per reward function, as `score`
-    calls them), so the reward functions' time hides behind decoding. `finish()` waits for the last ones
-    and returns the batch's `Scores`, rows in prompt order (group i's rows at i * G ... (i + 1) * G - 1).
+    """Scores a generation batch group by group while the engine still decodes the rest: `on_group(key,
+    group)` (the engine's callback) queues a finished group; a worker thread scores whatever groups are
+    queued each time it is free (several at once, one call per reward function, as `score` calls them), so
+    the reward functions' time hides behind decoding. `finish(keys)` waits for the last ones and returns
+    the `Scores` of the groups `keys`, in that order (G rows each).
 
-    make_batch(indices, groups) -> Rollouts of those groups (the rows of those prompts). Results equal
-    `score` on the whole batch for reward functions that score each completion (or, with takes_groups,
-    each group) on its own, which is TRL's contract for them. `scored_at[i]`: when group i's scoring began."""
+    make_batch(keys, groups) -> the Rollouts of those groups, in order (the synchronous stage hands over
+    the engine's groups of Completion, partial rollouts a group's Rollouts). Results equal `score` on the
+    whole batch for reward functions that score each completion (or, with takes_groups, each group) on
+    its own, which is TRL's contract for them. `scored_at[key]`: when that group's scoring began."""
 
     def __init__(self, reward_funcs: Sequence[Callable], make_batch: Callable, prompt_column: str, conversational: bool,
                  *, group_size: int, timeout: Optional[float] = None):
         self._args = (reward_funcs, prompt_column, conversational, group_size, timeout)
         self._make_batch, self._queue, self._done, self._error = make_batch, queue.Queue(), {}, None
         self.scored_at: dict = {}
+        self._handed: set = set()
         self._threads = torch.get_num_threads()  # (the worker's OpenMP count starts at the default; vLLM's CPU
         #   attention checks that it is the count the engine was built with, so a judge called from it must agree)
         self._worker = threading.Thread(target=self._work, daemon=True, name="grpo_fast group scorer")
         self._worker.start()
 
-    def on_group(self, i: int, group) -> None:
-        self._queue.put((i, group))
+    def on_group(self, key, group) -> None:
+        self._handed.add(key)
+        self._queue.put((key, group))
 
     def _work(self) -> None:
         funcs, column, chat, G, timeout = self._args
@@ -131,15 +134,21 @@ class GroupScorer:
             first = items[0][0]  # the call's counters go with its first group
             self._done[first] = self._done[first]._replace(non_finite=scores.non_finite, timeouts=scores.timeouts)
 
-    def finish(self, n_groups: int) -> Scores:
-        """The Scores of groups 0 .. n_groups - 1 (waiting for the worker); a reward function's error re-raised."""
+    def finish(self, keys, late: Optional[dict] = None) -> Scores:
+        """The Scores of the groups `keys`, in order (waiting for the worker); `late`: key -> group for
+        groups never handed over (complete before this round), scored now. A reward function's error is
+        re-raised here, in the caller's thread."""
+        for key, group in (late or {}).items():
+            if key not in self._handed:
+                self.on_group(key, group)
         self._queue.put(None)
         self._worker.join()
         if self._error is not None:
             raise self._error
-        missing = [i for i in range(n_groups) if i not in self._done]
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._done]
         assert not missing, f"groups never handed to the scorer: {missing}"
-        parts = [self._done[i] for i in range(n_groups)]
+        parts = [self._done[k] for k in keys]
         timeouts: dict = {}
         for p in parts:
             for name, count in p.timeouts.items():

@@ -389,7 +389,35 @@ def test_groups_are_scored_while_the_engine_still_decodes_the_rest(engine, tiny_
         scorer.on_group(i, group)
 
     groups = engine.generate(prompts, n=2, max_new_tokens=48, seed=[1, 2, 3], on_group=on_group)
-    early = scorer.finish(len(prompts))
+    early = scorer.finish(range(len(prompts)))
     assert started["p0"] < max(finished.values()), (started, finished)
     whole = score([length], from_engine(groups, prompts, rows), "prompt", False, group_size=2)
     assert torch.equal(early.rewards, whole.rewards) and early.rewards[:2].eq(4).all()
+
+
+def test_a_partial_rollout_round_hands_each_group_over_at_its_last_members_step(engine, tiny_policy):
+    """run_round's on_complete (from generate_until's on_finished) gets a group when its last member ends,
+    before the round's last group ends, with exactly the rows the round then trains."""
+    import time
+
+    from grpo_fast.config import GRPOConfig
+    from grpo_fast.rollout.base import SamplingOptions
+    from grpo_fast.train import partial_rollouts
+
+    engine.update_weights(tiny_policy[0])
+    prompt_ids = [list(range(3, 3 + MAX_MODEL_LEN - 4)), [5, 6, 7], [9, 10, 11]]  # prompt 0 has room for 4 tokens
+    rows = [{"prompt": f"p{i}"} for i in range(3)]
+    c = GRPOConfig(engine="vllm", num_generations=2, per_device_train_batch_size=6, max_completion_length=40,
+                   max_staleness=1, output_dir="unused", report_to="none")
+    handed = []
+    pool = partial_rollouts.new_groups([0, 1, 2], [7, 8, 9], 2)
+    batch, left, _, trained = partial_rollouts.run_round(
+        engine, tiny_policy[1], pool, lambda n: [], prompt_ids, rows, c, sampling=SamplingOptions(), version=0,
+        on_complete=lambda g, group: handed.append((g.prompt, time.monotonic(), group)))
+    assert left == [] and [g.prompt for g in trained] == [p for p, _, _ in handed] and handed[0][0] == 0
+    assert handed[0][1] < handed[-1][1]
+    for k, (_, _, group) in enumerate(handed):  # what on_complete saw is what the round trains
+        rows_k = range(2 * k, 2 * k + 2)
+        assert group.completion_ids == [batch.completion_ids[i] for i in rows_k]
+        assert group.completion_texts == [batch.completion_texts[i] for i in rows_k]
+        assert all(torch.equal(a, batch.sampling_logp[i]) for a, i in zip(group.sampling_logp, rows_k, strict=True))

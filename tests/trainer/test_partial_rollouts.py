@@ -44,9 +44,9 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, printed_resume=False,
 
         def recorded(*args, **kwargs):
             pool = [g.to_dict() for g in trainer.state.in_flight]  # (a copy, in the checkpoint's form)
-            batch, stats = run_round(*args, **kwargs)
+            batch, stats, scored = run_round(*args, **kwargs)
             rounds.append((pool, batch))
-            return batch, stats
+            return batch, stats, scored
 
         generate.partial_round = recorded
     try:
