@@ -61,7 +61,7 @@ def _sampled(out, world):
 
 # the global-statistics run: batch-scaled advantages (each rank gathers the other's rewards for the std),
 # the sharded reference (beta > 0) and the old-policy pass (μ = 2) in their gathered passes, in one run
-GLOBAL_STATS = ["distributed_strategy=fsdp2", "scale_rewards=batch", "beta=0.05", "num_iterations=2"]
+GLOBAL_STATS = ["distributed_strategy=fsdp2", "scale_rewards=batch", "beta=0.05", "num_iterations=2", "judge_rank=hf"]
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +191,17 @@ def _assert_same_counts_extremes_and_stds(a: dict, b: dict):
 
 def test_global_statistics_and_side_passes_train_like_one_process(tiny_model_dir, hf_runs):
     overrides = GLOBAL_STATS
-    _, _, steps1, weights1 = hf_runs["one-global-stats"]
-    _, _, steps2, weights2 = hf_runs["two-global-stats"]
+    one, _, steps1, weights1 = hf_runs["one-global-stats"]
+    two, _, steps2, weights2 = hf_runs["two-global-stats"]
     _assert_trained_alike(steps1, weights1, steps2, weights2, load_file(Path(tiny_model_dir) / "model.safetensors"))
+    # a judge_rank reward: each rank's judge sees its own groups once, together one process's
+    asked = [json.loads((two / f"judge-rank{r}.json").read_text()) for r in range(2)]
+    assert asked[0] and asked[1] and not set(asked[0]) & set(asked[1])
+    assert sorted(asked[0] + asked[1]) == sorted(json.loads((one / "judge-rank0.json").read_text()))
+    for a, b in zip(steps1, steps2, strict=True):
+        if "loss" in a:
+            assert b["judge/requests"] == a["judge/requests"] and b["judge/tokens"] == a["judge/tokens"]
+            assert b["rewards/judge_rank/mean"] == pytest.approx(a["rewards/judge_rank/mean"], rel=1e-6)
     if "beta=0.05" in overrides:
         # step 2, μ's second pass, moved off the reference (the value itself is a mean of the ranks' token means)
         kl1, kl2 = ([s["kl"] for s in steps if "loss" in s][-1] for steps in (steps1, steps2))

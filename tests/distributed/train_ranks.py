@@ -6,7 +6,7 @@ costs ~10 s of imports on the 2-core machines, so runs that start the same world
 
 ENGINE is hf, or vllm (one in-process engine per rank); `name=value` arguments override the config
 (resume_from_checkpoint=..., scale_rewards=batch, distributed_strategy=fsdp2; kill_rank_after_step=R:N,
-a fault for the elastic-restart test); the global batch is per_device_train_batch_size x ranks. Each
+a fault for the elastic-restart test; judge_rank=hf, a judge_rank reward whose requests go to OUT/judge-rank<r>.json); the global batch is per_device_train_batch_size x ranks. Each
 rank writes the completion ids it sampled, per reward call (train and eval), to OUT/sampled-rank<r>.json; rank 0
 prints one JSON line per job, in order."""
 
@@ -36,6 +36,7 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
     model, tokenizer = load_tiny_model(model_dir)
     overrides = dict(o.split("=", 1) for o in overrides)
     kill = overrides.pop("kill_rank_after_step", None)  # "R:N": rank R kills itself after step N (first attempt only)
+    judged = overrides.pop("judge_rank", None) == "hf"  # a judge_rank reward on the tiny model (HF judge engine)
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
                save_steps=1, engine=engine, dtype="float32", model=model_dir, **overrides)
     if kill is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -47,8 +48,15 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
         return target_fraction(prompts, completions, completion_ids, **columns)
 
     reward.__name__ = "target_fraction"
-    trainer = GRPOTrainer(c, [reward], rows(), rows(4), model=model, tokenizer=tokenizer)
+    funcs = [reward]
+    if judged:
+        from grpo_fast.rewards.judge import JudgeOptions, JudgeRank
+
+        funcs.append(JudgeRank(JudgeOptions(model=model_dir, engine="hf", max_new_tokens=24)))
+    trainer = GRPOTrainer(c, funcs, rows(), rows(4), model=model, tokenizer=tokenizer)
     trainer.train()
+    if judged:  # what this rank's judge saw, in order
+        (Path(output_dir) / f"judge-rank{trainer.world.rank}.json").write_text(json.dumps(funcs[1].judge.requests))
     seen = {"world": trainer.world.size, "step": trainer.state.step, "strategy": trainer.parallel.strategy}
     if kill is not None:  # which torchrun attempt finished the run
         seen["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
