@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from grpo_fast.config import GRPOConfig
 from grpo_fast.rewards import get_reward_funcs
@@ -14,14 +13,7 @@ from grpo_fast.rewards.judge import DEFAULT_RANK_PROMPT, JudgeOptions, JudgeRank
 from grpo_fast.rollout import vllm_available
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.trainer.conftest import one_thread  # noqa: F401 (autouse: one thread, as the trainer tests)
 
 
 def _recording(seen: list):
