@@ -1,0 +1,317 @@
+"""Run untrusted Python (code a model wrote) in a sandbox: bubblewrap for isolation, kernel limits for the rest.
+
+    from grpo_fast.sandbox import Sandbox, SandboxOptions
+    box = Sandbox(SandboxOptions(timeout=5))
+    result = box.run("print(input()[::-1])", stdin="abc")     # -> SandboxResult(exit_code=0, stdout='cba\\n', ...)
+
+What a program gets (`bwrap`, a Debian package; checked on bubblewrap 0.8):
+- its own user, PID, network, IPC, UTS and cgroup namespaces: no network (an empty loopback of its own), no
+  view of the host's processes (it cannot signal the trainer), nothing that outlives it (the PID
+  namespace dies with it; bwrap dies with the trainer: `--die-with-parent`);
+- a read-only /usr (the system `python3` from it, or the venv's base interpreter bound at /opt/python when
+  the system has none), /proc and a minimal /dev of its own, and a private tmpfs at /tmp (its working
+  folder, at most `tmp_mb`) that is gone with it. Nothing under the repository, a home folder or a run's
+  output folder is bound: the program's source reaches it through a file descriptor (`--file`);
+- limits set with setrlimit before bwrap starts: address space (`memory_mb`), CPU seconds, file size
+  (`tmp_mb`), processes (`max_processes`, counted per uid: each worker slot runs as a uid of its own,
+  not root, because the kernel exempts uid 0 from RLIMIT_NPROC), and from here: wall time
+  (`timeout`, then the whole tree is killed) and output (`output_bytes` a stream, then killed).
+
+What it does not guarantee: protection from kernel bugs (it shares the host's kernel), a bound on memory
+the program maps without touching it beyond the address-space limit, or the count of processes of a uid
+that something else on the host also uses (the slot uids are `UID_BASE` + the trainer's pid slot).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+REASONS = ("exited", "timeout", "cpu_time", "memory", "process_limit", "output_limit", "file_size")
+UID_BASE = 200_000  # slot uids: UID_BASE + 64 * (pid % 10_000) + slot (no user owns them; none is root)
+_BWRAP_PROCESSES = 2  # bwrap itself and the shell that is pid 1 of the namespace count against the uid's limit
+SETUP_STEP = "apt-get install bubblewrap (scripts/setup_env.sh does it as root)"
+
+
+@dataclass(frozen=True)
+class SandboxOptions:
+    """Limits of one program (GRPOConfig's sandbox_* fields: `from_config`)."""
+
+    timeout: float = 10.0  # wall seconds
+    cpu_seconds: int = 10
+    memory_mb: int = 1024  # address space
+    max_processes: int = 32
+    output_bytes: int = 64 * 1024  # per stream
+    tmp_mb: int = 64
+    workers: Optional[int] = None  # programs at once; None: min(32, 4 x cores)
+    unsafe: bool = False  # no isolation (limits only): only when the user asked for it
+
+    @classmethod
+    def from_config(cls, c) -> "SandboxOptions":
+        return cls(timeout=c.sandbox_timeout, cpu_seconds=c.sandbox_cpu_seconds, memory_mb=c.sandbox_memory_mb,
+                   max_processes=c.sandbox_max_processes, output_bytes=c.sandbox_output_bytes, tmp_mb=c.sandbox_tmp_mb,
+                   workers=c.sandbox_workers, unsafe=c.unsafe_code_execution)
+
+    @property
+    def pool_size(self) -> int:
+        return self.workers or min(32, 4 * (os.cpu_count() or 1))
+
+
+@dataclass
+class SandboxResult:
+    exit_code: Optional[int]  # None when killed from here (timeout, output); negative: killed by that signal
+    stdout: str
+    stderr: str
+    reason: str  # one of REASONS: why it stopped
+    seconds: float  # wall time
+    start_seconds: float = 0.0  # until bwrap had the program's process running (the sandbox's own start-up)
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "exited" and self.exit_code == 0
+
+
+def isolation_problem() -> Optional[str]:
+    """None when bwrap runs a program here as an unprivileged user; else what is missing, in one line."""
+    if shutil.which("bwrap") is None:
+        return f"bubblewrap (bwrap) is not installed: {SETUP_STEP}"
+    try:
+        done = subprocess.run(_bwrap_args(_interpreter(), 64) + [_interpreter()[0], "-c", "pass"],
+                              preexec_fn=_limits(SandboxOptions(), UID_BASE), capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"bwrap could not start a program: {err}"
+    if done.returncode != 0:
+        return f"bwrap could not start a program: {done.stderr.decode(errors='replace').strip()[-300:]}"
+    return None
+
+
+def _interpreter() -> tuple[str, list[str]]:
+    """(the python path inside the sandbox, extra bwrap arguments that bind it)."""
+    if os.path.exists("/usr/bin/python3"):
+        return "/usr/bin/python3", []
+    base = sys.base_prefix  # the venv's base interpreter, bound under a neutral path
+    return "/opt/python/bin/python3", ["--ro-bind", base, "/opt/python", "--setenv", "LD_LIBRARY_PATH", "/opt/python/lib"]
+
+
+def _bwrap_args(interpreter: tuple[str, list[str]], tmp_mb: int, status_fd: Optional[int] = None,
+                program_fd: Optional[int] = None) -> list[str]:
+    args = ["bwrap", "--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib64", "sbin"):
+        path = f"/{top}"
+        if os.path.islink(path):  # a merged /usr (Debian 12): /lib -> usr/lib
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp",
+             "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1", "--new-session", "--chdir", "/tmp",
+             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8", *interpreter[1]]
+    if status_fd is not None:
+        args += ["--json-status-fd", str(status_fd)]
+    if program_fd is not None:
+        args += ["--file", str(program_fd), "/tmp/main.py"]
+    return args
+
+
+def _limits(o: SandboxOptions, uid: Optional[int]):
+    """preexec_fn: the kernel limits, then (as root) the slot's own unprivileged uid."""
+    def apply():
+        os.setsid()  # its own process group: the whole tree is killed at once
+        for limit, value in ((resource.RLIMIT_AS, o.memory_mb << 20), (resource.RLIMIT_FSIZE, o.tmp_mb << 20),
+                             (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(limit, (value, value))
+        # SIGXCPU at the soft limit (the program ends, and says why), SIGKILL a second later
+        resource.setrlimit(resource.RLIMIT_CPU, (o.cpu_seconds, o.cpu_seconds + 1))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (o.max_processes + _BWRAP_PROCESSES,) * 2)
+    return apply
+
+
+class Sandbox:
+    """Runs programs under `options`, up to `pool_size` at once (`run` blocks; `run_async` awaits); counts
+    what happened (`metrics()` pops sandbox/seconds, start_seconds, timeouts, oom, process_limit,
+    output_limit since the last call)."""
+
+    def __init__(self, options: SandboxOptions = SandboxOptions()):
+        self.options = options
+        if not options.unsafe:
+            problem = isolation_problem()
+            if problem:
+                raise RuntimeError(f"refusing to run model-written code without isolation: {problem}; or pass "
+                                   f"--unsafe_code_execution to run it with limits only")
+        root = os.geteuid() == 0
+        base = UID_BASE + 64 * (os.getpid() % 10_000)
+        self._uids = [base + k for k in range(options.pool_size)] if root else [None] * options.pool_size
+        self._free = list(self._uids)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(options.pool_size, thread_name_prefix="grpo_fast sandbox")
+        self._counts = self._zero()
+
+    @staticmethod
+    def _zero() -> dict:
+        return {"seconds": 0.0, "start_seconds": 0.0, "programs": 0, "timeouts": 0, "oom": 0, "process_limit": 0,
+                "output_limit": 0}
+
+    def metrics(self) -> dict:
+        with self._lock:
+            c, self._counts = self._counts, self._zero()
+        n = max(c.pop("programs"), 1)
+        c["start_seconds"] /= n  # a mean per program; seconds: the programs' wall time summed
+        return {f"sandbox/{k}": v for k, v in c.items()}
+
+    async def run_async(self, program: str, stdin: str = "") -> SandboxResult:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.run, program, stdin)
+
+    def run(self, program: str, stdin: str = "") -> SandboxResult:
+        with self._lock:
+            uid = self._free.pop()
+        try:
+            result = self._run(program, stdin, uid)
+            if uid is not None and result.reason in ("timeout", "output_limit"):
+                _wait_until_gone(uid)
+        finally:
+            with self._lock:
+                self._free.append(uid)
+        with self._lock:
+            c = self._counts
+            c["programs"] += 1
+            c["seconds"] += result.seconds
+            c["start_seconds"] += result.start_seconds
+            key = {"timeout": "timeouts", "cpu_time": "timeouts", "memory": "oom", "process_limit": "process_limit",
+                   "output_limit": "output_limit"}.get(result.reason)
+            if key:
+                c[key] += 1
+        return result
+
+    def _run(self, program: str, stdin: str, uid: Optional[int]) -> SandboxResult:
+        o = self.options
+        start = time.perf_counter()
+        source = os.memfd_create("main.py")  # (the program's text: no file on the host)
+        os.write(source, program.encode())
+        os.lseek(source, 0, os.SEEK_SET)
+        status_r, status_w = os.pipe()
+        interpreter = _interpreter()
+        if o.unsafe:
+            cmd, fds = [sys.executable if not os.path.exists("/usr/bin/python3") else "/usr/bin/python3", "-I",
+                        f"/proc/self/fd/{source}"], (source,)
+        else:
+            # pid 1 of the namespace is a shell, not the program: the kernel ignores signals pid 1 has no handler
+            # for (its CPU limit's SIGXCPU and SIGKILL included); bwrap's own init would instead leave two
+            # zombies of the slot uid for the host's init to reap, counted against the next program's processes
+            cmd = _bwrap_args(interpreter, o.tmp_mb, status_w, source) + [
+                "/bin/sh", "-c", '"$0" -I /tmp/main.py; exit $?', interpreter[0]]
+            fds = (source, status_w)
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=fds, preexec_fn=_limits(o, uid), close_fds=True)
+        finally:
+            os.close(source)
+            os.close(status_w)
+        started = [None]
+        reason, out = self._communicate(proc, stdin.encode(), status_r, started, start)
+        os.close(status_r)
+        seconds = time.perf_counter() - start
+        stdout, stderr = (b.decode(errors="replace") for b in out)
+        code = proc.returncode if reason is None else None
+        return SandboxResult(code, stdout, stderr, reason or _why(code, stderr), seconds,
+                             (started[0] - start) if started[0] is not None else 0.0)
+
+    def _communicate(self, proc, stdin: bytes, status_fd: int, started: list, start: float):
+        """Feed stdin, read both streams up to output_bytes each, watch the wall clock; (why it was killed or
+        None, [stdout, stderr])."""
+        o, out, reason = self.options, [bytearray(), bytearray()], None
+        try:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        streams = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 1, status_fd: 2}
+        while streams:
+            left = o.timeout - (time.perf_counter() - start)
+            if left <= 0:
+                reason = "timeout"
+                break
+            ready, _, _ = select.select(list(streams), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    del streams[fd]
+                    continue
+                k = streams[fd]
+                if k == 2:  # bwrap's status: {"child-pid": N} once the program runs
+                    if started[0] is None and b"child-pid" in chunk:
+                        started[0] = time.perf_counter()
+                    continue
+                out[k] += chunk
+                if len(out[k]) > o.output_bytes:
+                    del out[k][o.output_bytes:]
+                    reason = "output_limit"
+            if reason:
+                break
+        if reason:
+            _kill_tree(proc)
+        try:
+            proc.wait(timeout=max(1.0, o.timeout))
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            proc.wait()
+        return reason, out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _kill_tree(proc) -> None:
+    """SIGKILL the program's process group (bwrap and whatever it started outside the PID namespace: nothing,
+    normally); inside, the PID namespace dies with its init."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_until_gone(uid: int, seconds: float = 5.0) -> None:
+    """After a kill, the tree's processes are orphans the host's init reaps (a second or two here): the slot
+    is reused only once none of its uid is left, so they never count against the next program's processes."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_owned_by(entry, uid) for entry in os.listdir("/proc") if entry.isdigit()):
+        time.sleep(0.02)
+
+
+def _owned_by(pid: str, uid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == uid
+    except FileNotFoundError:
+        return False
+
+
+def _why(code: int, stderr: str) -> str:
+    """Why a program that ended by itself stopped: a limit it hit, as its exit and last words show."""
+    if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        return "cpu_time"
+    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or "File too large" in stderr:
+        return "file_size"
+    tail = stderr[-2000:]
+    if "MemoryError" in tail or "Cannot allocate memory" in tail:
+        return "memory"
+    if "Resource temporarily unavailable" in tail and ("fork" in tail or "BlockingIOError" in tail or "spawn" in tail):
+        return "process_limit"
+    return "exited"
+
+
+__all__ = ["REASONS", "Sandbox", "SandboxOptions", "SandboxResult", "isolation_problem"]

@@ -1,0 +1,151 @@
+"""Programs that try to escape or exhaust the sandbox (grpo_fast/sandbox.py), each contained, the host checked
+afterwards. These never skip: without bubblewrap the module's sandbox refuses to start, naming the setup step."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from grpo_fast.sandbox import UID_BASE, Sandbox, SandboxOptions
+
+LIMITS = SandboxOptions(timeout=2, cpu_seconds=1, memory_mb=512, max_processes=8, output_bytes=4096, tmp_mb=16,
+                        workers=2)
+
+
+@pytest.fixture(scope="module")
+def box():
+    sandbox = Sandbox(LIMITS)  # (no bwrap: RuntimeError naming `apt-get install bubblewrap`)
+    yield sandbox
+    sandbox.close()
+
+
+def _slot_processes() -> list[int]:
+    """Host pids running as one of the sandbox's slot uids (none may be left after a program)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                uid = os.stat(f"/proc/{entry}").st_uid
+            except FileNotFoundError:
+                continue
+            if UID_BASE <= uid < UID_BASE + 64 * 10_000:
+                pids.append(int(entry))
+    return pids
+
+
+def _host_processes() -> int:
+    return sum(entry.isdigit() for entry in os.listdir("/proc"))
+
+
+def _available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 1024
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    deadline = time.monotonic() + 5
+    while _slot_processes() and time.monotonic() < deadline:  # (a killed tree takes a moment to be reaped)
+        time.sleep(0.05)
+    assert _slot_processes() == [], "a sandboxed process outlived its program"
+
+
+def test_a_plain_program_runs_with_its_stdin(box):
+    result = box.run("import sys; print(sys.stdin.read()[::-1])", stdin="olleh")
+    assert result.ok and result.stdout == "hello\n" and 0 < result.start_seconds < result.seconds
+
+
+def test_host_files_are_out_of_reach_and_the_root_is_the_sandboxs(box, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the host's")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-1").mkdir()
+    read = box.run(f"print(open({str(secret)!r}).read())")
+    assert read.exit_code == 1 and "FileNotFoundError" in read.stderr and "the host's" not in read.stdout
+    write = box.run("open('/usr/escaped', 'w').write('x')")
+    assert write.exit_code == 1 and "Read-only file system" in write.stderr and not os.path.exists("/usr/escaped")
+    delete = box.run(f"import shutil; shutil.rmtree({str(run)!r})")
+    assert delete.exit_code == 1 and (run / "checkpoint-1").is_dir()
+    listing = box.run("import os; print(sorted(os.listdir('/')))")
+    assert listing.ok and eval(listing.stdout) == sorted({"bin", "dev", "lib", "lib64", "proc", "sbin", "tmp", "usr"}
+                                                         & set(eval(listing.stdout)))
+    assert not {"root", "work", "home", "etc"} & set(eval(listing.stdout))
+
+
+def test_no_network_a_loopback_listener_sees_no_connection(box):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(1)
+    port, accepted = server.getsockname()[1], []
+
+    def accept():
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+
+    listener = threading.Thread(target=accept)
+    listener.start()
+    result = box.run(f"import socket; s = socket.socket(); print(s.connect_ex(('127.0.0.1', {port})))")
+    listener.join()
+    server.close()
+    assert result.ok and result.stdout.strip() == "111" and accepted == []  # ECONNREFUSED: its own empty loopback
+
+
+def test_cpu_wall_and_memory_limits(box):
+    spin = box.run("while True: pass")
+    assert spin.reason == "cpu_time" and spin.seconds < 5
+    sleep = box.run("import time; time.sleep(60)")
+    assert sleep.reason == "timeout" and sleep.exit_code is None and sleep.seconds < 4
+    big = box.run("x = bytearray(10 * 2**30)")
+    assert big.reason == "memory" and "MemoryError" in big.stderr
+
+
+def test_the_process_limit_holds_before_any_fork_bomb(box):
+    """A pre-flight check first: forks that sleep, counted, cannot pass the limit. Only then the bomb."""
+    before_processes, before_mb = _host_processes(), _available_mb()
+    check = box.run("import os, time\nn = 0\ntry:\n    for _ in range(40):\n        if os.fork() == 0:\n"
+                    "            time.sleep(3); os._exit(0)\n        n += 1\nfinally:\n    print(n)")
+    assert check.reason == "process_limit" and 0 < int(check.stdout) <= LIMITS.max_processes, check
+    bomb = box.run("import os\nn = 0\ntry:\n    while True:\n        os.fork()\n        n += 1\n"
+                   "except OSError:\n    print(n, flush=True)\n    while True: pass")
+    assert bomb.reason in ("process_limit", "cpu_time", "timeout"), bomb
+    assert all(int(n) <= LIMITS.max_processes for n in bomb.stdout.split()), bomb.stdout
+    time.sleep(0.2)
+    assert _host_processes() <= before_processes + 5 and _available_mb() > before_mb - 256
+
+
+def test_output_and_file_limits(box):
+    flood = box.run("import sys\nfor _ in range(2**14): sys.stdout.write('x' * 65536)")  # 1 GB
+    assert flood.reason == "output_limit" and len(flood.stdout) == LIMITS.output_bytes
+    one = box.run("f = open('/tmp/big', 'wb')\nfor _ in range(1024): f.write(b'x' * 2**20)")  # 1 GB to one file
+    assert one.exit_code == 1 and ("No space left" in one.stderr or one.reason == "file_size"), one
+    many = box.run("for k in range(64): open(f'/tmp/f{k}', 'wb').write(b'x' * (16 << 20))")  # 64 x 16 MB
+    assert many.exit_code == 1 and "No space left" in many.stderr or many.reason == "file_size", many
+
+
+def test_a_child_that_outlives_its_parent_is_killed_and_the_trainer_cannot_be_signalled(box):
+    orphan = box.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                     "        time.sleep(60)\n    os._exit(0)\nprint('parent done')")
+    assert orphan.ok and orphan.stdout == "parent done\n"  # (nothing_left_behind checks the grandchild is gone)
+    kill = box.run(f"import os; os.kill({os.getpid()}, 9)")
+    assert kill.exit_code == 1 and "ProcessLookupError" in kill.stderr  # its own PID namespace
+
+
+def test_parallel_programs_have_their_own_process_budget(box):
+    """Two programs at once, each forking up to the limit: both reach (nearly) the whole budget."""
+    program = ("import os, time\nn = 0\ntry:\n    for _ in range(40):\n        if os.fork() == 0:\n"
+               "            time.sleep(1.5); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(box.run(program))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counts = sorted(int(r.stdout) for r in results)
+    assert counts[0] == counts[1] >= LIMITS.max_processes - 2, counts
