@@ -243,6 +243,8 @@ def check_run(c, field_names: list[str]) -> None:
         fail("judge_score_range", lo_hi, "[low, high]: two finite numbers with low < high")
     if c.judge_model is None and any(r in ("judge_score", "judge_rank") for r in [*c.reward_funcs, c.partial_credit_judge]):
         fail("judge_model", None, "a judge model (a local folder of a causal LM, or 'default') for the judge_score / judge_rank rewards")
+    if c.task == "humaneval" and c.dataset is None and "code_tests" not in c.reward_funcs:
+        fail("reward_funcs", c.reward_funcs, "code_tests among them with task='humaneval' (its answers are programs)")
     if c.reward_weights is not None:
         if len(c.reward_weights) != len(c.reward_funcs):
             fail("reward_weights", c.reward_weights, f"one weight per reward function ({len(c.reward_funcs)}: {c.reward_funcs})")

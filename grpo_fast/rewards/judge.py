@@ -243,7 +243,7 @@ class JudgeScore:
         self.options = _need_judge(judge, "judge_score")
         self.template = _template(self.options, DEFAULT_SCORE_PROMPT, "{completion}", "judge_score")
         self.pattern = number_pattern(self.options.score_range)
-        self.judge = judge_for(self.options)
+        self.judge = self.counters = judge_for(self.options)  # (counters: the score stage logs judge/*)
 
     def __call__(self, prompts, completions, **columns) -> list[Optional[float]]:
         texts = [self.template.replace("{prompt}", render(p)).replace("{completion}", _content(c))
@@ -269,7 +269,7 @@ class JudgeRank:
         self.options = _need_judge(judge, "judge_rank")
         self.template = _template(self.options, DEFAULT_RANK_PROMPT, "{completions}", "judge_rank")
         self.number = number_pattern(self.options.score_range)
-        self.judge = judge_for(self.options)
+        self.judge = self.counters = judge_for(self.options)
 
     def __call__(self, prompts, completions, **columns) -> list[Optional[float]]:
         n = len(completions)

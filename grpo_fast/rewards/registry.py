@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .code import CodeTests
 from .judge import JudgeRank, JudgeScore
 from .reward_model import RewardModel, is_reward_model_folder
 from .steps import chain_steps
@@ -23,6 +24,7 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "chain_steps": chain_steps,  # a step judge (partial_credit_judge), in [0, 1]
     "judge_score": JudgeScore,  # a generative judge (judge=JudgeOptions), in [0, 1] (rewards/judge.py)
     "judge_rank": JudgeRank,  # the same judge scoring a whole group at once (takes_groups)
+    "code_tests": CodeTests,  # a program run against unit tests in the sandbox (sandbox=SandboxOptions), in [0, 1]
 }
 
 

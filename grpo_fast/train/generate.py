@@ -23,7 +23,7 @@ from ..rewards.registry import reward_name
 from ..rollout.base import SamplingOptions, prompt_seeds
 from . import partial_rollouts
 from .batch import Rollouts, from_engine
-from .score import GroupScorer, Scores, conversational, judge_metrics, score, zero_std_groups
+from .score import GroupScorer, Scores, conversational, counter_metrics, score, zero_std_groups
 
 # Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run
 # reaches, so two runs' seeds (seed s, counter k) and (s', k') never coincide unless s = s', k = k'
@@ -195,7 +195,7 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                       score(data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
                             group_size=G, timeout=c.reward_timeout))
             part.rewards = scores.rewards
-            part.stats.update(judge_metrics([*data.reward_funcs, data.judge]))
+            part.stats.update(counter_metrics([*data.reward_funcs, data.judge]))
             part.stats["rewards_non_finite"] = scores.non_finite
             if c.reward_timeout is not None:  # (counted, and logged, where calls can time out)
                 part.stats.update({f"rewards/{reward_name(f)}/timeouts": scores.timeouts.get(reward_name(f), 0)

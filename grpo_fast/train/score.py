@@ -60,7 +60,7 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
         parts = [slice(s, s + group_size) for s in range(0, n, group_size)] if getattr(func, "takes_groups", False) else [slice(0, n)]
         calls[j] = [(part, {k: v[part] for k, v in kwargs.items()}) for part in parts]
     results = {j: [_call_sync(reward_funcs[j], kw, timeout) for _, kw in calls[j]]
-               for j in calls if not inspect.iscoroutinefunction(reward_funcs[j])}
+               for j in calls if not is_async(reward_funcs[j])}
     asynchronous = [j for j in calls if j not in results]
     if asynchronous:
         results.update(_run(_call_async({j: (reward_funcs[j], [kw for _, kw in calls[j]]) for j in asynchronous},
@@ -156,15 +156,24 @@ class GroupScorer:
         return Scores(torch.cat([p.rewards for p in parts]), sum(p.non_finite for p in parts), timeouts)
 
 
-def judge_metrics(reward_funcs: Sequence[Optional[Callable]]) -> dict:
-    """judge/* counters since the last call, summed over the distinct judges the reward functions use."""
-    judges = {id(j): j for f in reward_funcs if (j := getattr(f, "judge", None)) is not None
-              and callable(getattr(j, "metrics", None))}
+COUNTER_PREFIXES = ("judge/", "sandbox/", "code/")  # what reward functions' counters log (never time/: see judge.py)
+
+
+def counter_metrics(reward_funcs: Sequence[Optional[Callable]]) -> dict:
+    """The counters since the last call of the reward functions that keep some (`f.counters.metrics()`: a
+    judge's judge/*, code_tests' sandbox/* and code/*), summed over the distinct counter objects."""
+    sources = {id(k): k for f in reward_funcs if (k := getattr(f, "counters", None)) is not None}
     out: dict = {}
-    for judge in judges.values():
-        for name, value in judge.metrics().items():
+    for source in sources.values():
+        for name, value in source.metrics().items():
             out[name] = out.get(name, 0) + value
     return out
+
+
+def is_async(func) -> bool:
+    """An `async def` reward function, or an object whose __call__ is one (code_tests)."""
+    return inspect.iscoroutinefunction(func) or (not inspect.isroutine(func) and callable(func)
+                                                 and inspect.iscoroutinefunction(type(func).__call__))
 
 
 def _run(coroutine):

@@ -139,17 +139,19 @@ def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Opt
 
     train_rows, eval_rows = datasets_from_config(config)
     funcs = get_reward_funcs(list(config.reward_funcs), **reward_options(config))
-    return funcs, train_rows, eval_rows, task_eval_metrics(config.task) if config.dataset is None else None
+    return funcs, train_rows, eval_rows, task_eval_metrics(config.task, reward_options(config)) if config.dataset is None else None
 
 
 def reward_options(config) -> dict:
     """The options the built-in reward factories take from the config (lead's, math_length's, the judges')."""
     from ..rewards.judge import JudgeOptions
+    from ..sandbox import SandboxOptions
 
     return dict(max_completion_length=config.max_completion_length, lead_alpha=config.lead_alpha,
                 lead_wrong_reward=config.lead_wrong_reward,
                 num_generations=rollout_mode(config.rollout_mode).graded_per_prompt(config),  # lead
-                judge=JudgeOptions.from_config(config))
+                judge=JudgeOptions.from_config(config), sandbox=SandboxOptions.from_config(config),
+                code_reward_mode=config.code_reward_mode)
 
 
 def encode(rows, tokenizer, config) -> list[list[int]]:
@@ -369,7 +371,10 @@ def precision_summary(model, engine, packer, config, is_policy) -> str:
         and loss_type(config.loss_type).takes_is_ratio else ""
     is_mode = (f"on ({config.is_mode}{picked}{', from the step' if is_policy.in_step else ''})"
                if is_policy.use_is else "off")
-    return f"precision: weights {name(weights)}, decoder {amp}, engine {engine_part}, IS correction {is_mode}"
+    line = f"precision: weights {name(weights)}, decoder {amp}, engine {engine_part}, IS correction {is_mode}"
+    if config.unsafe_code_execution:  # (the run's first line says it)
+        line = "warning: --unsafe_code_execution: model-written code runs WITHOUT isolation (limits only)\n" + line
+    return line
 
 
 @dataclass(frozen=True)

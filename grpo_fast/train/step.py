@@ -318,7 +318,7 @@ def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, ti
     `stats`, the step's loss metrics (token means pooled over ranks by tokens), its time parts and throughput.
     options: the run's (`setup.Options`: the loss's and the advantages')."""
     from ..metrics import Pooled
-    from .score import reward_metrics
+    from .score import COUNTER_PREFIXES, reward_metrics
 
     m = reward_metrics(part, reward_funcs, options.advantages)
     m.update(stats)
@@ -332,5 +332,6 @@ def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, ti
     m["learning_rate"] = learning_rate
     m["skipped_steps"] = state.skipped_steps
     m["rewards/non_finite"] = batch.stats.get("rewards_non_finite", 0)
-    m.update({k: v for k, v in batch.stats.items() if k.endswith("/timeouts") or k.startswith("judge/")})  # (where they apply)
+    m.update({k: v for k, v in batch.stats.items()  # (where they apply)
+              if k.endswith("/timeouts") or k.startswith(COUNTER_PREFIXES)})
     return m

@@ -1,0 +1,147 @@
+"""code_tests on hand-written programs (right, wrong, partial in both modes, syntax error, no code, timeout, a
+forged exit), the sandbox pool's concurrency, the refusal without bubblewrap and --unsafe_code_execution's
+warning, the humaneval task, and a training run whose programs misbehave in every way the counters count."""
+
+import asyncio
+import json
+import math
+import os
+import time
+
+import pytest
+
+from grpo_fast.config import GRPOConfig
+from grpo_fast.data.tasks import humaneval_rows
+from grpo_fast.rewards import get_reward_funcs
+from grpo_fast.rewards.code import CodeTests, check_asserts, program_of
+from grpo_fast.sandbox import Sandbox, SandboxOptions
+from grpo_fast.trainer import GRPOTrainer
+from tests.trainer.common import config
+from tests.trainer.conftest import one_thread  # noqa: F401 (autouse: one thread, as the trainer tests)
+
+FAST = SandboxOptions(timeout=2, cpu_seconds=1, memory_mb=512, max_processes=8, output_bytes=4096, tmp_mb=16, workers=4)
+PROMPT = 'def add(a, b):\n    """The sum of a and b."""\n'
+TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 0) == 0\n    assert candidate(2, 2) == 4\n"
+
+
+def _score(completions, mode="all", **columns):
+    reward = CodeTests(FAST, code_reward_mode=mode)
+    n = len(completions)
+    columns = {k: [v] * n for k, v in columns.items()} or {"test": [TEST] * n, "entry_point": ["add"] * n}
+    values = asyncio.run(reward([PROMPT] * n, completions, **columns))
+    return values, reward.metrics()
+
+
+def test_right_wrong_partial_and_broken_programs():
+    completions = [
+        "```python\ndef add(a, b):\n    return a + b\n```",  # right (a fenced block defining add)
+        "    return a + b\n",  # right (HumanEval's format: the prompt continued)
+        "```python\ndef add(a, b):\n    return a - b\n```",  # wrong: passes candidate(0, 0) only
+        "```python\ndef add(a, b):\n    return 4 if a == 2 else a - b\n```",  # partial: passes 2 of 3
+        "```python\ndef add(a, b) return a\n```",  # syntax error
+        "",  # no code
+        "    while True:\n        pass\n",  # runs past the limits
+        "```python\nimport os\ndef add(a, b):\n    os._exit(0)\n```",  # exits 0 before the tests end: not a pass
+    ]
+    values, counts = _score(completions)
+    assert values == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert counts["code/syntax_errors"] == 1 and counts["code/no_code"] == 1 and counts["sandbox/timeouts"] == 1
+    shares, _ = _score(completions, mode="share")
+    assert shares[:4] == [1.0, 1.0, 1 / 3, 2 / 3] and shares[4:] == [0.0] * 4
+    asserts = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert add(2, 2) == 5"]  # MBPP-style
+    assert _score([completions[0]], mode="share", tests=asserts)[0] == [2 / 3]
+    assert _score([completions[0]], mode="all", tests=asserts)[0] == [0.0]
+
+
+def test_the_program_a_completion_holds():
+    assert program_of(PROMPT, "text\n```python\nx = 1\n```\n```py\ndef add(a, b): pass\n```", "add") == "def add(a, b): pass\n"
+    assert program_of(PROMPT, "```python\nx = 1\n```", "add") == PROMPT + "```python\nx = 1\n```"
+    assert program_of(PROMPT, " \n", "add") is None
+    assert program_of([{"role": "user", "content": PROMPT}], [{"role": "assistant", "content": "    pass\n"}], "add") == PROMPT + "    pass\n"
+    assert check_asserts(TEST) == ["assert candidate(1, 2) == 3", "assert candidate(0, 0) == 0", "assert candidate(2, 2) == 4"]
+
+
+def test_the_pool_runs_workers_programs_at_once():
+    box = Sandbox(SandboxOptions(timeout=10, workers=8))
+    program = "import time\nprint(time.time())\ntime.sleep(0.5)\nprint(time.time())"
+
+    async def all_of_them():
+        return await asyncio.gather(*(box.run_async(program) for _ in range(32)))
+
+    start = time.monotonic()
+    results = asyncio.run(all_of_them())
+    wall = time.monotonic() - start
+    box.close()
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    assert all(r.ok for r in results)
+    at_most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert at_most == 8, f"{at_most} programs ran at once"
+    assert wall < 32 * 0.5 / 2, f"32 x 0.5 s took {wall:.1f} s"  # (a loose backstop: 8 at a time is ~2 s)
+
+
+def test_without_bubblewrap_model_code_is_refused_unless_unsafe(monkeypatch, tmp_path, capsys, tiny):
+    from tests.trainer.common import rows, target_fraction
+
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # bwrap hidden
+    with pytest.raises(RuntimeError, match=r"refusing to run model-written code without isolation: bubblewrap \(bwrap\) "
+                                           r"is not installed: apt-get install bubblewrap .*--unsafe_code_execution"):
+        Sandbox(SandboxOptions(timeout=3, workers=1))
+    unsafe = Sandbox(SandboxOptions(timeout=3, workers=1, unsafe=True))
+    assert unsafe.run("print(6 * 7)").stdout == "42\n"
+    unsafe.close()
+    monkeypatch.setenv("PATH", path)
+    c = config(tmp_path, max_steps=1, eval_before_train=False, save_final=False, report_to="none",
+               unsafe_code_execution=True)
+    GRPOTrainer(c, [target_fraction], rows(), model=tiny[0], tokenizer=tiny[1]).train()
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "warning: --unsafe_code_execution: model-written code runs WITHOUT isolation (limits only)"
+
+
+def test_the_humaneval_task_splits_by_task_id_and_needs_code_tests(tmp_path):
+    train, test = humaneval_rows(split="train"), humaneval_rows(split="test")
+    assert len(train) == 124 and len(test) == 40 and not {r["task_id"] for r in train} & {r["task_id"] for r in test}
+    assert humaneval_rows(split="test") == test and {"prompt", "test", "entry_point"} <= set(test[0])
+    assert len(humaneval_rows(300, split="train")) == 300
+    with pytest.raises(ValueError, match=r"GRPOConfig.reward_funcs=\['math'\] is invalid: expected code_tests"):
+        GRPOConfig(task="humaneval", output_dir=str(tmp_path))
+    canonical = [r["prompt"] + r["canonical_solution"] for r in test[:6]]
+    reward = get_reward_funcs(["code_tests"], sandbox=FAST)[0]
+    values = asyncio.run(reward([r["prompt"] for r in test[:6]], ["```python\n" + c + "\n```" for c in canonical],
+                                test=[r["test"] for r in test[:6]], entry_point=[r["entry_point"] for r in test[:6]]))
+    assert values == [1.0] * 6, "HumanEval's own solutions pass in the sandbox"
+
+
+MISBEHAVING = [
+    "```python\ndef add(a, b):\n    return a + b\n```",
+    "```python\ndef add(a, b):\n    while True: pass\n```",  # CPU time
+    "```python\ndef add(a, b):\n    import time; time.sleep(60)\n```",  # wall time
+    "```python\ndef add(a, b):\n    x = bytearray(10 * 2**30)\n```",  # memory
+    "```python\nimport os\ndef add(a, b):\n    while True: os.fork()\n```",  # processes
+    "```python\nimport sys\ndef add(a, b):\n    while True: sys.stdout.write('x' * 65536)\n```",  # output
+    "```python\nimport os\ndef add(a, b):\n    os.kill(1, 9); os.system('rm -rf /tmp /usr')\n```",
+    "```python\ndef add(a, b):\n    return a - b\n```",
+]
+
+
+def test_training_survives_programs_that_misbehave(tmp_path, tiny):
+    """Every completion is replaced by one of the misbehaving programs: the steps complete, and each counter
+    of what they hit is > 0."""
+    reward = CodeTests(FAST)
+
+    async def code_tests(prompts, completions, **columns):
+        chosen = [MISBEHAVING[k % len(MISBEHAVING)] for k in range(len(completions))]
+        return await reward(prompts, chosen, **columns)
+
+    code_tests.counters = reward
+    rows = [{"prompt": PROMPT, "test": TEST, "entry_point": "add"}] * 8
+    c = config(tmp_path, max_steps=2, eval_before_train=False, save_final=False, report_to="none", num_generations=8,
+               per_device_train_batch_size=8)
+    before = sum(entry.isdigit() for entry in os.listdir("/proc"))
+    GRPOTrainer(c, [code_tests], rows, model=tiny[0], tokenizer=tiny[1]).train()
+    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in line]
+    assert [s["step"] for s in steps] == [1, 2]
+    for counter in ("sandbox/timeouts", "sandbox/oom", "sandbox/process_limit", "sandbox/output_limit"):
+        assert all(s[counter] > 0 for s in steps), (counter, [s[counter] for s in steps])
+    assert all(s["rewards/code_tests/mean"] == pytest.approx(1 / 8) and math.isfinite(s["loss"]) for s in steps)
+    assert sum(entry.isdigit() for entry in os.listdir("/proc")) <= before + 5 and os.path.isdir("/usr/bin")
