@@ -145,3 +145,15 @@ def test_training_survives_programs_that_misbehave(tmp_path, tiny):
         assert all(s[counter] > 0 for s in steps), (counter, [s[counter] for s in steps])
     assert all(s["rewards/code_tests/mean"] == pytest.approx(1 / 8) and math.isfinite(s["loss"]) for s in steps)
     assert sum(entry.isdigit() for entry in os.listdir("/proc")) <= before + 5 and os.path.isdir("/usr/bin")
+
+
+def test_the_python_tool_runs_code_in_the_sandbox_and_is_a_typed_documented_tool():
+    from transformers.utils import get_json_schema
+
+    from grpo_fast.rewards.code import python_tool
+
+    assert python_tool("print(sum(range(10)))") == "45\n"
+    failed = python_tool("import os; print(os.listdir('/root'))")
+    assert "FileNotFoundError" in failed and "[exited, exit status 1]" in failed
+    schema = get_json_schema(python_tool)["function"]
+    assert schema["name"] == "python_tool" and schema["parameters"]["required"] == ["code"]
