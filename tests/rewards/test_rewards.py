@@ -197,7 +197,7 @@ def test_get_reward_funcs_import_path():
 
 
 def test_get_reward_funcs_unknown_name_lists_known():
-    with pytest.raises(ValueError, match=r"unknown reward 'maths'.*\['chain_steps', 'format', 'judge_rank', 'judge_score', 'lead', 'math', 'math_boxed', 'math_length'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'maths'.*\['chain_steps', 'code_tests', 'format', 'judge_rank', 'judge_score', 'lead', 'math', 'math_boxed', 'math_length'\]"):
         get_reward_funcs(["math", "maths"])
     with pytest.raises(ValueError, match="max_completion_length"):
         get_reward_funcs("math_length")  # needs its option
