@@ -118,6 +118,8 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
     assert seen2 == {"world": 2, "step": 2, "strategy": strategy} | ({"all_reduce_after_close": 2.0} if engine == "vllm" else {})
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
     _assert_trained_alike(steps1, weights1, steps2, weights2, initial)
+    events = sorted((two / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1, f"only rank 0 reports to the trackers (report_to=tensorboard): {events}"
     assert sorted(p.name for p in two.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2"]
     assert (two / "final").is_dir()
     if engine == "vllm":  # every rank's engine took the synced weights (a rank above the bound stops the run)

@@ -116,18 +116,30 @@ def test_log_completions_shows_each_completion_with_its_rewards(tmp_path, tiny_p
         return values
 
     recorded.__name__ = "target_fraction"
+    lengths = []
+
+    def length(prompts, completions, completion_ids, **columns):  # a second reward: a column of its own
+        lengths.extend(float(len(ids)) for ids in completion_ids)
+        return lengths[-len(completion_ids):]
+
     model, tokenizer = load_tiny_model(tiny_path)
     c = config(tmp_path, eval_before_train=False, save_final=False, max_steps=1, log_completions=True,
                num_completions_to_print=6, report_to="none", max_completion_length=4)
-    GRPOTrainer(c, [recorded], rows(), model=model, tokenizer=tokenizer).train()
+    GRPOTrainer(c, [recorded, length], rows(), model=model, tokenizer=tokenizer).train()
     out = capsys.readouterr().out
     assert "completions at step 1" in out
     header = next(line for line in out.splitlines() if "prompt" in line and "completion" in line)
-    assert "target_fraction" in header and "advantage" in header
+    assert "target_fraction" in header and "length" in header and "advantage" in header
     shown = [line for line in out.splitlines() if line.startswith("│ question ")]
     assert len(shown) == 6, out
-    for line, (prompt, reward) in zip(shown, scored[:6], strict=True):  # the batch's first 6, in order
+    import torch
+
+    from grpo_fast import group_advantages
+
+    total = torch.tensor([r for _, r in scored], dtype=torch.float64) + torch.tensor(lengths, dtype=torch.float64)
+    advantages = group_advantages(total, num_generations=c.num_generations)  # what trained: the weighted sum's
+    for k, (line, (prompt, reward)) in enumerate(zip(shown, scored[:6], strict=True)):  # the batch's first 6, in order
         cells = [cell.strip() for cell in line.strip("│").split("│")]
-        assert cells[0] == prompt and cells[2] == f"{reward:.3f}", (cells, prompt, reward)
-        float(cells[3])  # the advantage
+        assert cells[0] == prompt and cells[2] == f"{reward:.3f}" and cells[3] == f"{lengths[k]:.3f}", (cells, prompt, reward)
+        assert float(cells[4]) == pytest.approx(float(advantages[k]), abs=1e-3), (cells, float(advantages[k]))
     assert not os.path.exists(os.path.join(c.output_dir, "tensorboard")), "report_to=none writes no tracker files"
