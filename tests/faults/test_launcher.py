@@ -99,8 +99,9 @@ def test_kill9_of_the_launcher_ends_every_rank_and_the_printed_command_resumes(t
                                                                               reference):
     """kill -9 of a 2-rank launcher after checkpoint-1: no rank outlives it by 10 s, the lock goes with
     them, and the resume command as the run prints it (`--output_dir X --resume --nproc_per_node 2`,
-    nothing else) finishes the run as the uninterrupted one (one process, the same global batch of 8)
-    does: the same samples, the same weights up to float reduction order over 2 ranks."""
+    nothing else), stopped once more by SIGTERM (exit 143, one line) and run again, finishes the run as the
+    uninterrupted one (one process, the same global batch of 8) does: the same samples, the same weights up
+    to float reduction order over 2 ranks."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
@@ -128,8 +129,20 @@ def test_kill9_of_the_launcher_ends_every_rank_and_the_printed_command_resumes(t
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not (out / "final").exists(), "the kill came after the run had ended"
-    done = subprocess.run([*launch, "train", "--output_dir", str(out), "--resume", "--nproc_per_node", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    resume = [*launch, "train", "--output_dir", str(out), "--resume", "--nproc_per_node", "2"]
+    # the resumed launcher gets SIGTERM (what Slurm and Kubernetes send) after checkpoint-2: it saves, exits 143
+    # with one line (no torchrun traceback), and the same command then finishes the run
+    stopped = subprocess.Popen(resume, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert stopped.poll() is None and time.time() < deadline, stopped.communicate()[1][-3000:]
+        time.sleep(0.1)
+    stopped.send_signal(signal.SIGTERM)
+    _, err = stopped.communicate(timeout=120)
+    assert stopped.returncode == 143, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("grpo-fast train: ")]
+    assert len(said) == 1 and "SIGTERM" in said[0] and "Traceback" not in err, err[-3000:]
+    done = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (Path(reference) / "metrics.jsonl").read_text().splitlines()]
