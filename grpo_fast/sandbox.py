@@ -25,6 +25,7 @@ that something else on the host also uses (the slot uids are `UID_BASE` + the tr
 from __future__ import annotations
 
 import os
+import queue
 import resource
 import select
 import shutil
@@ -37,8 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-REASONS = ("exited", "timeout", "cpu_time", "memory", "process_limit", "output_limit", "file_size")
-UID_BASE = 200_000  # slot uids: UID_BASE + 64 * (pid % 10_000) + slot (no user owns them; none is root)
+REASONS = ("exited", "timeout", "cpu_time", "memory", "process_limit", "output_limit", "file_size", "start_failed")
+MAX_WORKERS = 64  # sandbox uids per process (programs at once, over every Sandbox of the process)
+UID_BASE = 200_000  # slot uids: UID_BASE + MAX_WORKERS * (pid % 10_000) + slot (no user owns them; none is root)
 _BWRAP_PROCESSES = 2  # bwrap itself and the shell that is pid 1 of the namespace count against the uid's limit
 SETUP_STEP = "apt-get install bubblewrap (scripts/setup_env.sh does it as root)"
 
@@ -64,7 +66,7 @@ class SandboxOptions:
 
     @property
     def pool_size(self) -> int:
-        return self.workers or min(32, 4 * (os.cpu_count() or 1))
+        return min(self.workers or min(32, 4 * (os.cpu_count() or 1)), MAX_WORKERS)
 
 
 @dataclass
@@ -85,11 +87,14 @@ def isolation_problem() -> Optional[str]:
     """None when bwrap runs a program here as an unprivileged user; else what is missing, in one line."""
     if shutil.which("bwrap") is None:
         return f"bubblewrap (bwrap) is not installed: {SETUP_STEP}"
+    uid = _UIDS.get()
     try:
         done = subprocess.run(_bwrap_args(_interpreter(), 64) + [_interpreter()[0], "-c", "pass"],
-                              preexec_fn=_limits(SandboxOptions(), UID_BASE), capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as err:
+                              preexec_fn=_limits(SandboxOptions(), uid), capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
         return f"bwrap could not start a program: {err}"
+    finally:
+        _UIDS.put(uid)
     if done.returncode != 0:
         return f"bwrap could not start a program: {done.stderr.decode(errors='replace').strip()[-300:]}"
     return None
@@ -124,7 +129,11 @@ def _bwrap_args(interpreter: tuple[str, list[str]], tmp_mb: int, status_fd: Opti
 
 
 def _limits(o: SandboxOptions, uid: Optional[int]):
-    """preexec_fn: the kernel limits, then (as root) the slot's own unprivileged uid."""
+    """preexec_fn (C-level calls only: no import, lock or allocation of Python's in the forked child): its own
+    session, the kernel limits, then as root the slot's own unprivileged uid. Not root (uid None): the
+    process count is the user's, so its limit is what the user already runs plus the program's share."""
+    nproc = o.max_processes + _BWRAP_PROCESSES + (0 if uid is not None else _tasks_of(os.getuid()))
+
     def apply():
         os.setsid()  # its own process group: the whole tree is killed at once
         for limit, value in ((resource.RLIMIT_AS, o.memory_mb << 20), (resource.RLIMIT_FSIZE, o.tmp_mb << 20),
@@ -136,8 +145,48 @@ def _limits(o: SandboxOptions, uid: Optional[int]):
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        resource.setrlimit(resource.RLIMIT_NPROC, (o.max_processes + _BWRAP_PROCESSES,) * 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     return apply
+
+
+def _tasks_of(uid: int) -> int:
+    """The threads running as `uid` now (what RLIMIT_NPROC counts)."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry}/task"))
+            except OSError:
+                pass
+    return count
+
+
+class _SlotUids:
+    """The process's sandbox uids, one per program running (every Sandbox of the process draws from it):
+    UID_BASE + 64 * (pid % 10000) + slot, 64 slots; not root: None (the user's own uid)."""
+
+    def __init__(self):
+        self._free: Optional[queue.Queue] = None
+        self._lock = threading.Lock()
+
+    def _queue(self) -> queue.Queue:
+        with self._lock:
+            if self._free is None:
+                self._free = queue.Queue()
+                base = UID_BASE + MAX_WORKERS * (os.getpid() % 10_000)
+                for k in range(MAX_WORKERS):
+                    self._free.put(base + k if os.geteuid() == 0 else None)
+            return self._free
+
+    def get(self) -> Optional[int]:
+        return self._queue().get()  # (blocks while all 64 run)
+
+    def put(self, uid: Optional[int]) -> None:
+        self._queue().put(uid)
+
+
+_UIDS = _SlotUids()
 
 
 class Sandbox:
@@ -152,10 +201,6 @@ class Sandbox:
             if problem:
                 raise RuntimeError(f"refusing to run model-written code without isolation: {problem}; or pass "
                                    f"--unsafe_code_execution to run it with limits only")
-        root = os.geteuid() == 0
-        base = UID_BASE + 64 * (os.getpid() % 10_000)
-        self._uids = [base + k for k in range(options.pool_size)] if root else [None] * options.pool_size
-        self._free = list(self._uids)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(options.pool_size, thread_name_prefix="grpo_fast sandbox")
         self._counts = self._zero()
@@ -163,7 +208,7 @@ class Sandbox:
     @staticmethod
     def _zero() -> dict:
         return {"seconds": 0.0, "start_seconds": 0.0, "programs": 0, "timeouts": 0, "oom": 0, "process_limit": 0,
-                "output_limit": 0}
+                "output_limit": 0, "start_failures": 0}
 
     def metrics(self) -> dict:
         with self._lock:
@@ -178,22 +223,20 @@ class Sandbox:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.run, program, stdin)
 
     def run(self, program: str, stdin: str = "") -> SandboxResult:
-        with self._lock:
-            uid = self._free.pop()
+        uid = _UIDS.get()
         try:
             result = self._run(program, stdin, uid)
             if uid is not None and result.reason in ("timeout", "output_limit"):
                 _wait_until_gone(uid)
         finally:
-            with self._lock:
-                self._free.append(uid)
+            _UIDS.put(uid)
         with self._lock:
             c = self._counts
             c["programs"] += 1
             c["seconds"] += result.seconds
             c["start_seconds"] += result.start_seconds
             key = {"timeout": "timeouts", "cpu_time": "timeouts", "memory": "oom", "process_limit": "process_limit",
-                   "output_limit": "output_limit"}.get(result.reason)
+                   "output_limit": "output_limit", "start_failed": "start_failures"}.get(result.reason)
             if key:
                 c[key] += 1
         return result
@@ -201,55 +244,63 @@ class Sandbox:
     def _run(self, program: str, stdin: str, uid: Optional[int]) -> SandboxResult:
         o = self.options
         start = time.perf_counter()
-        source = os.memfd_create("main.py")  # (the program's text: no file on the host)
-        os.write(source, program.encode())
-        os.lseek(source, 0, os.SEEK_SET)
+        fds = [_memfd("main.py", program), _memfd("stdin", stdin)]  # (no host file holds either; stdin never blocks)
         status_r, status_w = os.pipe()
+        fds += [status_r, status_w]
         interpreter = _interpreter()
         if o.unsafe:
-            cmd, fds = [sys.executable if not os.path.exists("/usr/bin/python3") else "/usr/bin/python3", "-I",
-                        f"/proc/self/fd/{source}"], (source,)
+            cmd = [interpreter[0] if not interpreter[1] else sys.executable, "-I", f"/proc/self/fd/{fds[0]}"]
         else:
             # pid 1 of the namespace is a shell, not the program: the kernel ignores signals pid 1 has no handler
             # for (its CPU limit's SIGXCPU and SIGKILL included); bwrap's own init would instead leave two
             # zombies of the slot uid for the host's init to reap, counted against the next program's processes
-            cmd = _bwrap_args(interpreter, o.tmp_mb, status_w, source) + [
+            cmd = _bwrap_args(interpreter, o.tmp_mb, status_w, fds[0]) + [
                 "/bin/sh", "-c", '"$0" -I /tmp/main.py; exit $?', interpreter[0]]
-            fds = (source, status_w)
+        proc, started, out, reason = None, [None], [bytearray(), bytearray()], None
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=fds, preexec_fn=_limits(o, uid), close_fds=True)
-        finally:
-            os.close(source)
+            try:
+                proc = subprocess.Popen(cmd, stdin=fds[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        pass_fds=(fds[0], status_w), preexec_fn=_limits(o, uid), close_fds=True)
+            except (OSError, subprocess.SubprocessError) as err:  # (EAGAIN under load, say): this program only
+                return SandboxResult(None, "", f"could not start the sandbox: {err}", "start_failed",
+                                     time.perf_counter() - start)
             os.close(status_w)
-        started = [None]
-        reason, out = self._communicate(proc, stdin.encode(), status_r, started, start)
-        os.close(status_r)
+            fds.remove(status_w)
+            reason = self._communicate(proc, status_r, started, out, start)
+        finally:
+            if proc is not None and (reason is not None or proc.poll() is None):
+                _kill_tree(proc)
+                proc.wait()
+            for fd in fds:
+                os.close(fd)
+            for stream in (proc.stdout, proc.stderr) if proc is not None else ():
+                stream.close()
         seconds = time.perf_counter() - start
         stdout, stderr = (b.decode(errors="replace") for b in out)
-        code = proc.returncode if reason is None else None
+        if reason is None and started[0] is None and not o.unsafe:
+            reason = "start_failed"  # bwrap itself failed (its error is in stderr)
+        if reason == "timeout" and _why(None, stderr) == "process_limit":
+            reason = "process_limit"  # (a fork bomb's children keep the streams open until the clock: the cause)
+        code = proc.returncode if reason in (None, "start_failed") else None
         return SandboxResult(code, stdout, stderr, reason or _why(code, stderr), seconds,
                              (started[0] - start) if started[0] is not None else 0.0)
 
-    def _communicate(self, proc, stdin: bytes, status_fd: int, started: list, start: float):
-        """Feed stdin, read both streams up to output_bytes each, watch the wall clock; (why it was killed or
-        None, [stdout, stderr])."""
-        o, out, reason = self.options, [bytearray(), bytearray()], None
-        try:
-            proc.stdin.write(stdin)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+    def _communicate(self, proc, status_fd: int, started: list, out: list, start: float) -> Optional[str]:
+        """Read both streams up to output_bytes each and bwrap's status, watching the wall clock; why it was
+        killed ("timeout", "output_limit"), or None when it ended by itself."""
+        o, reason = self.options, None
         streams = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 1, status_fd: 2}
-        while streams:
+        poller = select.poll()  # (not select(): no limit on the fd numbers of a busy process)
+        for fd in streams:
+            poller.register(fd, select.POLLIN)
+        while streams and reason is None:
             left = o.timeout - (time.perf_counter() - start)
             if left <= 0:
-                reason = "timeout"
-                break
-            ready, _, _ = select.select(list(streams), [], [], left)
-            for fd in ready:
+                return "timeout"
+            for fd, _ in poller.poll(left * 1000):
                 chunk = os.read(fd, 65536)
                 if not chunk:
+                    poller.unregister(fd)
                     del streams[fd]
                     continue
                 k = streams[fd]
@@ -261,19 +312,22 @@ class Sandbox:
                 if len(out[k]) > o.output_bytes:
                     del out[k][o.output_bytes:]
                     reason = "output_limit"
-            if reason:
-                break
-        if reason:
-            _kill_tree(proc)
-        try:
-            proc.wait(timeout=max(1.0, o.timeout))
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-            proc.wait()
-        return reason, out
+        if reason is None:
+            try:  # (the streams closed: it is ending; a program that closed them and runs on meets the clock)
+                proc.wait(timeout=max(0.0, o.timeout - (time.perf_counter() - start)))
+            except subprocess.TimeoutExpired:
+                return "timeout"
+        return reason
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _kill_tree(proc) -> None:

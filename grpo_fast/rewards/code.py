@@ -10,10 +10,12 @@ The program is the last fenced Python block when it defines `entry_point`, else 
 A completion without code, a syntax error or a limit hit scores 0 and is counted (`code/no_code`,
 `code/syntax_errors`, and the sandbox's `sandbox/*` counters); none of them stops the step.
 
-Success is read from a line the harness prints after the tests, tagged with a fresh random token (a program
-that ends early with exit status 0, or prints a made-up line, does not pass); the harness deletes its own
-file before the model's code runs. A program that digs the token out of its own frame could still forge it:
-the sandbox bounds what it can do, not what it can claim.
+Success is read from a line the harness prints after the tests, tagged with a fresh random token that it reads
+from stdin before the model's code runs (in a namespace of its own, so rebinding exec, print or len there
+changes nothing the harness uses). A program that ends early with exit status 0, or prints a made-up line,
+does not pass. Not defended: a program that walks up to the harness's frame (sys._getframe) to read the
+token, or a returned object whose __eq__ always says True; the sandbox bounds what a program can do, not
+what it can claim.
 """
 
 from __future__ import annotations
@@ -59,23 +61,48 @@ def check_asserts(test: str) -> list[str]:
     return []
 
 
-def harness(program: str, *, test: Optional[str], entry_point: Optional[str], tests: Optional[list], mode: str,
-            token: str) -> str:
-    """The program to run: the model's code, then its tests, then the tagged result line."""
-    lines = ["import os as _os", "_os.unlink(__file__)", "del _os", program, ""]
+_HARNESS = """\
+def _harness(program, test, entry_point, items, mode):
+    import sys
+    token, write = sys.stdin.readline().strip(), sys.__stdout__.write  # before the model's code runs
+    sys.stdin.close()
+    space = {"__name__": "__main__", "__builtins__": __builtins__}
+    exec(compile(program, "<completion>", "exec"), space)  # the model's code, in a namespace of its own
+    if test:
+        exec(compile(test, "<test>", "exec"), space)
+    passed = 0
     if mode == "share":
-        items = list(tests) if tests else check_asserts(test or "")
-        if test and not tests:
-            lines += [test, f"candidate = {entry_point}"]
-        lines += [f"_items = {items!r}", "_passed = 0", "for _source in _items:", "    try:",
-                  "        exec(_source, globals())", "        _passed += 1", "    except BaseException:", "        pass",
-                  f"print({token!r}, _passed, len(_items), flush=True)"]
+        space["candidate"] = space.get(entry_point)
+        for source in items:
+            try:
+                exec(compile(source, "<assert>", "exec"), space)
+                passed += 1
+            except BaseException:
+                pass
     else:
         if test:
-            lines += [test, f"check({entry_point})"]
-        lines += list(tests or [])
-        lines += [f"print({token!r}, 1, 1, flush=True)"]
-    return "\n".join(lines) + "\n"
+            space["check"](space[entry_point])
+        for source in items:
+            exec(compile(source, "<assert>", "exec"), space)
+        passed, items = 1, [None]
+    sys.stdout.flush()
+    write("\\n" + token + " " + str(passed) + " " + str(len(items)) + "\\n")
+    sys.__stdout__.flush()
+
+
+_harness({args})
+"""
+
+
+def harness(program: str, *, test: Optional[str], entry_point: Optional[str], tests: Optional[list], mode: str) -> str:
+    """The program to run: the model's code and its tests, as data for a harness that runs them in a namespace of
+    their own and prints the result line, tagged with the token it reads from stdin first (so the token is in
+    neither the source nor the model's namespace)."""
+    items = list(tests) if tests else (check_asserts(test) if mode == "share" and test else [])
+    if mode == "share" and not items and test:
+        items = []  # (a check() without top-level asserts: share mode scores it as all does)
+    args = ", ".join(repr(x) for x in (program, test, entry_point, items, mode if items else "all"))
+    return _HARNESS.replace("{args}", args)
 
 
 class CodeTests:
@@ -106,11 +133,11 @@ class CodeTests:
             return self._count("no_code")
         try:
             compile(program, "<completion>", "exec")
-        except (SyntaxError, ValueError):
+        except Exception:  # (SyntaxError; RecursionError or MemoryError on a pathological one)
             return self._count("syntax_errors")
         token = secrets.token_hex(16)
         result = await self.sandbox.run_async(harness(program, test=test, entry_point=entry_point, tests=tests,
-                                                      mode=self.mode, token=token))
+                                                      mode=self.mode), stdin=token + "\n")
         for line in reversed(result.stdout.splitlines()):
             parts = line.split()
             if len(parts) == 3 and parts[0] == token:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -34,6 +35,7 @@ DEFAULT_RANK_PROMPT = (
     "Reply with {n} scores, comma-separated, in the order of the responses."
 )
 ENGINES = ("auto", "vllm", "hf")
+REQUEST_LOG = 10_000  # the request texts a judge keeps (its most recent), for a look at what it saw
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class Judge:
     engine: object
     tokenizer: object
     context: int
-    requests: list = field(default_factory=list)
+    requests: deque = field(default_factory=lambda: deque(maxlen=REQUEST_LOG))
     _counts: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0, "unparsable": 0, "requests": 0,
                                                    "overlong": 0})
 
@@ -156,7 +158,7 @@ class Judge:
 
         o = self.options
         start = time.perf_counter()
-        self.requests += texts
+        self.requests.extend(texts)
         self._counts["requests"] += len(texts)
         ids = [self.encode(t) for t in texts]
         answers: list = [None] * len(texts)
@@ -199,8 +201,9 @@ class Judge:
 
 
 def _last_match(pattern: str, text: str) -> Optional[str]:
-    """The last match of the format in free text (a judge that reasons first), or None."""
-    found = [m.group(0) for m in re.finditer(pattern, text)]
+    """The last match of the format in free text (a judge that reasons first), or None; a number right after
+    a '/' ("7/10") or inside a longer one is not a match of its own."""
+    found = [m.group(0) for m in re.finditer(rf"(?<![\d./])(?:{pattern})(?![\d.])", text)]
     return found[-1] if found else None
 
 

@@ -145,22 +145,17 @@ class VLLMEngine(RolloutEngine):
         # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
         copies = request.n if request.greedy else 1
         seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
-        whole = {} if on_group is None else compat.RequestLoop.final_output()  # (what LLM.generate sets)
         params = [_sampling_params(request, n=1 if request.greedy else request.n, max_tokens=request.max_new_tokens,
-                                   seed=seed, **whole)  # children of one request get seed + index (vLLM's parallel sampling)
-                  for seed in seeds for _ in range(copies)]
+                                   seed=seed, **compat.RequestLoop.final_output())  # (what LLM.generate sets)
+                  for seed in seeds for _ in range(copies)]  # children of one request get seed + index (parallel sampling)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
-        tokenizer = self.llm.get_tokenizer()
-        if on_group is None:
-            with compat.ENGINE_LOCK:
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
-            completions = [self._completion(c, tokenizer) for out in outputs for c in out.outputs]
-            return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
-        return self._generate_streaming(requests, params, copies, len(prompts), request.n, on_group, tokenizer)
+        return self._generate_streaming(requests, params, copies, len(prompts), request.n, on_group,
+                                        self.llm.get_tokenizer())
 
     def _generate_streaming(self, requests, params, copies: int, n_prompts: int, n: int, on_group, tokenizer):
-        """`generate` through vLLM's request loop, handing each prompt's group to on_group(i, group) at the
-        step its last completion finishes (the same requests and seeds as `LLM.generate`: the same tokens)."""
+        """`generate` through vLLM's request loop (the same requests and seeds as `LLM.generate`: the same
+        tokens), one step at a time (ENGINE_LOCK per step: another engine's step fits between two), handing
+        each prompt's group to on_group(i, group), when given, at the step its last completion finishes."""
         engine = compat.RequestLoop(self.llm)
         if engine.busy():
             raise RuntimeError("generate: the vLLM engine still has requests of another call running")
@@ -177,7 +172,7 @@ class VLLMEngine(RolloutEngine):
                         continue
                     i = owner[out.request_id]
                     groups[i] += [self._completion(c, tokenizer) for c in out.outputs]
-                    if len(groups[i]) == n:
+                    if len(groups[i]) == n and on_group is not None:
                         on_group(i, groups[i])
         finally:
             left = [rid for rid in ids if len(groups[owner[rid]]) < n]

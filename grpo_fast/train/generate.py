@@ -151,18 +151,34 @@ def partial_round(engine, tokenizer, data: TrainData, state, config,
         scorer = GroupScorer(data.reward_funcs, lambda keys, groups: Rollouts.concat(groups), c.prompt_column,
                              conversational(data.rows[0][c.prompt_column]), group_size=c.group_size,
                              timeout=c.reward_timeout)
-    batch, state.in_flight, stats, trained = partial_rollouts.run_round(
-        engine, tokenizer, pool, draw, data.prompt_ids, data.rows, c, sampling=sampling, version=state.policy_version,
-        on_complete=(lambda g, group: scorer.on_group(id(g), group)) if scorer is not None else None)
+    try:
+        batch, state.in_flight, stats, trained = partial_rollouts.run_round(
+            engine, tokenizer, pool, draw, data.prompt_ids, data.rows, c, sampling=sampling,
+            version=state.policy_version,
+            on_complete=(lambda g, group: scorer.on_group(id(g), group)) if scorer is not None else None)
+    except BaseException:
+        if scorer is not None:
+            scorer.close()
+        raise
     if c.vllm_enable_sleep_mode:
         engine.sleep()
     stats["rollout/dropped_stale"] = dropped
     if scorer is None:
         return batch, stats, None
-    # (a group complete before this round, trained only now, was never handed over: scored at the end)
     G = c.group_size
+    # a group complete before this round: its scores from the round that completed it (kept on the group,
+    # in memory only: after a resume it is scored again, to the same values); else scored at the end
+    known = {id(g): g.scores for g in trained if g.scores is not None}
     late = {id(g): batch.select(range(k * G, (k + 1) * G)) for k, g in enumerate(trained)}
-    return batch, stats, lambda: scorer.finish([id(g) for g in trained], late=late)
+
+    def scores() -> Scores:
+        out = scorer.finish([id(g) for g in trained], late=late, known=known)
+        for g in state.in_flight:  # complete, not trained yet: keep what it scored
+            if id(g) in scorer.scored:
+                g.scores = scorer.scored[id(g)]
+        return out
+
+    return batch, stats, scores
 
 
 # ---- the stage: generate and score, with dynamic sampling ------------------------------------
@@ -186,8 +202,13 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                 more = world.size * (wanted - sum(len(k) // G for k in kept))
                 index, first = rank_share(next_prompts(state, more, len(data.rows), c), world)
                 scorer = group_scorer(engine, data, index, c)  # (vLLM: groups scored while the rest decode)
-                part = generate(engine, tokenizer, data, index, first, state, c, sampling, engine_weights,
-                                scorer.on_group if scorer is not None else None)
+                try:
+                    part = generate(engine, tokenizer, data, index, first, state, c, sampling, engine_weights,
+                                    scorer.on_group if scorer is not None else None)
+                except BaseException:
+                    if scorer is not None:
+                        scorer.close()
+                    raise
                 generated += sum(len(ids) for ids in part.completion_ids)
                 round_stats["rollout/generated_tokens"] = generated
         with timed(times, "time/reward"):  # (what scoring adds after decoding: the early groups' time is hidden)

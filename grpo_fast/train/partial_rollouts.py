@@ -58,10 +58,13 @@ class Group:
     prompt: int
     seed: int
     members: list  # [Member]
+    # what the reward functions gave it, when it completed in a round that did not train it (memory only: a
+    # resumed run scores it again, to the same values); the trainer's round reads it instead of scoring again
+    scores: Optional[object] = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        """The checkpoint's form: plain dicts and lists."""
-        return asdict(self)
+        """The checkpoint's form: plain dicts and lists (without `scores`)."""
+        return {"prompt": self.prompt, "seed": self.seed, "members": [asdict(m) for m in self.members]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Group":

@@ -105,6 +105,10 @@ class GroupScorer:
         self._worker = threading.Thread(target=self._work, daemon=True, name="grpo_fast group scorer")
         self._worker.start()
 
+    def close(self) -> None:
+        """Let the worker end after what it is scoring (the stage failed: nothing will be finished)."""
+        self._queue.put(None)
+
     def on_group(self, key, group) -> None:
         self._handed.add(key)
         self._queue.put((key, group))
@@ -134,12 +138,14 @@ class GroupScorer:
             first = items[0][0]  # the call's counters go with its first group
             self._done[first] = self._done[first]._replace(non_finite=scores.non_finite, timeouts=scores.timeouts)
 
-    def finish(self, keys, late: Optional[dict] = None) -> Scores:
-        """The Scores of the groups `keys`, in order (waiting for the worker); `late`: key -> group for
-        groups never handed over (complete before this round), scored now. A reward function's error is
-        re-raised here, in the caller's thread."""
+    def finish(self, keys, late: Optional[dict] = None, known: Optional[dict] = None) -> Scores:
+        """The Scores of the groups `keys`, in order (waiting for the worker); `known`: key -> Scores already
+        had (a group scored in an earlier round); `late`: key -> group for the others never handed over,
+        scored now. A reward function's error is re-raised here, in the caller's thread. Afterwards `scored`
+        holds every group's Scores, the ones not asked for too."""
+        self._done.update(known or {})
         for key, group in (late or {}).items():
-            if key not in self._handed:
+            if key not in self._handed and key not in self._done:
                 self.on_group(key, group)
         self._queue.put(None)
         self._worker.join()
@@ -149,6 +155,7 @@ class GroupScorer:
         missing = [k for k in keys if k not in self._done]
         assert not missing, f"groups never handed to the scorer: {missing}"
         parts = [self._done[k] for k in keys]
+        self.scored = dict(self._done)
         timeouts: dict = {}
         for p in parts:
             for name, count in p.timeouts.items():

@@ -33,7 +33,7 @@ class TrainState:
 
     def to_dict(self) -> dict:
         """The checkpoint's form (plain dicts and lists; a group in flight as `Group.to_dict` writes it)."""
-        return asdict(self)
+        return {**asdict(replace(self, in_flight=[])), "in_flight": [g.to_dict() for g in self.in_flight]}
 
     @classmethod
     def from_dict(cls, saved: dict) -> "TrainState":

@@ -42,12 +42,15 @@ def test_right_wrong_partial_and_broken_programs():
         "",  # no code
         "    while True:\n        pass\n",  # runs past the limits
         "```python\nimport os\ndef add(a, b):\n    os._exit(0)\n```",  # exits 0 before the tests end: not a pass
+        "```python\nexec = print = len = lambda *a, **k: None\ndef add(a, b):\n    return a - b\n```",  # rebinds
+        "```python\nimport sys\nprint('stolen', sys.stdin.read())\ndef add(a, b):\n    return a + b\n```",  # the token?
     ]
     values, counts = _score(completions)
-    assert values == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert values == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert counts["code/syntax_errors"] == 1 and counts["code/no_code"] == 1 and counts["sandbox/timeouts"] == 1
     shares, _ = _score(completions, mode="share")
-    assert shares[:4] == [1.0, 1.0, 1 / 3, 2 / 3] and shares[4:] == [0.0] * 4
+    assert shares[:4] == [1.0, 1.0, 1 / 3, 2 / 3] and shares[4:8] == [0.0] * 4
+    assert shares[8:] == [1 / 3, 0.0], "rebinding exec/print/len in its own namespace fakes nothing; stdin is closed"
     asserts = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert add(2, 2) == 5"]  # MBPP-style
     assert _score([completions[0]], mode="share", tests=asserts)[0] == [2 / 3]
     assert _score([completions[0]], mode="all", tests=asserts)[0] == [0.0]
@@ -90,6 +93,9 @@ def test_without_bubblewrap_model_code_is_refused_unless_unsafe(monkeypatch, tmp
     unsafe = Sandbox(SandboxOptions(timeout=3, workers=1, unsafe=True))
     assert unsafe.run("print(6 * 7)").stdout == "42\n"
     unsafe.close()
+    reward = CodeTests(SandboxOptions(timeout=3, workers=1, unsafe=True))  # limits only: it still scores
+    assert asyncio.run(reward([PROMPT] * 2, ["    return a + b\n", "    return a\n"], test=[TEST] * 2,
+                              entry_point=["add"] * 2)) == [1.0, 0.0]
     monkeypatch.setenv("PATH", path)
     c = config(tmp_path, max_steps=1, eval_before_train=False, save_final=False, report_to="none",
                unsafe_code_execution=True)
@@ -127,7 +133,9 @@ MISBEHAVING = [
 def test_training_survives_programs_that_misbehave(tmp_path, tiny):
     """Every completion is replaced by one of the misbehaving programs: the steps complete, and each counter
     of what they hit is > 0."""
-    reward = CodeTests(FAST)
+    # (64 KiB of output a stream, the default: the fork bomb's processes each print a traceback, which must not
+    # reach the output limit before the process limit is seen)
+    reward = CodeTests(SandboxOptions(timeout=2, cpu_seconds=1, memory_mb=512, max_processes=8, tmp_mb=16, workers=4))
 
     async def code_tests(prompts, completions, **columns):
         chosen = [MISBEHAVING[k % len(MISBEHAVING)] for k in range(len(completions))]
