@@ -56,7 +56,7 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
     trainer = GRPOTrainer(c, funcs, rows(), rows(4), model=model, tokenizer=tokenizer)
     trainer.train()
     if judged:  # what this rank's judge saw, in order
-        (Path(output_dir) / f"judge-rank{trainer.world.rank}.json").write_text(json.dumps(funcs[1].judge.requests))
+        (Path(output_dir) / f"judge-rank{trainer.world.rank}.json").write_text(json.dumps(list(funcs[1].judge.requests)))
     seen = {"world": trainer.world.size, "step": trainer.state.step, "strategy": trainer.parallel.strategy}
     if kill is not None:  # which torchrun attempt finished the run
         seen["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
