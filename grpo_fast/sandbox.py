@@ -279,8 +279,8 @@ class Sandbox:
         stdout, stderr = (b.decode(errors="replace") for b in out)
         if reason is None and started[0] is None and not o.unsafe:
             reason = "start_failed"  # bwrap itself failed (its error is in stderr)
-        if reason == "timeout" and _why(None, stderr) == "process_limit":
-            reason = "process_limit"  # (a fork bomb's children keep the streams open until the clock: the cause)
+        if reason in ("timeout", "output_limit") and _why(None, stderr) == "process_limit":
+            reason = "process_limit"  # (a fork bomb's processes keep the streams open, or flood them: the cause)
         code = proc.returncode if reason in (None, "start_failed") else None
         return SandboxResult(code, stdout, stderr, reason or _why(code, stderr), seconds,
                              (started[0] - start) if started[0] is not None else 0.0)
@@ -354,17 +354,17 @@ def _owned_by(pid: str, uid: int) -> bool:
         return False
 
 
-def _why(code: int, stderr: str) -> str:
-    """Why a program that ended by itself stopped: a limit it hit, as its exit and last words show."""
+def _why(code: Optional[int], stderr: str) -> str:
+    """Why a program that ended by itself stopped: a limit it hit, as its exit and last words show. The
+    process limit first: a fork bomb's processes also run into the CPU and wall limits, but it hit that one."""
+    if "Resource temporarily unavailable" in stderr and any(w in stderr for w in ("fork", "BlockingIOError", "spawn")):
+        return "process_limit"
     if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "cpu_time"
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or "File too large" in stderr:
         return "file_size"
-    tail = stderr[-2000:]
-    if "MemoryError" in tail or "Cannot allocate memory" in tail:
+    if "MemoryError" in stderr[-2000:] or "Cannot allocate memory" in stderr[-2000:]:
         return "memory"
-    if "Resource temporarily unavailable" in tail and ("fork" in tail or "BlockingIOError" in tail or "spawn" in tail):
-        return "process_limit"
     return "exited"
 
 

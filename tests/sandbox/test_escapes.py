@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from grpo_fast.sandbox import UID_BASE, Sandbox, SandboxOptions
+from grpo_fast.sandbox import MAX_WORKERS, UID_BASE, Sandbox, SandboxOptions
 
 LIMITS = SandboxOptions(timeout=2, cpu_seconds=1, memory_mb=512, max_processes=8, output_bytes=4096, tmp_mb=16,
                         workers=2)
@@ -22,7 +22,9 @@ def box():
 
 
 def _slot_processes() -> list[int]:
-    """Host pids running as one of the sandbox's slot uids (none may be left after a program)."""
+    """Host pids running as one of this process's sandbox slot uids (none may be left after a program; another
+    test worker's programs run as its own)."""
+    base = UID_BASE + MAX_WORKERS * (os.getpid() % 10_000)
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -30,7 +32,7 @@ def _slot_processes() -> list[int]:
                 uid = os.stat(f"/proc/{entry}").st_uid
             except FileNotFoundError:
                 continue
-            if UID_BASE <= uid < UID_BASE + 64 * 10_000:
+            if base <= uid < base + MAX_WORKERS:
                 pids.append(int(entry))
     return pids
 
