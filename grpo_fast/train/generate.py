@@ -11,6 +11,7 @@ How a group is sampled is its rollout mode's (`grpo_fast.modes`, one registered 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -194,10 +195,10 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                                  "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
     generated = 0
     while True:
-        scorer, early = None, None
+        finish = None  # where groups were scored as the engine finished them: waits for their scores
         with timed(times, "time/generate"):
             if c.max_staleness:
-                part, round_stats, early = partial_round(engine, tokenizer, data, state, c, sampling)
+                part, round_stats, finish = partial_round(engine, tokenizer, data, state, c, sampling)
             else:
                 more = world.size * (wanted - sum(len(k) // G for k in kept))
                 index, first = rank_share(next_prompts(state, more, len(data.rows), c), world)
@@ -209,12 +210,14 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
                     if scorer is not None:
                         scorer.close()
                     raise
+                if scorer is not None:
+                    finish = functools.partial(scorer.finish, range(len(part) // G))
                 generated += sum(len(ids) for ids in part.completion_ids)
                 round_stats["rollout/generated_tokens"] = generated
         with timed(times, "time/reward"):  # (what scoring adds after decoding: the early groups' time is hidden)
-            scores = (early() if early is not None else scorer.finish(range(len(part) // G)) if scorer is not None else
-                      score(data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
-                            group_size=G, timeout=c.reward_timeout))
+            scores = finish() if finish is not None else score(
+                data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
+                group_size=G, timeout=c.reward_timeout)
             part.rewards = scores.rewards
             part.stats.update(counter_metrics([*data.reward_funcs, data.judge]))
             part.stats["rewards_non_finite"] = scores.non_finite
