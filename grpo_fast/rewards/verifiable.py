@@ -30,6 +30,19 @@ _MATH_VERIFY_TIMEOUT_S = 3
 MAX_ANSWER_CHARS = 200
 
 
+class _NoDisabledTimeoutNotice(logging.Filter):
+    """math-verify warns at every call without a timeout; off the main thread (the vLLM engine's groups are
+    scored in a worker thread while it decodes) that is by design here: MAX_ANSWER_CHARS bounds a parse, and
+    `reward_timeout` a whole call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_NoDisabledTimeoutNotice())
+
+
 def _timeout_s() -> int | None:
     if threading.current_thread() is not threading.main_thread():
         return None

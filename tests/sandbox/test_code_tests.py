@@ -130,7 +130,7 @@ MISBEHAVING = [
 ]
 
 
-def test_training_survives_programs_that_misbehave(tmp_path, tiny):
+def test_training_survives_programs_that_misbehave(tmp_path, tiny, process_limit_in_force):
     """Every completion is replaced by one of the misbehaving programs: the steps complete, and each counter
     of what they hit is > 0."""
     # (64 KiB of output a stream, the default: the fork bomb's processes each print a traceback, which must not

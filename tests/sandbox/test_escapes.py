@@ -104,7 +104,7 @@ def test_cpu_wall_and_memory_limits(box):
     assert big.reason == "memory" and "MemoryError" in big.stderr
 
 
-def test_the_process_limit_holds_before_any_fork_bomb(box):
+def test_the_process_limit_holds_before_any_fork_bomb(box, process_limit_in_force):
     """A pre-flight check first: forks that sleep, counted, cannot pass the limit. Only then the bomb."""
     before_mb = _available_mb()
     check = box.run("import os, time\nn = 0\ntry:\n    for _ in range(40):\n        if os.fork() == 0:\n"
