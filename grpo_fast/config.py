@@ -110,7 +110,9 @@ class GRPOConfig:
     shuffle_dataset: bool = _f(True, "Shuffle the training prompts each epoch (seeded, so a resumed run sees the same order).")
 
     # ---- objective ---------------------------------------------------------------------------
-    loss_type: str = _f("dapo", "Token loss and aggregation (TRL): grpo (sequence means) | bnpo | dr_grpo | dapo (global token mean over the optimizer step) | cispo (REINFORCE with the ratio capped at epsilon_high and stopped, dapo's mean; TRL suggests epsilon_high=5) | sapo (a soft sigmoid gate instead of the clip, grpo's mean) | vespo (a gamma weight of the sequence's ratio product, dapo's mean) | luspo (the clipped surrogate summed over each sequence, mean over sequences; meant for importance_sampling_level=sequence).", LOSS_TYPES)
+    loss_type: str = _f("dapo", "Token loss and aggregation (TRL): " + " | ".join(  # (from the table: named once)
+        f"{name} ({row.summary})" for name, row in LOSS_TYPES.items()) + ". TRL suggests epsilon_high=5 for cispo; "
+        "luspo is meant for importance_sampling_level=sequence.", LOSS_TYPES)
     beta: float = _f(0.0, "KL coefficient against a frozen reference policy; 0 loads no reference model.", bounds=LossOptions.bounds("beta"))
     epsilon: float = _f(0.2, "Lower PPO clip range (and the upper one unless epsilon_high is set).", bounds=LossOptions.bounds("epsilon_low"))
     epsilon_high: Optional[float] = _f(None, "Upper PPO clip range (DAPO clip-higher, e.g. 0.28). None: epsilon.", bounds=LossOptions.bounds("epsilon_high"))
