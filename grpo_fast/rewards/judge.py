@@ -34,7 +34,6 @@ DEFAULT_RANK_PROMPT = (
     "comparing them with each other.\n\nQuestion:\n{prompt}\n\n{completions}\n\n"
     "Reply with {n} scores, comma-separated, in the order of the responses."
 )
-ENGINES = ("auto", "vllm", "hf")
 REQUEST_LOG = 10_000  # the request texts a judge keeps (its most recent), for a look at what it saw
 
 
@@ -115,7 +114,7 @@ class Judge:
         from transformers import AutoTokenizer
 
         from ..models.loading import resolve_model_path
-        from ..rollout import engine_kind
+        from ..rollout import ENGINES, engine_kind
 
         if options.engine not in ENGINES:
             raise ValueError(f"judge_engine must be one of {list(ENGINES)}, got {options.engine!r}")
@@ -222,9 +221,10 @@ def _template(options: JudgeOptions, default: str, needs: str, name: str) -> str
     if missing:
         raise ValueError(f"judge_prompt for {name}: expected a template with {{prompt}} and {needs}, "
                          f"missing {missing}; got {prompt!r}")
+    from ..bounds import _num
+
     lo, hi = options.score_range
-    num = (lambda x: str(int(x)) if float(x).is_integer() else str(x))
-    return prompt.replace("{min}", num(lo)).replace("{max}", num(hi))
+    return prompt.replace("{min}", _num(lo)).replace("{max}", _num(hi))
 
 
 def _need_judge(judge: Optional[JudgeOptions], name: str) -> JudgeOptions:

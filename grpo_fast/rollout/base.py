@@ -324,7 +324,7 @@ class RolloutEngine:
         if not prompts:
             return []
         # (an engine that does not stream keeps the two-argument _generate)
-        groups = self._generate(prompts, request, on_group) if self.streams_groups and on_group else self._generate(prompts, request)
+        groups = self._generate(prompts, request, on_group) if self.streams_groups else self._generate(prompts, request)
         assert len(groups) == len(prompts) and all(len(g) == request.n for g in groups)
         if on_group is not None and not self.streams_groups:
             for i, group in enumerate(groups):

@@ -140,27 +140,24 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None) -> list[list[Completion]]:
+        """Through vLLM's request loop (the same requests and seeds as `LLM.generate`: the same tokens), one step
+        at a time (ENGINE_LOCK per step: another engine's step fits between two), handing each prompt's group
+        to on_group(i, group), when given, at the step its last completion finishes."""
         from vllm.inputs import TokensPrompt
 
         # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
-        copies = request.n if request.greedy else 1
+        copies, n = (request.n if request.greedy else 1), request.n
         seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
-        params = [_sampling_params(request, n=1 if request.greedy else request.n, max_tokens=request.max_new_tokens,
+        params = [_sampling_params(request, n=1 if request.greedy else n, max_tokens=request.max_new_tokens,
                                    seed=seed, **compat.RequestLoop.final_output())  # (what LLM.generate sets)
                   for seed in seeds for _ in range(copies)]  # children of one request get seed + index (parallel sampling)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
-        return self._generate_streaming(requests, params, copies, len(prompts), request.n, on_group,
-                                        self.llm.get_tokenizer())
-
-    def _generate_streaming(self, requests, params, copies: int, n_prompts: int, n: int, on_group, tokenizer):
-        """`generate` through vLLM's request loop (the same requests and seeds as `LLM.generate`: the same
-        tokens), one step at a time (ENGINE_LOCK per step: another engine's step fits between two), handing
-        each prompt's group to on_group(i, group), when given, at the step its last completion finishes."""
+        tokenizer = self.llm.get_tokenizer()
         engine = compat.RequestLoop(self.llm)
         if engine.busy():
             raise RuntimeError("generate: the vLLM engine still has requests of another call running")
         self._rounds += 1
-        groups: list[list] = [[] for _ in range(n_prompts)]
+        groups: list[list] = [[] for _ in range(len(prompts))]
         ids = [f"generate{self._rounds}-{k}" for k in range(len(requests))]
         owner = {rid: k // copies for k, rid in enumerate(ids)}  # request id -> its prompt
         try:

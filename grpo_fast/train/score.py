@@ -9,7 +9,6 @@ import inspect
 import math
 import queue
 import threading
-import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -92,13 +91,12 @@ class GroupScorer:
     make_batch(keys, groups) -> the Rollouts of those groups, in order (the synchronous stage hands over
     the engine's groups of Completion, partial rollouts a group's Rollouts). Results equal `score` on the
     whole batch for reward functions that score each completion (or, with takes_groups, each group) on
-    its own, which is TRL's contract for them. `scored_at[key]`: when that group's scoring began."""
+    its own, which is TRL's contract for them."""
 
     def __init__(self, reward_funcs: Sequence[Callable], make_batch: Callable, prompt_column: str, conversational: bool,
                  *, group_size: int, timeout: Optional[float] = None):
         self._args = (reward_funcs, prompt_column, conversational, group_size, timeout)
         self._make_batch, self._queue, self._done, self._error = make_batch, queue.Queue(), {}, None
-        self.scored_at: dict = {}
         self._handed: set = set()
         self._threads = torch.get_num_threads()  # (the worker's OpenMP count starts at the default; vLLM's CPU
         #   attention checks that it is the count the engine was built with, so a judge called from it must agree)
@@ -125,8 +123,6 @@ class GroupScorer:
             items = [item for item in items if item is not None]
             if not items or self._error is not None:
                 continue
-            started = time.monotonic()
-            self.scored_at.update({i: started for i, _ in items})
             try:
                 scores = score(funcs, self._make_batch([i for i, _ in items], [g for _, g in items]), column, chat,
                                group_size=G, timeout=timeout)

@@ -138,8 +138,9 @@ def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Opt
     from ..rewards import get_reward_funcs
 
     train_rows, eval_rows = datasets_from_config(config)
-    funcs = get_reward_funcs(list(config.reward_funcs), **reward_options(config))
-    return funcs, train_rows, eval_rows, task_eval_metrics(config.task, reward_options(config)) if config.dataset is None else None
+    options = reward_options(config)
+    funcs = get_reward_funcs(list(config.reward_funcs), **options)
+    return funcs, train_rows, eval_rows, task_eval_metrics(config.task, options) if config.dataset is None else None
 
 
 def reward_options(config) -> dict:
