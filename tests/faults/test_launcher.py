@@ -133,7 +133,9 @@ def test_kill9_of_the_launcher_ends_every_rank_and_the_printed_command_resumes(t
     # the resumed launcher gets SIGTERM (what Slurm and Kubernetes send) after its first checkpoint: it saves,
     # exits 143 with one line (no torchrun traceback), and the same command then finishes the run
     newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
-    if newest < 3:  # (of 4 steps: a kill -9 that landed after checkpoint-3 would leave no step to interrupt)
+    # (of 4 steps: the resumed run must still have a step to train after the checkpoint it writes, or the
+    # signal lands after its last step; a kill -9 that came after checkpoint-2 leaves too few)
+    if newest < 2:
         stopped = subprocess.Popen(resume, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 180
         while not (out / f"checkpoint-{newest + 1}" / "trainer_state.pt").exists():  # (one the resumed run wrote)
