@@ -88,6 +88,18 @@ class GRPOConfig:
     bf16: Optional[bool] = _f(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
     mixed_precision: str = _f("auto", "bf16: run the policy's decoder under torch.autocast in bfloat16 (matmuls in bf16; weights, optimizer state, the lm_head and the fused loss stay in the training dtype), in training and in the old-policy and reference passes. no: the decoder in the training dtype. auto: bf16 on a CPU with bf16 matmul hardware (AMX or avx512_bf16) when the weights are float32, no elsewhere (CUDA trains bfloat16 weights by default; CPUs without that hardware would emulate bf16, about 100x slower than float32, and the trainer warns when bf16 is asked for there). (docs/design.md and benchmarks/results/precision_cpu.md have the measurements.)", ("auto", "no", "bf16"))
 
+    # ---- LoRA (TRL's ModelConfig names) ------------------------------------------------------
+    use_peft: bool = _f(False, "Train a LoRA adapter (the peft library) instead of every parameter: the optimizer holds the adapter alone, checkpoints hold the adapter and its optimizer state (megabytes), final/ holds adapter_config.json + adapter_model.safetensors (peft and vLLM load it). beta > 0 takes the reference from the same model with the adapter disabled (no second copy). The adapter is never merged into the training weights (lora_sync says how the engine samples it). A `model` that is a PEFT adapter folder trains that adapter on its base, its starting weights frozen as the reference.")
+    lora_r: int = _f(16, "use_peft: LoRA rank r.", bounds=INTEGER_AT_LEAST_1)
+    lora_alpha: int = _f(32, "use_peft: LoRA alpha; the update is scaled by lora_alpha / lora_r.", bounds=INTEGER_AT_LEAST_1)
+    lora_dropout: float = _f(0.0, "use_peft: dropout on the adapter's input, in the policy's training forward only (the engine, the reference and the no-grad passes run without it). TRL's default is 0.05; here 0.0, so that the trained forward is the one the engine samples and the IS ratio and sync probe compare.", bounds=Bounds(low=0, high=1, high_open=True))
+    lora_target_modules: list = _f(["all-linear"], "use_peft: the layers that get an adapter, by name (q_proj,v_proj,...) or all-linear (PEFT's keyword: every linear layer but the output layer). TRL leaves PEFT's per-model default, which for Llama is q_proj and v_proj only. The lm_head is refused (the fused loss reads its weight).")
+    lora_modules_to_save: Optional[list] = _f(None, "use_peft: modules trained in full beside the adapter (PEFT's modules_to_save, e.g. a norm). Refused for the lm_head, for models with tied embeddings and with lora_sync='adapter'.")
+    lora_sync: str = _f("auto", "use_peft: how the vLLM engine samples the live adapter. merged: the engine's targeted weights are rewritten each step as W_base + (alpha / r) B A, computed in float32 from a base kept untouched (a partial weight update; no LoRA cost in decode). adapter: vLLM's LoRA path (enable_lora), the new A / B delivered after each step as a new adapter version, the old one removed (syncs megabytes, decodes through LoRA kernels). auto: merged, or adapter for a 4-bit base (it cannot take merged weights); docs/design.md has the measurement. The run's first lines say which. The HF engine samples with the policy itself (nothing to sync).", ("auto", "merged", "adapter"))
+    lora_base_model: Optional[str] = _f(None, "use_peft, with `model` a PEFT adapter folder: the base model's folder, when the adapter's base_model_name_or_path is not a local folder.")
+    save_merged: bool = _f(False, "use_peft: also write final/merged/, the base with the adapter merged (a plain HF folder).")
+    load_in_4bit: bool = _f(False, "use_peft: load the base in 4 bits (QLoRA, bitsandbytes on a CUDA GPU); refused where either is missing. The engine then samples through the adapter route or is the HF engine.")
+
     # ---- generation --------------------------------------------------------------------------
     engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINES)
     num_generations: int = _f(8, "Completions sampled per prompt (the group size G).", bounds=Bounds(low=2, integer=True, note=" (a group needs a baseline)"))
@@ -252,6 +264,16 @@ class GRPOConfig:
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
         return max(8192 if cuda else 1024, (self.max_prompt_length or 0) + self.max_sequence_completion)
+
+    @property
+    def lora_route(self) -> Optional[str]:
+        """lora_sync resolved (None without use_peft): auto is merged (no LoRA cost in decode, docs/design.md),
+        or adapter for a 4-bit base, which cannot take merged weights."""
+        if not self.use_peft:
+            return None
+        if self.lora_sync != "auto":
+            return self.lora_sync
+        return "adapter" if self.load_in_4bit else "merged"
 
     @property
     def use_bf16(self) -> Optional[bool]:

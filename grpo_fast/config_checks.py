@@ -107,6 +107,16 @@ COMBINATIONS = (
                 ""),
     Combination("bf16", None, lambda c: f"bf16=True to agree with dtype ({c.dtype!r}); set dtype='bfloat16' or 'auto'",
                 lambda c: c.bf16 and c.dtype not in ("auto", "bfloat16"), ""),
+    # LoRA adapters
+    Combination("distributed_strategy", lambda v: v in ("auto", "ddp"), "'auto' or 'ddp'", lambda c: c.use_peft,
+                "with use_peft=True: FSDP2 would shard a frozen base beside a few megabytes of adapter, which DDP "
+                "replicates at no real cost (auto picks ddp under use_peft)"),
+    Combination("lora_modules_to_save", _equals(None), "None", lambda c: c.use_peft and c.lora_route == "adapter",
+                "with lora_sync='adapter': vLLM's LoRA path takes A / B only (use lora_sync='merged')"),
+    Combination("lora_sync", lambda v: v in ("auto", "adapter"), "'auto' or 'adapter'", lambda c: c.use_peft and c.load_in_4bit,
+                "with load_in_4bit=True: a 4-bit base cannot take merged weights"),
+    Combination("load_in_4bit", _equals(False), "False", lambda c: not c.use_peft,
+                "without use_peft=True (a 4-bit base trains only through an adapter: QLoRA)"),
     # many ranks (torchrun): what runs in one process only, for now
     Combination("rollout_mode", _modes_with(lambda m: m.runs_on_many_ranks), "", lambda c: True,
                 lambda c: f"the {' and '.join(modes_where(lambda m: not m.runs_on_many_ranks))} modes run in one "

@@ -166,13 +166,14 @@ class DecoderForward(torch.nn.Module):
 
 
 def choose_strategy(model: torch.nn.Module, strategy: str) -> str:
-    """ddp or fsdp2 for `distributed_strategy` ("auto": fsdp2 when parameters, gradients and AdamW's
-    two float32 moments would take more than half of one device: a GPU, or this host's RAM shared by
+    """ddp or fsdp2 for `distributed_strategy` ("auto": fsdp2 when parameters, the trainable ones' gradients
+    and AdamW's two float32 moments would take more than half of one device: a GPU, or this host's RAM shared by
     the ranks on it)."""
     if strategy != "auto":
         return strategy
     params = list(model.parameters())
-    need = sum(p.numel() * (2 * p.element_size() + 8) for p in params)
+    # weights, and for the trained ones (all, or a LoRA adapter's) a gradient and AdamW's two moments
+    need = sum(p.numel() * (p.element_size() + (p.element_size() + 8 if p.requires_grad else 0)) for p in params)
     device = params[0].device
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory

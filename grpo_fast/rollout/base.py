@@ -246,7 +246,10 @@ ENGINE_CONTRACT = {
     "dtype": "the torch dtype it samples in (the IS correction's default and the sync check's bound read it)",
     "shares_weights_with": "shares_weights_with(model) -> bool: samples with the policy's own weights (no sync, no IS)",
     "generate": "generate(prompt_ids, n=, max_new_tokens=, sampling=, seed=, regex=, on_group=) -> groups of Completion",
-    "update_weights": "update_weights(model or (name, tensor) pairs): the new policy weights, in place",
+    "update_weights": "update_weights(model or (name, tensor) pairs, partial=False): the new policy weights, in place "
+                      "(partial: only the tensors given change, e.g. a LoRA adapter's merged layers)",
+    "update_adapter": "update_adapter(version, tensors): a LoRA adapter's new A / B (PEFT's layout) as the adapter it "
+                      "samples with from now on, the superseded one removed (lora_sync='adapter')",
     "prompt_logprobs": "prompt_logprobs(token_ids) -> log-probs of token_ids[1:] (the sync probe)",
     "reset_prefix_cache": "reset_prefix_cache(): forget cached KV blocks",
     "sleep": "sleep(): release memory during the training part of a step (a no-op where unsupported)",
@@ -378,9 +381,14 @@ class RolloutEngine:
         raise NotImplementedError(f"{type(self).__name__} cannot run partial rollouts (max_staleness >= 1): "
                                   f"use the vLLM engine")
 
-    def update_weights(self, weights) -> None:
-        """Copy new policy weights (an nn.Module or an iterable of (HF name, tensor)) into the engine."""
+    def update_weights(self, weights, partial: bool = False) -> None:
+        """Copy new policy weights (an nn.Module or an iterable of (HF name, tensor)) into the engine;
+        partial: the pairs given are a subset, the other weights stay as they are."""
         raise NotImplementedError
+
+    def update_adapter(self, version: int, tensors: dict) -> None:
+        """Sample with this LoRA adapter (PEFT's tensor names) from now on, replacing the previous one."""
+        raise NotImplementedError(f"{type(self).__name__} has no LoRA adapter path: use lora_sync='merged'")
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= 1 under the engine's weights (raw logits, one

@@ -119,8 +119,11 @@ class HFEngine(RolloutEngine):
     def shares_weights_with(self, model) -> bool:
         return model is self.model
 
-    def update_weights(self, weights) -> None:
+    def update_weights(self, weights, partial: bool = False) -> None:
         """Nothing to copy: this engine generates with the policy module itself."""
+
+    def update_adapter(self, version: int, tensors: dict) -> None:
+        """Nothing to load: the policy module carries its live adapter."""
 
     def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None) -> list[list[Completion]]:
         rows = [p for p in prompts for _ in range(request.n)]

@@ -219,9 +219,9 @@ class RequestLoop:
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def add(self, request_id: str, prompt, params) -> None:
+    def add(self, request_id: str, prompt, params, lora_request=None) -> None:
         with ENGINE_LOCK:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
     def step(self) -> list:
         with ENGINE_LOCK:
@@ -245,6 +245,47 @@ class RequestLoop:
         from vllm.sampling_params import RequestOutputKind
 
         return {"output_kind": RequestOutputKind.FINAL_ONLY}
+
+
+# ---- LoRA adapters (the adapter sync route) -------------------------------------------------------
+
+
+_adapter_ids = 0  # vLLM's adapter ids are process-wide and must be unique: one counter for every engine
+
+
+def load_adapter(llm, name: str, tensors: dict, peft_config: dict, folder: str):
+    """Load a LoRA adapter into the in-process engine from tensors (PEFT's names), without writing them to a
+    folder: vLLM's public path (`LoRARequest(lora_path=...)`) reads safetensors from disk at the first request.
+    Builds the same `LoRAModel` its worker builds from a folder (`from_lora_tensors` instead of
+    `from_local_checkpoint`) and adds it to the worker's manager; returns the `LoRARequest` requests carry
+    (its id is already loaded, so the worker never reads `folder`, which holds the config alone)."""
+    global _adapter_ids
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+
+    manager = worker(llm).model_runner.lora_manager
+    _adapter_ids += 1
+    helper = PEFTHelper.from_dict(dict(peft_config))
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        # copies: vLLM scales B by alpha / r in place when it builds the adapter (the trainer's B would change)
+        lora_model_id=_adapter_ids, tensors={k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+        peft_helper=helper, device="cpu", dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    manager._adapter_manager.add_adapter(lora)
+    return LoRARequest(name, _adapter_ids, folder)
+
+
+def remove_adapter(llm, request) -> None:
+    llm.llm_engine.remove_lora(request.lora_int_id)
+
+
+def list_adapters(llm) -> list[int]:
+    return sorted(llm.llm_engine.list_loras())
 
 
 def structured_output(regex: str | None) -> dict:

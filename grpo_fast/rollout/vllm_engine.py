@@ -77,6 +77,7 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.3,
         enable_sleep_mode: bool = False,
         bucket_bytes: int = 256 << 20,
+        lora=None,
         **vllm_kwargs,
     ):
         model_path = os.fspath(model_path)
@@ -94,6 +95,8 @@ class VLLMEngine(RolloutEngine):
             # use offset", vLLM 0.32): prefill whole prompts, a step's budget at least one whole context.
             vllm_kwargs.setdefault("enable_chunked_prefill", False)
             vllm_kwargs.setdefault("max_num_batched_tokens", max(4096, int(max_model_len)))
+        if lora is not None:  # (models.lora.LoraSpec) the adapter route: vLLM's LoRA layers, one adapter at a time
+            vllm_kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         # Inside a torch.distributed world (torchrun), vLLM builds its groups on the default one (each
         # rank its own TP=1 engine) instead of creating it: then closing must leave that group alone.
@@ -127,6 +130,8 @@ class VLLMEngine(RolloutEngine):
         self._repack_targets = compat.repackable_weights(self.model) if self.on_cpu else None
         self._packed_by_param = compat.packed_layers_by_param(self.model, self._repack_targets or {})
         self._rounds = 0  # generate_until calls: their request ids
+        self._lora = lora
+        self._adapter = None  # the LoRARequest every request carries (the adapter route), once one is loaded
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -162,7 +167,7 @@ class VLLMEngine(RolloutEngine):
         owner = {rid: k // copies for k, rid in enumerate(ids)}  # request id -> its prompt
         try:
             for rid, prompt, p in zip(ids, requests, params, strict=True):
-                engine.add(rid, prompt, p)
+                engine.add(rid, prompt, p, self._adapter)
             while engine.busy():
                 for out in engine.step():
                     if not out.finished:
@@ -200,7 +205,7 @@ class VLLMEngine(RolloutEngine):
                 finish.append(None)
                 finished_at.append(None)
                 params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, **engine.delta_output())
-                engine.add(rid, TokensPrompt(prompt_token_ids=prompt), params)
+                engine.add(rid, TokensPrompt(prompt_token_ids=prompt), params, self._adapter)
 
         try:  # (an error while adding still aborts what was added)
             add(requests)
@@ -235,7 +240,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"prompt_logprobs: needs at least 2 tokens, got {len(ids)}")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         with compat.ENGINE_LOCK:
-            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
+                                       lora_request=self._adapter)
         return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
     @staticmethod
@@ -247,11 +253,13 @@ class VLLMEngine(RolloutEngine):
         return Completion(ids, logprobs, output.finish_reason, tokenizer.decode(ids, skip_special_tokens=True))
 
     # ---- weights --------------------------------------------------------------------------
-    def update_weights(self, weights) -> None:
+    def update_weights(self, weights, partial: bool = False) -> None:
         """Copy new weights into the live engine, in place, then reset the prefix cache.
 
         weights: the policy `nn.Module` (HF layout) or an iterable of (HF checkpoint name, tensor),
-        covering every weight (a layer given in part would be re-processed with stale parts).
+        covering every weight; partial=True: only some (a LoRA adapter's merged layers), the others kept.
+        A fused layer (qkv, gate/up) keeps the shards not given: on the CPU they live in the kept
+        checkpoint-format tensor the layer is re-packed from.
         """
         if self.asleep:
             raise RuntimeError("update_weights on a sleeping engine: call wake() first")
@@ -261,16 +269,53 @@ class VLLMEngine(RolloutEngine):
                 for bucket in self._buckets(stream):
                     self.model.load_weights(weights=bucket)
             elif self._repack_targets is not None:
-                self._load_and_repack(stream)
+                self._load_and_repack(stream, partial)
+            elif partial:  # the generic reload rebuilds whole layers: it needs every weight
+                raise NotImplementedError("update_weights(partial=True): this model's CPU weight processing is not a "
+                                          "plain re-pack; use lora_sync='adapter'")
             else:
                 compat.reload_weights(self.llm, stream, self.tied_embeddings)
             self.reset_prefix_cache()
+
+    def update_adapter(self, version: int, tensors: dict) -> None:
+        """The adapter route: sample with this LoRA adapter (A / B in PEFT's layout) from now on.
+
+        It is loaded as a new vLLM adapter (`policy-v<version>`, a fresh id) from the tensors, without a
+        folder round trip (vLLM's public request type names a folder: vllm_compat goes around it), and
+        the superseded adapter is removed, so the engine holds one."""
+        if self._lora is None:
+            raise RuntimeError("update_adapter: this engine was started without lora= (vLLM's LoRA layers)")
+        with compat.ENGINE_LOCK:
+            old = self._adapter
+            self._adapter = compat.load_adapter(self.llm, f"policy-v{version}", tensors, self._lora.peft_config,
+                                                folder=self._adapter_folder())
+            if old is not None:
+                compat.remove_adapter(self.llm, old)
+
+    def adapters(self) -> list[int]:
+        """The ids of the LoRA adapters the engine holds."""
+        return compat.list_adapters(self.llm)
+
+    def _adapter_folder(self) -> str:
+        """A folder with the adapter's config alone, which the LoRA request names (vLLM reads its config)."""
+        folder = getattr(self, "_adapter_config_folder", None)
+        if folder is None:
+            import json
+            import shutil
+            import tempfile
+            import weakref
+
+            folder = self._adapter_config_folder = tempfile.mkdtemp(prefix="grpo_fast_lora_")
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump(self._lora.peft_config, f, default=list)
+            weakref.finalize(self, shutil.rmtree, folder, True)
+        return folder
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks (computed by old weights, or by a probe that should leave no trace)."""
         self.llm.reset_prefix_cache()
 
-    def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_and_repack(self, stream: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """CPU: load into the kept checkpoint-format tensors in place, then re-pack the layers loaded.
 
         Why re-pack rather than compute with the plain weights (`F.linear`: the update would be the
@@ -288,7 +333,7 @@ class VLLMEngine(RolloutEngine):
         for layer in {layer: None for p in loaded for layer in self._packed_by_param.get(p, ())}:
             compat.repack(layer)
         missing = [name for name, param_id in expected.items() if param_id not in loaded]
-        if missing:  # raised once the engine is consistent again (the layers given are re-packed)
+        if missing and not partial:  # raised once the engine is consistent again (the layers given are re-packed)
             raise ValueError(f"update_weights: weights must cover every parameter; these got none: {missing}")
 
     def _prepare(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

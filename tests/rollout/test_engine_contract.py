@@ -83,7 +83,7 @@ class _FullEngine:
     def generate(self, *args, **kwargs):
         raise AssertionError("not called in this test")
 
-    update_weights = prompt_logprobs = reset_prefix_cache = sleep = wake = generate
+    update_weights = update_adapter = prompt_logprobs = reset_prefix_cache = sleep = wake = generate
 
 
 def test_the_contract_is_checked_and_names_what_is_missing():

@@ -1,0 +1,254 @@
+"""LoRA adapters on the policy, through the `peft` library: built and checked once, then read by the
+stages that care (the reference pass, the weight sync, checkpoints).
+
+The adapter is never merged into the training weights. What the engine samples with comes from here:
+
+- `engine_weights(model, merged=True)`: every weight under its HF checkpoint name, each targeted linear
+  layer as `W_base + s * B @ A` computed in float32 from the untouched base (the `merged` sync route);
+  `only_adapted=True` yields the targeted (and saved) modules alone: a partial weight update.
+- `adapter_tensors(model)`: the trained A / B (and modules_to_save) in PEFT's file layout, which vLLM's
+  LoRA loader reads (the `adapter` sync route).
+
+The lm_head never carries an adapter: the fused loss reads its weight directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+POLICY, REFERENCE = "default", "ref"  # the trained adapter's name; a resumed-from adapter kept frozen as the reference
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (0.32)
+
+
+def is_adapter_folder(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def adapter_base(path: str, lora_base_model: Optional[str]) -> str:
+    """The base model of the PEFT adapter folder `path`: lora_base_model when given, else the adapter's
+    `base_model_name_or_path` when it is a local folder (or names the default model), else refused."""
+    if lora_base_model is not None:
+        return lora_base_model
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    from . import resolve_model_path
+
+    if base and (os.path.isdir(base) or "SmolLM2-135M-Instruct" in base):
+        return base if os.path.isdir(base) else "default"
+    raise ValueError(f"model={path!r} is a PEFT adapter whose base_model_name_or_path ({base!r}) is not a local folder "
+                     f"(nothing is downloaded); pass the base model's folder with --lora_base_model")
+
+
+def vllm_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM allows that holds rank r."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise ValueError(f"GRPOConfig.lora_r={r} is invalid for lora_sync='adapter': vLLM's LoRA ranks go up to {VLLM_LORA_RANKS[-1]}")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What an engine needs to run the adapter route: the rank it must hold and PEFT's config (as in
+    adapter_config.json)."""
+
+    rank: int
+    peft_config: dict
+
+
+# ---- building ------------------------------------------------------------------------------------
+
+
+def _linear_names(lm: nn.Module) -> list[str]:
+    return [name for name, m in lm.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def _head_name(lm: nn.Module) -> Optional[str]:
+    head = lm.get_output_embeddings()
+    return next((name for name, m in lm.named_modules() if m is head), None)
+
+
+def check_targets(lm: nn.Module, config) -> None:
+    """Before wrapping: every lora_target_modules entry names a linear layer of the model (listing those
+    there are), neither list reaches the lm_head, and no modules_to_save with tied embeddings."""
+    targets = list(config.lora_target_modules or [])
+    linear = _linear_names(lm)
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    head = _head_name(lm)
+    for t in targets:
+        if t == "all-linear":
+            continue
+        if head is not None and _matches(head, t):
+            raise ValueError(f"GRPOConfig.lora_target_modules={targets!r} reaches the lm_head ({head!r}), which never "
+                             f"carries an adapter (the fused loss reads its weight; lora_modules_to_save may not name it "
+                             f"either); target the decoder's layers: {kinds}")
+        if not any(_matches(n, t) for n in linear):
+            raise ValueError(f"GRPOConfig.lora_target_modules={targets!r}: {t!r} names no linear layer of the model; "
+                             f"its linear layers are {kinds} (or 'all-linear')")
+    saved = list(config.lora_modules_to_save or [])
+    modules = [n for n, _ in lm.named_modules()]
+    for s in saved:
+        if (head is not None and _matches(head, s)) or s in ("lm_head", "embed_tokens") and lm.config.tie_word_embeddings:
+            raise ValueError(f"GRPOConfig.lora_modules_to_save={saved!r} reaches the lm_head (through {s!r}), which the "
+                             f"fused loss reads directly; lora_target_modules may not name it either")
+        if not any(_matches(n, s) for n in modules):
+            raise ValueError(f"GRPOConfig.lora_modules_to_save={saved!r}: {s!r} names no module of the model")
+    if saved and getattr(lm.config, "tie_word_embeddings", False):
+        raise ValueError(f"GRPOConfig.lora_modules_to_save={saved!r} is refused for a model with tied embeddings (a "
+                         f"trained copy would untie the lm_head from the embedding); set it to None")
+
+
+def lora_config(config):
+    from peft import LoraConfig
+
+    targets = list(config.lora_target_modules or [])
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      modules_to_save=list(config.lora_modules_to_save) if config.lora_modules_to_save else None,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None) -> nn.Module:
+    """The PEFT model around `lm`: a fresh adapter from the config, or (adapter_path) that adapter trained
+    on, with a frozen copy of it as the reference adapter (`REFERENCE`). Base weights frozen."""
+    from peft import PeftModel, get_peft_model
+
+    if adapter_path is None:
+        check_targets(lm, config)
+        return get_peft_model(lm, lora_config(config))
+    model = PeftModel.from_pretrained(lm, adapter_path, adapter_name=POLICY, is_trainable=True)
+    model.load_adapter(adapter_path, adapter_name=REFERENCE, is_trainable=False)
+    model.base_model.set_adapter(POLICY)  # (loading may switch the active adapter) the trained one, trainable
+    return model
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def has_reference_adapter(model) -> bool:
+    return is_lora(model) and REFERENCE in model.peft_config
+
+
+@contextlib.contextmanager
+def reference_scope(model):
+    """The policy model computing as the reference: its starting adapter where the run began from one,
+    else the base with the adapter disabled. Sets the layers' active adapter directly (PEFT's set_adapter
+    would also flip which adapter is trainable)."""
+    if not has_reference_adapter(model):
+        with model.disable_adapter():
+            yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = [REFERENCE]
+    try:
+        yield
+    finally:
+        for m, active in zip(layers, before, strict=True):
+            m._active_adapter = active
+
+
+# ---- what the engine gets ------------------------------------------------------------------------
+
+
+def _lora_layers(lm: nn.Module):
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in lm.named_modules() if isinstance(m, LoraLayer)]
+
+
+def delta(layer, adapter: str = POLICY) -> torch.Tensor:
+    """s * B @ A of one LoRA linear layer, in float32 ([out, in])."""
+    a = layer.lora_A[adapter].weight.detach().float()
+    b = layer.lora_B[adapter].weight.detach().float()
+    return layer.scaling[adapter] * (b @ a)
+
+
+def engine_weights(model, *, merged: bool, only_adapted: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, tensor) of the policy as an engine holds it. merged: targeted layers as
+    W_base + s * B @ A (float32 from the untouched base), else the base. only_adapted: the targeted
+    layers and the modules_to_save alone (a partial update)."""
+    from peft.tuners.lora import LoraLayer
+
+    lm = model.get_base_model()
+    adapted = {name: m for name, m in _lora_layers(lm)}
+    for name, param in lm.named_parameters():
+        if ".lora_" in name or ".original_module." in name or f".modules_to_save.{REFERENCE}." in name:
+            continue
+        saved = f".modules_to_save.{POLICY}." in name
+        hf_name = name.replace(f".modules_to_save.{POLICY}.", ".").replace(".base_layer.", ".")
+        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        layer = adapted.get(owner)
+        if only_adapted and layer is None and not saved:
+            continue
+        tensor = param.detach()
+        if merged and isinstance(layer, LoraLayer) and hf_name.endswith(".weight") and POLICY in layer.lora_A:
+            tensor = tensor.float() + delta(layer)
+        yield hf_name, tensor
+
+
+def adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """The trained adapter in PEFT's saved layout (`base_model.model.<module>.lora_A.weight`, ...)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=POLICY).items()}
+
+
+def spec(model) -> LoraSpec:
+    """The adapter route's `LoraSpec` of a PEFT model."""
+    cfg = model.peft_config[POLICY]
+    return LoraSpec(rank=vllm_rank(cfg.r), peft_config=cfg.to_dict())
+
+
+def trainable_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def summary(model, route: Optional[str]) -> str:
+    """One line for the run's first lines: the adapter, its size, how the engine samples it."""
+    cfg = model.peft_config[POLICY]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
+    ref = ", reference: the starting adapter" if has_reference_adapter(model) else ""
+    sync = f", engine sync: {route}" if route else ""
+    return (f"lora: r={cfg.r} alpha={cfg.lora_alpha} on {targets}: {trainable / 1e6:.2f}M trainable of "
+            f"{total / 1e6:.1f}M parameters{ref}{sync}")
+
+
+# ---- saving --------------------------------------------------------------------------------------
+
+
+def save_adapter(model, folder: str, tokenizer=None) -> None:
+    """adapter_config.json + adapter_model.safetensors (the trained adapter; loadable by peft and vLLM)."""
+    model.save_pretrained(folder, selected_adapters=[POLICY], safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def save_merged(model, folder: str, tokenizer=None) -> None:
+    """The base with the adapter merged (float32 arithmetic, stored in the base's dtype) as a plain HF folder;
+    the live model is not touched."""
+    lm = model.get_base_model()
+    base_dtype = next(p for n, p in lm.named_parameters() if ".lora_" not in n).dtype
+    state = {name: t.to(base_dtype).contiguous() for name, t in engine_weights(model, merged=True)}
+    lm.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
