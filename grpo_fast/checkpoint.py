@@ -73,8 +73,8 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
             torch.save({"state": state, "scheduler": scheduler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
                         "config": config, "world_size": world.size}, os.path.join(tmp, STATE_FILE))
 
-    # the HF model + the sharded model + AdamW's two moments (float32 each) + RNG and small state
-    needed = _tensor_bytes(model.parameters()) * 4
+    # the HF model + the sharded model + AdamW's two moments (float32 each) + RNG and small state (LoRA: the adapter's)
+    needed = _tensor_bytes(_saved_parameters(model)) * 4
     final = write_atomically(os.path.join(output_dir, f"checkpoint-{step}"), write, needed_bytes=needed, world=world)
     if total_limit is not None and world.main:
         for old in list_checkpoints(output_dir)[:-total_limit]:
@@ -82,25 +82,48 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
     return final
 
 
-def save_final_model(target: str, model, tokenizer, parallel) -> str:
-    """The trained model alone, as an HF folder at `target`, atomically (every rank calls this)."""
-    return write_atomically(target, lambda tmp: _save_whole_model(model, tokenizer, tmp, parallel),
-                            needed_bytes=_tensor_bytes(model.parameters()), world=parallel.world)
+def save_final_model(target: str, model, tokenizer, parallel, merged: bool = False) -> str:
+    """The trained model alone, as an HF folder at `target`, atomically (every rank calls this). A LoRA
+    policy: its adapter (adapter_config.json + adapter_model.safetensors), and with `merged` also
+    `merged/`, the base with the adapter merged."""
+    from .models import lora
+
+    def write(tmp: str) -> None:
+        _save_whole_model(model, tokenizer, tmp, parallel)
+        if merged and lora.is_lora(model) and parallel.world.main:
+            lora.save_merged(model, os.path.join(tmp, "merged"), tokenizer)
+
+    needed = _tensor_bytes(model.parameters()) if merged or not lora.is_lora(model) else _tensor_bytes(_saved_parameters(model))
+    return write_atomically(target, write, needed_bytes=needed, world=parallel.world)
 
 
 def _save_whole_model(model, tokenizer, folder: str, parallel) -> None:
-    """Rank 0 writes the whole model as an HF folder (FSDP2: gathered to it first, a collective)."""
+    """Rank 0 writes the whole model as an HF folder (FSDP2: gathered to it first, a collective); a LoRA
+    policy writes its adapter (megabytes: the base is the model it started from)."""
+    from .models import lora
+
+    if lora.is_lora(model):
+        if parallel.world.main:
+            lora.save_adapter(model, folder, tokenizer)
+        return
     whole = parallel.full_state_dict()
     if parallel.world.main:
         save_model(model, tokenizer, folder, whole)
 
 
+def _saved_parameters(model) -> list:
+    """The parameters a checkpoint holds: the trained ones (all, or a LoRA adapter's)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _model_and_optimizer(model, optimizer) -> dict:
     """{"model", "optimizer"} state dicts keyed by parameter names, sharded as the live model is
-    (torch's get_state_dict: DTensors under FSDP2, plain tensors otherwise)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    (torch's get_state_dict: DTensors under FSDP2, plain tensors otherwise). Frozen parameters are left
+    out when there are any (a LoRA adapter's base: the model it started from, not trained)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    frozen = any(not p.requires_grad for p in model.parameters())
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=frozen))
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -121,12 +144,14 @@ def save_sharded(model, optimizer, folder: str) -> None:
 def load_sharded(model, optimizer, folder: str) -> None:
     """Load a `save_sharded` folder into the live model and optimizer, resharded to this world."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = _model_and_optimizer(model, optimizer)  # (initialises AdamW's state, so it has a place to load into)
     with _no_process_group_notice():
         dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=frozen, strict=not frozen))
 
 
 def load_model_and_optimizer(path: str, saved: dict, model, optimizer) -> None:

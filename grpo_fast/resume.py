@@ -35,12 +35,12 @@ RUN_CONTROL = ("max_steps", "max_train_minutes", "save_steps", "save_total_limit
                "eval_steps", "eval_before_train", "eval_max_samples", "eval_max_completion_length", "log_level",
                "disable_tqdm", "report_to", "run_name", "project", "log_completions", "num_completions_to_print",
                "sampling_check_steps", "max_signal_free_steps", "output_dir",
-               "resume_from_checkpoint", "overwrite_output_dir", "resume_override")
+               "resume_from_checkpoint", "overwrite_output_dir", "resume_override", "save_merged")
 # How the same global batch is spread over ranks and micro-batches and which kernels compute it: free too
 # (resuming on more or fewer ranks, or another machine, needs them; the global batch itself is checked).
 LAYOUT = ("per_device_train_batch_size", "gradient_accumulation_steps", "distributed_strategy",
           "max_tokens_per_microbatch", "loss_backend", "gradient_checkpointing", "vllm_gpu_memory_utilization",
-          "vllm_enable_sleep_mode")
+          "vllm_enable_sleep_mode", "lora_sync")
 # What the groups carried over by partial rollouts were sampled and sized with: never overridden while
 # groups are in flight (they would continue under other lengths, group sizes or prompts).
 IN_FLIGHT = ("model", "dataset", "task", "task_train_size", "prompt_column", "num_generations", "max_prompt_length",

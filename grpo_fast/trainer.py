@@ -46,7 +46,8 @@ class GRPOTrainer:
     -> list[float | None]`. train_dataset / eval_dataset: lists of dict rows (or HF datasets) with
     `config.prompt_column` and the columns the rewards read. model / tokenizer: a transformers causal
     LM and its tokenizer; None loads `config.model` (default: SmolLM2-135M-Instruct).
-    engine: an already built rollout engine (None: built from `config.engine`). eval_metrics: held-out
+    engine: an already built rollout engine (None: built from `config.engine`). peft_config: a peft
+    `LoraConfig` to train an adapter with (as TRL's; or `config.use_peft` and the lora_* fields). eval_metrics: held-out
     metrics besides the rewards, {name: function with the reward signature}, each logged as `eval/<name>`
     (its mean, None counting as 0). evaluate_only: for `evaluate()` alone: output_dir is not checked.
 
@@ -55,7 +56,12 @@ class GRPOTrainer:
     """
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
-                 model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False):
+                 model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False,
+                 peft_config=None):
+        if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
+            from .models.lora import config_with
+
+            config = config_with(config, peft_config)
         c = self.config = config
         self.world = distributed.join(c.distributed_strategy)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:
@@ -69,12 +75,12 @@ class GRPOTrainer:
         reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset)
         self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=dict(eval_metrics or {}))
         torch.manual_seed(c.seed)
-        model, tokenizer, model_path = setup.prepare_policy(c, model, tokenizer)
+        model, tokenizer, model_path = setup.prepare_policy(c, model, tokenizer, peft_config)
         setup.warn_emulated_bf16(c, model)
         prompt_ids = setup.encode(train_rows, tokenizer, c)
         setup.check_prompt_lengths(prompt_ids, c, model.config, "train_dataset")
         self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge)
-        ref_model = setup.frozen_copy(model) if c.beta > 0 else None
+        ref_model = setup.reference_copy(model, c.beta)  # (before many ranks wrap the policy)
         self.engine = engine if engine is not None else setup.build_engine(c, model, tokenizer, model_path)
         if c.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
             setup.check_partial_rollouts(self.engine, c)
@@ -83,9 +89,8 @@ class GRPOTrainer:
         self.options = setup.Options.from_config(c)  # each stage's options (loss, advantages, sampling)
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         parallel = distributed.parallelize(model, self.world, c.distributed_strategy)
-        reference = None if ref_model is None else logprobs.Reference(
-            ref_model, distributed.parallelize(ref_model, self.world, parallel.strategy, frozen=True))
-        self.policy = setup.Policy(model, tokenizer, model_path, packer, parallel, reference)
+        reference = setup.reference_of(model, ref_model, self.world, parallel, c.beta)  # (LoRA: the policy, adapter off)
+        self.policy = setup.Policy(model, tokenizer, model_path, packer, parallel, reference, c.lora_route)
         self.optimizer = setup.build_optimizer(model, c)
         self.scheduler = setup.build_scheduler(self.optimizer, c)
         self.state = TrainState(global_batch=c.completions_per_step * self.world.size)
@@ -254,7 +259,7 @@ class GRPOTrainer:
 
     def _sync_weights(self):
         sync.sync_weights(self.engine, self.policy, shares_weights=self.is_policy.shares_weights,
-                          sleep_mode=self.config.vllm_enable_sleep_mode)
+                          sleep_mode=self.config.vllm_enable_sleep_mode, version=self.state.policy_version + 1)
 
     def precision_summary(self) -> str:
         """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
@@ -284,7 +289,7 @@ class GRPOTrainer:
         Every rank calls it: each writes its shards, rank 0 the rest (checkpoint.py)."""
         c, p = self.config, self.policy
         if final:
-            return checkpoint.save_final_model(path, p.model, p.tokenizer, p.parallel)
+            return checkpoint.save_final_model(path, p.model, p.tokenizer, p.parallel, merged=c.save_merged)
         path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=p.model, tokenizer=p.tokenizer,
                                           optimizer=self.optimizer, scheduler=self.scheduler, parallel=p.parallel,
                                           state=self.state.to_dict(), config=c.to_dict(), total_limit=c.save_total_limit)

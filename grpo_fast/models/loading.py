@@ -122,12 +122,13 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     return name
 
 
-def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32"):
+def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32", load_in_4bit: bool = False):
     """(model, tokenizer) for training: a transformers causal LM in `dtype` and its tokenizer.
 
     name_or_path: "default" (SmolLM2-135M-Instruct) or a local folder (checked for config.json, weights
     and tokenizer files before anything loads). dtype: a torch dtype or its
-    name ("float32", "bfloat16", "float16"). The tokenizer gets a pad token (its EOS) if it has none.
+    name ("float32", "bfloat16", "float16"). load_in_4bit: the weights in 4 bits (bitsandbytes NF4, CUDA),
+    the lm_head kept whole for the fused loss. The tokenizer gets a pad token (its EOS) if it has none.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,7 +138,13 @@ def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32"):
             raise ValueError(f"dtype must be a torch dtype or its name (e.g. 'float32', 'bfloat16'), got {dtype!r}")
         dtype = getattr(torch, dtype)
     path = resolve_model_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    quantized = {}
+    if load_in_4bit:  # QLoRA's base (bitsandbytes, CUDA; setup.check_4bit refuses it elsewhere); the lm_head stays whole
+        from transformers import BitsAndBytesConfig
+
+        quantized = {"quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

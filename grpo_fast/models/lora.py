@@ -15,6 +15,7 @@ The lm_head never carries an adapter: the fused loss reads its weight directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -121,14 +122,26 @@ def lora_config(config):
                       bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None) -> nn.Module:
-    """The PEFT model around `lm`: a fresh adapter from the config, or (adapter_path) that adapter trained
-    on, with a frozen copy of it as the reference adapter (`REFERENCE`). Base weights frozen."""
+def config_with(config, peft_config):
+    """The GRPOConfig of a run given a `peft_config=` object: use_peft and the lora_* fields it sets, so the
+    saved config (and a resume's check) describes the adapter."""
+    targets = peft_config.target_modules
+    targets = [targets] if isinstance(targets, str) else sorted(targets or [])
+    saved = peft_config.modules_to_save
+    return dataclasses.replace(config, use_peft=True, lora_r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
+                               lora_dropout=float(peft_config.lora_dropout), lora_target_modules=targets,
+                               lora_modules_to_save=sorted(saved) if saved else None)
+
+
+def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_config=None) -> nn.Module:
+    """The PEFT model around `lm`: a fresh adapter (peft_config, else one from the config's lora_* fields),
+    or (adapter_path) that adapter trained on, with a frozen copy of it as the reference adapter
+    (`REFERENCE`). Base weights frozen."""
     from peft import PeftModel, get_peft_model
 
     if adapter_path is None:
         check_targets(lm, config)
-        return get_peft_model(lm, lora_config(config))
+        return get_peft_model(lm, peft_config if peft_config is not None else lora_config(config))
     model = PeftModel.from_pretrained(lm, adapter_path, adapter_name=POLICY, is_trainable=True)
     model.load_adapter(adapter_path, adapter_name=REFERENCE, is_trainable=False)
     model.base_model.set_adapter(POLICY)  # (loading may switch the active adapter) the trained one, trainable
@@ -226,7 +239,8 @@ def summary(model, route: Optional[str]) -> str:
     cfg = model.peft_config[POLICY]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
+    targets = cfg.target_modules  # (PEFT resolves all-linear to full names: shown by kind)
+    targets = targets if isinstance(targets, str) else ",".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
     ref = ", reference: the starting adapter" if has_reference_adapter(model) else ""
     sync = f", engine sync: {route}" if route else ""
     return (f"lora: r={cfg.r} alpha={cfg.lora_alpha} on {targets}: {trainable / 1e6:.2f}M trainable of "

@@ -14,11 +14,12 @@ The stage returns a `SideInputs` record; the loop puts its tensors into the batc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -73,10 +74,12 @@ class ISPolicy:
 
 @dataclass(frozen=True)
 class Reference:
-    """The frozen reference policy of the KL term (beta > 0) and its (possibly sharded) wrapper."""
+    """The frozen reference policy of the KL term (beta > 0) and its (possibly sharded) wrapper. scope():
+    the context in which `model` computes as the reference (LoRA: the policy itself, adapter disabled)."""
 
     model: torch.nn.Module
     parallel: object  # distributed.Parallel
+    scope: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
                             "sampling/importance_sampling_ratio/mean": Pooled.of(flat),
                             "sampling/importance_sampling_ratio/max": flat.max().item()})
     if reference is not None:
-        with reference.parallel.gathered():
+        with reference.parallel.gathered(), reference.scope():
             ref_logp = compute(reference.model)
     return SideInputs(old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, metrics=metrics)
 

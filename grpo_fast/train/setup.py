@@ -226,22 +226,43 @@ def warn_emulated_bf16(config, model) -> None:
                       stacklevel=3)
 
 
-def prepare_policy(config, model=None, tokenizer=None):
-    """(model, tokenizer, model_path): the given ones, or loaded from config.model / the default.
+def check_4bit(config) -> None:
+    """load_in_4bit (QLoRA) needs bitsandbytes on a CUDA GPU: refused by name elsewhere, before any load."""
+    if not config.load_in_4bit:
+        return
+    missing = [what for what, ok in (("a CUDA GPU", torch.cuda.is_available()),
+                                     ("bitsandbytes", importlib.util.find_spec("bitsandbytes") is not None)) if not ok]
+    if missing:
+        raise ValueError(f"GRPOConfig.load_in_4bit=True (a 4-bit QLoRA base) needs bitsandbytes on a CUDA GPU; this "
+                         f"machine lacks {' and '.join(missing)}: set load_in_4bit=False (LoRA on the full-precision base)")
 
-    model_path is a folder vLLM can load when one is known (None for a model passed in)."""
+
+def prepare_policy(config, model=None, tokenizer=None, peft_config=None):
+    """(model, tokenizer, model_path): the given ones, or loaded from config.model / the default;
+    with use_peft, the model wrapped with its LoRA adapter (models/lora.py; peft_config: a LoraConfig to use).
+
+    model_path is a folder vLLM can load when one is known (None for a model passed in): with LoRA,
+    the base's."""
+    from ..models import lora
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = None
+    path = adapter_path = None
+    check_4bit(config)
     if model is None:
         from transformers import AutoConfig
 
         from .. import models
 
-        path = models.resolve_model_path(config.model or "default")
+        spec = config.model or "default"
+        if lora.is_adapter_folder(spec):
+            if not config.use_peft:
+                raise ValueError(f"model={spec!r} is a PEFT adapter folder: set use_peft=True to train it (on its base)")
+            adapter_path, spec = spec, lora.adapter_base(spec, config.lora_base_model)
+        path = models.resolve_model_path(spec)
         model_config = AutoConfig.from_pretrained(path)  # checked before the weights load
         check_context(config, model_config, repr(path))
         models.check_logit_transforms(model_config, repr(path))
-        model, loaded_tokenizer = models.load_policy(path, dtype=train_dtype(config))
+        model, loaded_tokenizer = models.load_policy(path, dtype=train_dtype(config), load_in_4bit=config.load_in_4bit)
         tokenizer = tokenizer or loaded_tokenizer
     elif tokenizer is None:
         raise ValueError("GRPOTrainer: a model was passed without its tokenizer; pass tokenizer= too")
@@ -260,9 +281,13 @@ def prepare_policy(config, model=None, tokenizer=None):
     for module in model.modules():  # TRL's disable_dropout: sampling and training see one policy
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    if config.use_peft and not lora.is_lora(model):  # (after the above: lora_dropout applies to the policy forward)
+        model = lora.apply_lora(model, config, adapter_path, peft_config)
     model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora.is_lora(model):  # a frozen embedding gives checkpointed layers inputs without grad
+            model.enable_input_require_grads()
     if path is None and os.path.isdir(getattr(model, "name_or_path", "") or ""):
         path = model.name_or_path
     return model, tokenizer, path
@@ -274,6 +299,28 @@ def frozen_copy(model):
     return ref
 
 
+def reference_copy(model, beta: float):
+    """The KL term's frozen reference model (beta > 0), copied before the policy is wrapped for many ranks;
+    None without KL, and with LoRA, whose reference is the policy itself (`reference_of`)."""
+    from ..models import lora
+
+    return frozen_copy(model) if beta > 0 and not lora.is_lora(model) else None
+
+
+def reference_of(model, ref_model, world, parallel, beta: float):
+    """The KL term's reference (beta > 0, else None): the frozen copy, sharded like the policy, or with LoRA
+    the policy itself computing with the adapter disabled (or the adapter the run started from): no copy."""
+    from ..distributed import parallelize
+    from ..models import lora
+    from .logprobs import Reference
+
+    if beta <= 0:
+        return None
+    if ref_model is None and lora.is_lora(model):
+        return Reference(model, parallel, scope=lambda: lora.reference_scope(model))
+    return Reference(ref_model, parallelize(ref_model, world, parallel.strategy, frozen=True))
+
+
 def check_partial_rollouts(engine, config) -> None:
     if not engine.runs_partial_rollouts:
         raise ValueError(f"max_staleness={config.max_staleness} needs the vLLM engine (partial rollouts run in its "
@@ -282,14 +329,20 @@ def check_partial_rollouts(engine, config) -> None:
 
 def build_engine(config, model, tokenizer, model_path):
     """The rollout engine of config.engine (`rollout.engine_kind`: "auto" is vLLM when installed)."""
+    from ..models import lora
     from ..rollout import engine_kind, make_engine
 
     if engine_kind(config.engine, loadable_from_disk=True) == "hf":  # a model passed in is written to disk below
         return make_engine("hf", model=model, tokenizer=tokenizer, max_model_len=config.vllm_max_model_length)
+    route = config.lora_route if lora.is_lora(model) else None
     folder = None
     if model_path is None:  # a model passed in: vLLM loads from disk, so write it once
         folder = model_path = tempfile.mkdtemp(prefix="grpo_fast_engine_")
-        model.save_pretrained(model_path, safe_serialization=True)
+        if route:  # the base alone, under its HF names
+            model.get_base_model().save_pretrained(model_path, safe_serialization=True, state_dict={
+                name: t.contiguous() for name, t in lora.engine_weights(model, merged=False)})
+        else:
+            model.save_pretrained(model_path, safe_serialization=True)
         tokenizer.save_pretrained(model_path)
     # max_prompt_length=None leaves the engine's context to the model's own limit
     max_model_len = config.vllm_max_model_length or _context_limit(model.config) or 2048
@@ -297,11 +350,25 @@ def build_engine(config, model, tokenizer, model_path):
     engine = make_engine("vllm", model_path=model_path, dtype=str(engine_dtype(config, cuda)).replace("torch.", ""),
                          max_model_len=max_model_len, seed=config.seed,
                          gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                         enable_sleep_mode=config.vllm_enable_sleep_mode)
-    engine.update_weights(model)  # the policy may differ from the folder (resumed, or cast)
+                         enable_sleep_mode=config.vllm_enable_sleep_mode,
+                         **({"lora": lora.spec(model)} if route == "adapter" else {}))
+    initial_sync(engine, model, route)  # the policy may differ from the folder (resumed, or cast)
     if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, folder, True)
     return engine
+
+
+def initial_sync(engine, model, route: Optional[str]) -> None:
+    """The whole policy into a new engine: every weight (with LoRA's merged route, the adapted layers
+    merged); the adapter route loads the base from its folder and the adapter as its version 0."""
+    from ..models import lora
+
+    if route == "adapter":
+        engine.update_adapter(0, lora.adapter_tensors(model))
+    elif route == "merged":
+        engine.update_weights(lora.engine_weights(model, merged=True))
+    else:
+        engine.update_weights(model)
 
 
 # ---- optimizer and schedule -------------------------------------------------------------------
@@ -373,6 +440,11 @@ def precision_summary(model, engine, packer, config, is_policy) -> str:
     is_mode = (f"on ({config.is_mode}{picked}{', from the step' if is_policy.in_step else ''})"
                if is_policy.use_is else "off")
     line = f"precision: weights {name(weights)}, decoder {amp}, engine {engine_part}, IS correction {is_mode}"
+    from ..models import lora
+
+    if lora.is_lora(model):  # what the adapter is and how the engine samples it (auto resolved)
+        route = None if is_policy.shares_weights else config.lora_route
+        line += "\n" + lora.summary(model, route) + (" (auto)" if route and config.lora_sync == "auto" else "")
     if config.unsafe_code_execution:  # (the run's first line says it)
         line = "warning: --unsafe_code_execution: model-written code runs WITHOUT isolation (limits only)\n" + line
     return line
@@ -390,6 +462,7 @@ class Policy:
     packer: object  # forward.Packer
     parallel: object  # distributed.Parallel
     reference: Optional[object]  # logprobs.Reference
+    lora_route: Optional[str] = None  # with a LoRA adapter: how the engine samples it (merged | adapter)
 
 
 @dataclass(frozen=True)

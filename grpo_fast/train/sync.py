@@ -53,14 +53,22 @@ def probe_gap(engine, model, packer, token_ids: list[int], *, backend: str) -> f
     return (trainer - engine_logp).abs().mean().item()
 
 
-def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool) -> None:
-    """The policy's weights (`setup.Policy`) into the engine (none to copy where it samples with the policy itself)."""
+def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool, version: int = 0) -> None:
+    """The policy's weights (`setup.Policy`) into the engine (none to copy where it samples with the policy itself).
+    With a LoRA adapter only what it changes travels: the adapted layers merged from the untouched base
+    (a partial update), or the adapter itself as `version` (vLLM's LoRA path)."""
+    from ..models import lora
+
     if shares_weights:
         return
     if sleep_mode:
         engine.wake()
-    # FSDP2: gathered layer by layer (every rank, in step); otherwise the live parameters
-    engine.update_weights(policy.parallel.full_weights() if policy.parallel.sharded else policy.model)
+    if policy.lora_route == "merged":
+        engine.update_weights(lora.engine_weights(policy.model, merged=True, only_adapted=True), partial=True)
+    elif policy.lora_route == "adapter":
+        engine.update_adapter(version, lora.adapter_tensors(policy.model))
+    else:  # FSDP2: gathered layer by layer (every rank, in step); otherwise the live parameters
+        engine.update_weights(policy.parallel.full_weights() if policy.parallel.sharded else policy.model)
 
 
 def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, backend: str, sleep_mode: bool,
