@@ -41,7 +41,6 @@ def adapter_base(path: str, lora_base_model: Optional[str]) -> str:
         return lora_base_model
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         base = json.load(f).get("base_model_name_or_path")
-    from . import resolve_model_path
 
     if base and (os.path.isdir(base) or "SmolLM2-135M-Instruct" in base):
         return base if os.path.isdir(base) else "default"
