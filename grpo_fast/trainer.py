@@ -82,6 +82,8 @@ class GRPOTrainer:
         self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge)
         ref_model = setup.reference_copy(model, c.beta)  # (before many ranks wrap the policy)
         self.engine = engine if engine is not None else setup.build_engine(c, model, tokenizer, model_path)
+        if engine is not None and c.lora_route and not self.engine.shares_weights_with(model):
+            setup.initial_sync(self.engine, model, c.lora_route)  # an engine passed in samples the adapted policy
         if c.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
             setup.check_partial_rollouts(self.engine, c)
         cuda = next(model.parameters()).is_cuda

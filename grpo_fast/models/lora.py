@@ -85,9 +85,9 @@ def check_targets(lm: nn.Module, config) -> None:
     """Before wrapping: every lora_target_modules entry names a linear layer of the model (listing those
     there are), neither list reaches the lm_head, and no modules_to_save with tied embeddings."""
     targets = list(config.lora_target_modules or [])
-    linear = _linear_names(lm)
-    kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
     head = _head_name(lm)
+    linear = [n for n in _linear_names(lm) if n != head]
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
     for t in targets:
         if t == "all-linear":
             continue

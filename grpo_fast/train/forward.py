@@ -96,10 +96,24 @@ def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, te
     """
     base, weight, bias = policy_parts(model)
     out = [torch.zeros(0) for _ in prompt_ids]
-    for mb in packer.micro_batches(prompt_ids, completion_ids):
+    for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids)):
         hidden = completion_hidden(base, mb, packer.amp_dtype)
         logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.completion_mask, bias=bias,
                                       temperature=temperature, backend=backend)
         for i, values in zip(mb.rows, mb.unpad(logp), strict=True):
             out[i] = values.cpu()
     return out
+
+
+def _without_dropout(model, items):
+    """Iterate `items` with the model's dropout layers in eval mode: the no-grad passes (old policy,
+    reference, sync probe) see the policy the engine samples, whatever lora_dropout the training forward
+    uses (every other dropout is already 0: setup.prepare_policy)."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
+    for m in layers:
+        m.eval()
+    try:
+        yield from items
+    finally:
+        for m in layers:
+            m.train()
