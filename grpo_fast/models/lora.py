@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import types
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -121,15 +122,20 @@ def lora_config(config):
                       bias="none", task_type="CAUSAL_LM")
 
 
-def config_with(config, peft_config):
-    """The GRPOConfig of a run given a `peft_config=` object: use_peft and the lora_* fields it sets, so the
-    saved config (and a resume's check) describes the adapter."""
+def _fields(peft_config) -> dict:
+    """GRPOConfig's lora_* fields of a peft LoraConfig."""
     targets = peft_config.target_modules
     targets = [targets] if isinstance(targets, str) else sorted(targets or [])
     saved = peft_config.modules_to_save
-    return dataclasses.replace(config, use_peft=True, lora_r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
-                               lora_dropout=float(peft_config.lora_dropout), lora_target_modules=targets,
-                               lora_modules_to_save=sorted(saved) if saved else None)
+    return dict(lora_r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
+                lora_dropout=float(peft_config.lora_dropout), lora_target_modules=targets,
+                lora_modules_to_save=sorted(saved) if saved else None)
+
+
+def config_with(config, peft_config):
+    """The GRPOConfig of a run given a `peft_config=` object: use_peft and the lora_* fields it sets, so the
+    saved config (and a resume's check) describes the adapter."""
+    return dataclasses.replace(config, use_peft=True, **_fields(peft_config))
 
 
 def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_config=None) -> nn.Module:
@@ -139,7 +145,7 @@ def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_c
     from peft import PeftModel, get_peft_model
 
     if adapter_path is None:
-        check_targets(lm, config)
+        check_targets(lm, config if peft_config is None else types.SimpleNamespace(**_fields(peft_config)))
         return get_peft_model(lm, peft_config if peft_config is not None else lora_config(config))
     model = PeftModel.from_pretrained(lm, adapter_path, adapter_name=POLICY, is_trainable=True)
     model.load_adapter(adapter_path, adapter_name=REFERENCE, is_trainable=False)
