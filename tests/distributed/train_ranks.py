@@ -34,7 +34,7 @@ def main(model_dir: str, *argv: str) -> None:
 
 def run(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
     model, tokenizer = load_tiny_model(model_dir)
-    overrides = dict(o.split("=", 1) for o in overrides)
+    overrides = {k: {"True": True, "False": False}.get(v, v) for k, v in (o.split("=", 1) for o in overrides)}
     kill = overrides.pop("kill_rank_after_step", None)  # "R:N": rank R kills itself after step N (first attempt only)
     judged = overrides.pop("judge_rank", None) == "hf"  # a judge_rank reward on the tiny model (HF judge engine)
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
@@ -54,6 +54,14 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
 
         funcs.append(JudgeRank(JudgeOptions(model=model_dir, engine="hf", max_new_tokens=24)))
     trainer = GRPOTrainer(c, funcs, rows(), rows(4), model=model, tokenizer=tokenizer)
+    if c.use_peft and trainer.world.main:  # the adapter as it starts (what the update is measured from)
+        from safetensors.torch import save_file
+
+        from grpo_fast.models import lora
+
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in lora.adapter_tensors(trainer.model).items()},
+                  str(Path(output_dir) / "initial_adapter.safetensors"))
     trainer.train()
     if judged:  # what this rank's judge saw, in order
         (Path(output_dir) / f"judge-rank{trainer.world.rank}.json").write_text(json.dumps(list(funcs[1].judge.requests)))
