@@ -101,3 +101,31 @@ def test_sigint_inside_a_reward_function_abandons_the_round_and_resume_equals_un
     for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
         assert p.equal(q), f"{name} differs between the uninterrupted and the interrupted-then-resumed run"
     assert _steps(tmp_path / "split") == _steps(tmp_path / "whole")
+
+
+LORA = ("--use_peft", "--lora_r", "4", "--beta", "0.04")
+
+
+def test_a_lora_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_one(tmp_path, tiny_path, prompts_file):
+    """kill -9 after a step (before its checkpoint), then SIGTERM while training: the adapter, its AdamW state and
+    the run state resume exactly (checkpoints hold the adapter, not the model)."""
+    args = lambda out, *extra: fault_args(tiny_path, prompts_file, out, *LORA, *extra)  # noqa: E731
+    reference = tmp_path / "reference"
+    code, _, err = run(args(reference))
+    assert code == 0, err
+    out = tmp_path / "run"
+    code, _, _ = run(args(out), fault="after_step:2")
+    assert code == -signal.SIGKILL
+    assert not list((out / "checkpoint-1").glob("model*.safetensors")) and (out / "checkpoint-1" / "adapter_config.json").exists()
+    proc = start(args(out, "--resume"), fault="sleep_in_step:1")
+    metrics, deadline = out / "metrics.jsonl", time.time() + 120
+    while metrics.read_text().count('"loss"') < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # (step 2 is trained again after the kill: signal once step 3 has trained)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    code, _, err = run(args(out, "--resume"))
+    assert code == 0, err
+    for name, tensor in load_file(reference / "final" / "adapter_model.safetensors").items():
+        assert tensor.equal(load_file(out / "final" / "adapter_model.safetensors")[name]), name
+    assert _steps(str(out)) == _steps(str(reference)), "the resumed run's metrics differ from the uninterrupted run's"
