@@ -343,10 +343,13 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
         run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)
         if nproc > 1:
             check_config(config, nproc)
-        from .models import DEFAULT_MODEL, resolve_model_path
+        from .models import DEFAULT_MODEL, lora, resolve_model_path
 
-        if config.model not in (None, "default", DEFAULT_MODEL):  # a folder that is not there, or incomplete
-            resolve_model_path(config.model)  # (the default model's cached conversion is left to the ranks)
+        model = config.model
+        if lora.is_adapter_folder(model):  # a PEFT adapter: its base is what must be there
+            model = lora.adapter_base(model, config.lora_base_model)
+        if model not in (None, "default", DEFAULT_MODEL):  # a folder that is not there, or incomplete
+            resolve_model_path(model)  # (the default model's cached conversion is left to the ranks)
     except (ValueError, FileNotFoundError) as err:
         if args.debug:
             raise
