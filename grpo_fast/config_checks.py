@@ -111,6 +111,8 @@ COMBINATIONS = (
     Combination("distributed_strategy", lambda v: v in ("auto", "ddp"), "'auto' or 'ddp'", lambda c: c.use_peft,
                 "with use_peft=True: FSDP2 would shard a frozen base beside a few megabytes of adapter, which DDP "
                 "replicates at no real cost (auto picks ddp under use_peft)"),
+    Combination("lora_r", lambda v: v <= 512, "at most 512", lambda c: c.use_peft and c.lora_route == "adapter",
+                "with lora_sync='adapter' (vLLM's largest max_lora_rank)"),
     Combination("lora_modules_to_save", _equals(None), "None", lambda c: c.use_peft and c.lora_route == "adapter",
                 "with lora_sync='adapter': vLLM's LoRA path takes A / B only (use lora_sync='merged')"),
     Combination("lora_sync", lambda v: v in ("auto", "adapter"), "'auto' or 'adapter'", lambda c: c.use_peft and c.load_in_4bit,

@@ -42,8 +42,9 @@ def adapter_base(path: str, lora_base_model: Optional[str]) -> str:
         return lora_base_model
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         base = json.load(f).get("base_model_name_or_path")
+    from .loading import DEFAULT_MODEL
 
-    if base and (os.path.isdir(base) or "SmolLM2-135M-Instruct" in base):
+    if base and (os.path.isdir(base) or DEFAULT_MODEL in base):  # (the default model's own name: its cached folder)
         return base if os.path.isdir(base) else "default"
     raise ValueError(f"model={path!r} is a PEFT adapter whose base_model_name_or_path ({base!r}) is not a local folder "
                      f"(nothing is downloaded); pass the base model's folder with --lora_base_model")
