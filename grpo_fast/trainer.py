@@ -58,10 +58,12 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False,
                  peft_config=None):
-        if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
-            from .models.lora import config_with
+        from .models import lora
 
-            config = config_with(config, peft_config)
+        if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
+            config = lora.config_with(config, peft_config)
+        elif evaluate_only and not config.use_peft and lora.is_adapter_folder(config.model):
+            config = dataclasses.replace(config, use_peft=True)  # evaluating a LoRA run's final/: its base + adapter
         c = self.config = config
         self.world = distributed.join(c.distributed_strategy)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:

@@ -110,6 +110,9 @@ def test_only_the_adapter_trains_the_reference_is_the_base_and_final_holds_the_a
     merged, _ = load_tiny_model(str(final / "merged"))
     assert_close(_logp(merged, probe), trained_logp, atol=scaled(1e-5, trained_logp), rtol=1e-5, name="merged/")
     assert set(load_file(final / lora.ADAPTER_WEIGHTS)) == set(lora.adapter_tensors(peft_model))
+    # `grpo-fast eval --model final/` evaluates the adapter on its base, no --use_peft needed
+    evaluator = GRPOTrainer(config(tmp_path / "eval", model=str(final)), [target_fraction], rows(), evaluate_only=True)
+    assert evaluator.config.use_peft and torch.equal(_logp(evaluator.model, probe), trained_logp)
 
 
 def test_a_run_from_an_adapter_folder_trains_it_with_its_start_as_the_reference(tmp_path, tiny_path):
