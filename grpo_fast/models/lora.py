@@ -145,6 +145,9 @@ def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_c
     (`REFERENCE`). Base weights frozen."""
     from peft import PeftModel, get_peft_model
 
+    if peft_config is not None and (getattr(peft_config, "use_dora", False) or getattr(peft_config, "bias", "none") != "none"):
+        raise ValueError("peft_config: use_dora and LoRA biases are not supported (the engine's merged weights and vLLM's "
+                         "LoRA path compute plain LoRA: W + s B A); use plain LoRA")
     if adapter_path is None:
         check_targets(lm, config if peft_config is None else types.SimpleNamespace(**_fields(peft_config)))
         return get_peft_model(lm, peft_config if peft_config is not None else lora_config(config))
@@ -197,7 +200,8 @@ def delta(layer, adapter: str = POLICY) -> torch.Tensor:
     """s * B @ A of one LoRA linear layer, in float32 ([out, in])."""
     a = layer.lora_A[adapter].weight.detach().float()
     b = layer.lora_B[adapter].weight.detach().float()
-    return layer.scaling[adapter] * (b @ a)
+    update = layer.scaling[adapter] * (b @ a)
+    return update.T if getattr(layer, "fan_in_fan_out", False) else update  # (GPT-2's Conv1D stores W transposed)
 
 
 def engine_weights(model, *, merged: bool, only_adapted: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -234,10 +238,6 @@ def spec(model) -> LoraSpec:
     """The adapter route's `LoraSpec` of a PEFT model."""
     cfg = model.peft_config[POLICY]
     return LoraSpec(rank=vllm_rank(cfg.r), peft_config=cfg.to_dict())
-
-
-def trainable_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def summary(model, route: Optional[str]) -> str:
