@@ -201,10 +201,15 @@ def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -
             os.makedirs(tmp)
         barrier(world)
         write(tmp)
-        _fsync_tree(tmp)
     except BaseException as err:
         error = err
     failed = any_rank(error is not None, world)
+    if not failed:  # once every rank has written: a rank's walk never meets another's file mid-rename
+        try:
+            _fsync_tree(tmp)
+        except BaseException as err:
+            error = err
+        failed = any_rank(error is not None, world)
     try:
         if failed:
             raise error or RuntimeError(f"writing {name}: another rank failed (its error is in its log)")
