@@ -9,8 +9,10 @@ Cases, each `--steps` optimizer steps:
   weights    the model's weights in --dtype (bfloat16 on the GPU)
   amp        float32 weights, mixed_precision=bf16 (the decoder under autocast)
   fsdp2      --dtype weights under torchrun with one rank and distributed_strategy=fsdp2 (NCCL on CUDA)
+  lora       --dtype weights, a LoRA adapter (use_peft, r 8, all-linear; the reference: the adapter disabled)
+  qlora      the same on a 4-bit base (load_in_4bit: bitsandbytes on CUDA; skipped, and said so, elsewhere)
 Each reports whether the steps ran with finite losses, and the peak memory of each step (CUDA's
-allocator; None on a CPU). packed_vs_padded: the trainer's packed log-probs (its own attention path:
+allocator; None on a CPU); the LoRA cases also whether every base tensor is bitwise unchanged. packed_vs_padded: the trainer's packed log-probs (its own attention path:
 varlen flash-attn if installed, else per-sequence SDPA) against a right-padded forward with
 materialised logits, in float32 and in bf16, against a float32 padded reference: bf16 passes when
 its error is at most 2x the error the padded bf16 forward itself makes (plain PyTorch's).
@@ -20,6 +22,7 @@ Writes DIR/check_trainer.json and DIR/check_trainer.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -54,10 +57,17 @@ def train_case(model_dir: str, device: str, dtype: str, steps: int, **overrides)
             return metrics
 
         trainer._optimizer_step = optimizer_step
+        lora = c.use_peft
+        base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad} if lora else {}
         trainer.train()
         lines = [json.loads(x) for x in (Path(c.output_dir) / "metrics.jsonl").read_text().splitlines()]
     logged = [x for x in lines if "loss" in x]
-    return dict(steps=trainer.state.step, strategy=trainer.parallel.strategy,
+    extra = {}
+    if lora:  # only the adapter trains: every frozen (base) tensor bitwise as loaded
+        now = dict(trainer.model.named_parameters())
+        extra = dict(base_unchanged=all(torch.equal(now[n], t) for n, t in base.items()),
+                     trainable=sum(p.numel() for p in now.values() if p.requires_grad))
+    return dict(steps=trainer.state.step, strategy=trainer.parallel.strategy, **extra,
                 finite=len(logged) == steps and all(math.isfinite(x["loss"]) for x in logged),
                 loss=[x["loss"] for x in logged], kl=[x.get("kl") for x in logged],
                 grad_norm=[x["grad_norm"] for x in logged], peak_mib=peaks)
@@ -106,7 +116,11 @@ def markdown(report: dict) -> str:
     for name, r in report["cases"].items():
         loss = ", ".join(f"{x:.4g}" for x in r.get("loss", []))
         peak = ", ".join("-" if x is None else f"{x:.0f}" for x in r.get("peak_mib", []))
-        lines.append(f"| {name} | {r.get('strategy', '-')} | {r.get('steps', 0)} | {r['finite']} | {loss} | {peak} |")
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | |")
+            continue
+        finite = f"{r['finite']}" + ("" if "base_unchanged" not in r else f" (base unchanged: {r['base_unchanged']})")
+        lines.append(f"| {name} | {r.get('strategy', '-')} | {r.get('steps', 0)} | {finite} | {loss} | {peak} |")
     p = report["packed_vs_padded"]
     lines += ["", f"Packed vs padded log-probs (max |diff| against a float32 padded reference, scale {p['scale']:.3g}): "
               f"packed float32 {p['packed_float32']:.2e}, packed bf16 {p['packed_bfloat16']:.2e} (padded bf16 "
@@ -136,9 +150,18 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp))
+        lora = dict(use_peft=True, lora_r=8, lora_alpha=16)
         cases = {"weights": train_case(model_dir, args.device, dtype, args.steps),
                  "amp": train_case(model_dir, args.device, "float32", args.steps, mixed_precision="bf16"),
-                 "fsdp2": fsdp2_case(model_dir, args.device, dtype, args.steps)}
+                 "fsdp2": fsdp2_case(model_dir, args.device, dtype, args.steps),
+                 "lora": train_case(model_dir, args.device, dtype, args.steps, **lora)}
+        if args.device == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
+            try:
+                cases["qlora"] = train_case(model_dir, args.device, dtype, args.steps, load_in_4bit=True, **lora)
+            except Exception as err:  # (reported, not raised: the other cases' figures still come back)
+                cases["qlora"] = dict(finite=False, error=f"{type(err).__name__}: {err}"[-3000:])
+        else:
+            cases["qlora"] = dict(skipped="needs bitsandbytes on a CUDA GPU", finite=True)
         report = dict(device=args.device, dtype=dtype, command=" ".join(["python", *sys.argv]), cases=cases,
                       packed_vs_padded=packed_vs_padded(model_dir, args.device))
     out = Path(args.out)
@@ -146,7 +169,8 @@ def main() -> int:
     (out / "check_trainer.json").write_text(json.dumps(report, indent=2))
     (out / "check_trainer.md").write_text(markdown(report))
     print(markdown(report))
-    ok = all(r["finite"] and r.get("steps") == args.steps for r in cases.values()) and report["packed_vs_padded"]["ok"]
+    ok = all(r["finite"] and r.get("steps") == args.steps and r.get("base_unchanged", True)
+             for r in cases.values() if "skipped" not in r) and report["packed_vs_padded"]["ok"]
     return 0 if ok else 1
 
 

@@ -7,7 +7,8 @@
 # C++ extension, no network). Stages, each under `timeout`, each writing into OUTDIR (<= 8 files):
 #   1. pytest -m gpu tests/kernels, tests/ops      -> pytest.log   (compiled kernels vs the reference)
 #   2. benchmarks/check_gpu.py --sweep              -> check_gpu.{json,md}  (matmul peak, fused vs floor)
-#   3. benchmarks/check_trainer_gpu.py              -> check_trainer.json (GRPOTrainer on CUDA: bf16
+#   3. benchmarks/check_trainer_gpu.py              -> check_trainer.json (GRPOTrainer on CUDA: LoRA and
+#      QLoRA (bitsandbytes, when carried: only the adapter changes), bf16
 #      weights, bf16 autocast, FSDP2 on one rank over NCCL; packed = padded log-probs; peak memory)
 #   4. benchmarks/bench_loss.py --device cuda       -> bench_loss.*  (plain PyTorch / Liger / grpo_fast)
 # plus suite.log (all output, the pytest logs included) and summary.md (with check_trainer's table).

@@ -142,7 +142,7 @@ def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32", lo
     if load_in_4bit:  # QLoRA's base (bitsandbytes, CUDA; setup.check_4bit refuses it elsewhere); the lm_head stays whole
         from transformers import BitsAndBytesConfig
 
-        quantized = {"quantization_config": BitsAndBytesConfig(
+        quantized = {"device_map": {"": torch.cuda.current_device()}, "quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
     tokenizer = AutoTokenizer.from_pretrained(path)

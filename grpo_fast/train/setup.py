@@ -271,7 +271,8 @@ def prepare_policy(config, model=None, tokenizer=None, peft_config=None):
     from ..models import causal_lm_of, check_fusable
 
     check_fusable(causal_lm_of(model), "model")
-    model.to(device)
+    if not getattr(model, "is_loaded_in_4bit", False):  # (bitsandbytes placed a 4-bit model at load; .to refuses it)
+        model.to(device)
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         # packed micro-batches then run flash-attention's varlen kernel (no dense block mask)
         try:
