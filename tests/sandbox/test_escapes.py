@@ -11,7 +11,9 @@ import pytest
 
 from grpo_fast.sandbox import MAX_WORKERS, UID_BASE, Sandbox, SandboxOptions
 
-LIMITS = SandboxOptions(timeout=2, cpu_seconds=1, memory_mb=512, max_processes=8, output_bytes=4096, tmp_mb=16,
+# wall 5 s: under load (the other test worker's engines and ranks) bwrap + python took over 2 s to start, so a
+# flood of output met the wall limit before its output limit
+LIMITS = SandboxOptions(timeout=5, cpu_seconds=1, memory_mb=512, max_processes=8, output_bytes=4096, tmp_mb=16,
                         workers=2)
 
 
@@ -106,7 +108,7 @@ def test_cpu_wall_and_memory_limits(box):
         spinner.close()
     assert spin.reason == "cpu_time" and spin.seconds < 30, spin
     sleep = box.run("import time; time.sleep(60)")
-    assert sleep.reason == "timeout" and sleep.exit_code is None and sleep.seconds < 4
+    assert sleep.reason == "timeout" and sleep.exit_code is None and sleep.seconds < LIMITS.timeout + 2
     big = box.run("x = bytearray(10 * 2**30)")
     assert big.reason == "memory" and "MemoryError" in big.stderr
 
