@@ -2,6 +2,10 @@
 
 from grpo_fast.config import GRPOConfig
 
+# a tiny-model run's stop tokens for partial rollouts: eos and a band of ids the random model samples often, so
+# some completions end early and others run to the budget and carry over into the next round
+STOP_IDS = [2, *range(259, 279)]
+
 
 def target_fraction(prompts, completions, completion_ids, **columns):
     """Trivially learnable: the fraction of completion tokens with an even id (about 0.5 at the start)."""

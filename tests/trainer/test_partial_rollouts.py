@@ -15,11 +15,9 @@ import torch
 from grpo_fast.rollout import vllm_available
 from grpo_fast.train import generate
 from grpo_fast.trainer import GRPOTrainer
-from tests.trainer.common import config, rows, target_fraction
+from tests.trainer.common import STOP_IDS, config, rows, target_fraction
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
-
-STOP_IDS = [2, *range(259, 279)]
 
 
 def _records(output_dir):
