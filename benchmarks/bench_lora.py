@@ -58,6 +58,8 @@ MEM_COLUMNS = {"full_beta0": (False, 0.0, None), "lora_beta0": (True, 0.0, None)
 FULL_LR, LORA_LR = 1e-5, 1e-4
 LORA = dict(lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules=["all-linear"])
 GiB, MiB = 2**30, 2**20
+LOAD_NOTE = ("load start / end: the 1-minute load average as each column began and ended; a column alone keeps it near 2 "
+             "(both cores busy), above that other work shared the 2 cores and its times are noisy")
 
 
 def a_columns(seeds) -> dict:
@@ -243,10 +245,8 @@ def _fmt_bytes(n) -> str:
 def markdown_b(report: dict) -> str:
     cols = report["columns"]
     lines = ["# LoRA sync routes vs full fine-tuning: one GRPO step (CPU)", "", f"Command: `{report['command']}`", "",
-             f"{report['setup']}.", "", f"Machine: {report['machine']}. The 2 cores were shared "
-             "with another engineer's test runs while this ran: times are noisy (single runs, 2 timed steps each; the "
-             "best step is the least disturbed; load start / end: the 1-minute load average as the column began and "
-             "ended, 2 = both cores busy).", "",
+             f"{report['setup']}.", "", f"Machine: {report['machine']}. Single runs, 2 timed steps each (the best step is the least "
+             f"disturbed); {LOAD_NOTE}.", "",
              "| column | engine | sync route | step (s) | best step | generate | reward | logprob | train | sync | sync check "
              "| sync bytes | peak RSS | mean length | trainable params | load start / end |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -447,9 +447,7 @@ def child_memory(name: str, args) -> dict:
 def markdown_memory(report: dict) -> str:
     cols, rec = report["columns"], report.get("record", {})
     lines = ["# Memory of training without an engine: full fine-tuning vs LoRA (CPU)", "",
-             f"Command: `{report['command']}`", "", f"Machine: {report['machine']} (2 cores shared with "
-             "another engineer's test runs: the step times are noisy; load start / end: the 1-minute load average as "
-             "each column began and ended, 2 = both cores busy; memory does not depend on it).", "",
+             f"Command: `{report['command']}`", "", f"Machine: {report['machine']} ({LOAD_NOTE}; memory does not depend on it).", "",
              f"Setup: SmolLM2-135M-Instruct (float32 weights, bf16 autocast on this CPU, as the trainer picks here). "
              f"One generation batch of the default run, recorded once from a real step (vLLM, seed 42): "
              f"{rec.get('completions', '?')} completions, mean completion length "
@@ -637,9 +635,7 @@ def child_a(name: str, args) -> dict:
 def markdown_a(report: dict) -> str:
     cols = report["columns"]
     lines = ["# Held-out accuracy: full fine-tuning vs LoRA (CPU)", "", f"Command: `{report['command']}`", "",
-             f"{report['setup']}.", "", f"Machine: {report['machine']} (2 cores shared with another engineer's test "
-             "runs: wall and step times are noisy; load start / end: the 1-minute load average as each run began and "
-             "ended, 2 = both cores busy; the accuracies do not depend on it).", "",
+             f"{report['setup']}.", "", f"Machine: {report['machine']} ({LOAD_NOTE}; the accuracies do not depend on it).", "",
              "Why LoRA gets 1e-4 (10x full's 1e-5): a rank-16 update starts at zero (B = 0) and is scaled by "
              "alpha/r = 2; at full fine-tuning's rate it moves the policy far less per step. The common practice is a "
              "learning rate about 10x the full-fine-tuning one (Thinking Machines, \"LoRA Without Regret\", 2025: "
