@@ -49,12 +49,15 @@ B_COLUMNS = {
     "full_hf": ("grpo_fast", "hf", False, "auto"),
     "trl_lora": ("trl", "hf", True, None),
 }
-# part memory: name -> (use_peft, beta, max_tokens_per_microbatch; None: the CPU default, 1024). The _tok320 pair
-# (the smallest budget the default max_prompt_length 256 + 64 allows) shows how much of the peak is the
-# micro-batch's activations, the same for both
-MEM_COLUMNS = {"full_beta0": (False, 0.0, None), "lora_beta0": (True, 0.0, None),
-               "full_beta0.04": (False, 0.04, None), "lora_beta0.04": (True, 0.04, None),
-               "full_beta0_tok320": (False, 0.0, 320), "lora_beta0_tok320": (True, 0.0, 320)}
+# part memory: name -> (use_peft, beta, max_tokens_per_microbatch (None: the CPU default, 1024), gradient
+# checkpointing). The _tok320 pair (the smallest budget the default max_prompt_length 256 + 64 allows) and the _gc
+# pairs (gradient checkpointing, TRL's GRPOConfig default) show how much of the peak is the micro-batch's
+# activations, about the same for both
+MEM_COLUMNS = {"full_beta0": (False, 0.0, None, False), "lora_beta0": (True, 0.0, None, False),
+               "full_beta0.04": (False, 0.04, None, False), "lora_beta0.04": (True, 0.04, None, False),
+               "full_beta0_tok320": (False, 0.0, 320, False), "lora_beta0_tok320": (True, 0.0, 320, False),
+               "full_beta0_gc": (False, 0.0, None, True), "lora_beta0_gc": (True, 0.0, None, True),
+               "full_beta0.04_gc": (False, 0.04, None, True), "lora_beta0.04_gc": (True, 0.04, None, True)}
 FULL_LR, LORA_LR = 1e-5, 1e-4
 LORA = dict(lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules=["all-linear"])
 GiB, MiB = 2**30, 2**20
@@ -347,7 +350,7 @@ def child_record(args) -> dict:
 
 
 def child_memory(name: str, args) -> dict:
-    use_peft, beta, budget = MEM_COLUMNS[name]
+    use_peft, beta, budget, checkpointing = MEM_COLUMNS[name]
     # every import first (torch, transformers' Llama, peft, grpo_fast's stages and ops): the baseline
     import peft  # noqa: F401
     import peft.tuners.lora  # noqa: F401
@@ -376,7 +379,7 @@ def child_memory(name: str, args) -> dict:
     start = time.perf_counter()
     c = GRPOConfig(use_peft=use_peft, **(LORA if use_peft else {}), beta=beta,
                    learning_rate=LORA_LR if use_peft else FULL_LR, max_steps=args.mem_steps, report_to="none",
-                   max_tokens_per_microbatch=budget, output_dir=str(Path(args.workdir) / "memory" / name))
+                   max_tokens_per_microbatch=budget, gradient_checkpointing=checkpointing, output_dir=str(Path(args.workdir) / "memory" / name))
     # what GRPOTrainer.__init__ builds, less the engine (trainer.py): policy, reference, packer, optimizer, stages
     model, tokenizer, path = setup.prepare_policy(c)
     ref_model = setup.reference_copy(model, c.beta)
@@ -435,7 +438,8 @@ def child_memory(name: str, args) -> dict:
              "reference": _numel_bytes(list(ref_model.parameters())) if ref_model is not None else 0}
     parts["model_state"] = sum(parts[k] for k in ("weights", "adapter", "gradients", "adamw_state", "reference"))
     peak = max(hwm_build, hwm_steps)
-    return {"use_peft": use_peft, "beta": beta, "token_budget": c.token_budget(cuda=False), "precision": f"weights {next(model.parameters()).dtype}, autocast {packer.amp_dtype}",
+    return {"use_peft": use_peft, "beta": beta, "token_budget": c.token_budget(cuda=False),
+            "gradient_checkpointing": checkpointing, "precision": f"weights {next(model.parameters()).dtype}, autocast {packer.amp_dtype}",
             "engine_imported": "vllm" in sys.modules, "rss_after_imports": rss_imports, "rss_after_build": rss_built,
             "peak_build": hwm_build, "peak_steps": hwm_steps, "peak_above_imports": peak - rss_imports,
             "peak_steps_above_imports": hwm_steps - rss_imports, "build_s": build_s, "per_step": per_step,
@@ -464,16 +468,17 @@ def markdown_memory(report: dict) -> str:
              "backward, with their bf16 autocast copies), autocast's bf16 weight cache, the loss's chunks, allocator "
              "slack.", "",
              "## Measured", "",
-             "| column | micro-batch tokens | trainable params | RSS after imports | peak above imports | of which steps "
+             "| column | micro-batch tokens | grad. checkpointing | trainable params | RSS after imports | peak above imports | of which steps "
              "| peak - model state | build peak above imports | RSS after build | logprob + train s/step | loss step 2 "
              "| load start / end |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in cols.items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error'][-300:]!r} |")
             continue
         train = sum(s["train_s"] + s["logprob_s"] for s in r["per_step"][1:] or r["per_step"]) / max(len(r["per_step"][1:] or r["per_step"]), 1)
-        lines.append(f"| {name} | {r.get('token_budget', 1024)} | {r['trainable_params'] / 1e6:.2f}M | {_fmt_bytes(r['rss_after_imports'])} "
+        lines.append(f"| {name} | {r.get('token_budget', 1024)} | {'yes' if r.get('gradient_checkpointing') else 'no'} "
+                     f"| {r['trainable_params'] / 1e6:.2f}M | {_fmt_bytes(r['rss_after_imports'])} "
                      f"| **{_fmt_bytes(r['peak_above_imports'])}** | {_fmt_bytes(r['peak_steps_above_imports'])} "
                      f"| {_fmt_bytes(r['peak_above_imports'] - r['state_bytes']['model_state'])} "
                      f"| {_fmt_bytes(r['peak_build'] - r['rss_after_imports'])} | {_fmt_bytes(r['rss_after_build'])} "
@@ -495,7 +500,7 @@ def markdown_memory(report: dict) -> str:
         lines += [f"| {t['what']} | {t['beta']} | {_fmt_bytes(t.get('full_bytes'))} | {_fmt_bytes(t.get('lora_bytes'))} "
                   f"| {t['ratio']:.3f} | <= {t['target']} | {'yes' if t['met'] else '**no**'} |" for t in targets]
         common = [(n, r["peak_above_imports"] - r["state_bytes"]["model_state"]) for n, r in cols.items()
-                  if "state_bytes" in r and r.get("token_budget", 1024) == 1024]
+                  if "state_bytes" in r and r.get("token_budget", 1024) == 1024 and not r.get("gradient_checkpointing")]
         if common:
             lo, hi = min(b for _, b in common), max(b for _, b in common)
             lines += ["", f"What the measured peaks miss by: besides the model state, every column holds "
@@ -503,7 +508,9 @@ def markdown_memory(report: dict) -> str:
                       "above), LoRA about as much as full fine-tuning: the micro-batch's activations and what goes with "
                       "them do not shrink with the trainable parameters. On a 135M-parameter model that is as large as "
                       "full fine-tuning's whole model state, so the ratio of peaks stays near 0.6 whatever LoRA saves. "
-                      "Smaller micro-batches (the 320-token pair) bring it toward the model-state ratio; on a 7B model "
+                      "Smaller micro-batches (the 320-token pair) and gradient checkpointing (the _gc pairs: each "
+                      "decoder layer's activations recomputed in backward, TRL's GRPOConfig default) bring it toward the "
+                      "model-state ratio; on a 7B model "
                       "(below) the model state is tens of GB against a few GB of activations per micro-batch, so the "
                       "ratio there is expected near the model-state one (not measured). The peaks carry a few hundred "
                       "MiB of allocator noise (single runs; the glibc heap keeps freed blocks)."]
@@ -516,11 +523,12 @@ def targets_memory(cols: dict) -> list[dict]:
     of its own: it shows what the activations of the default 1024-token micro-batch do to the ratio)."""
     out = []
     for suffix, beta, state_target, peak_target in (("0", 0.0, 0.3, 0.6), ("0.04", 0.04, 0.25, 0.5),
-                                                   ("0_tok320", 0.0, 0.3, 0.6)):
+                                                   ("0_tok320", 0.0, 0.3, 0.6), ("0_gc", 0.0, 0.3, 0.6),
+                                                   ("0.04_gc", 0.04, 0.25, 0.5)):
         full, lora_ = cols.get(f"full_beta{suffix}", {}), cols.get(f"lora_beta{suffix}", {})
         if "state_bytes" not in full or "state_bytes" not in lora_:
             continue
-        tag = " (320-token micro-batches)" if suffix.endswith("tok320") else ""
+        tag = {"tok320": " (320-token micro-batches)", "gc": " (gradient checkpointing)"}.get(suffix.rpartition("_")[2], "")
         for what, key, target in (("model state", None, state_target), ("measured peak above imports", "peak_above_imports", peak_target)):
             ratio = (lora_["state_bytes"]["model_state"] / full["state_bytes"]["model_state"] if key is None
                      else lora_[key] / full[key])
