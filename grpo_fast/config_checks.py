@@ -117,6 +117,9 @@ COMBINATIONS = (
                 "with lora_sync='adapter': vLLM's LoRA path takes A / B only (use lora_sync='merged')"),
     Combination("lora_sync", lambda v: v in ("auto", "adapter"), "'auto' or 'adapter'", lambda c: c.use_peft and c.load_in_4bit,
                 "with load_in_4bit=True: a 4-bit base cannot take merged weights"),
+    Combination("save_merged", _equals(False), "False", lambda c: c.load_in_4bit,
+                "with load_in_4bit=True: a 4-bit base has no full-precision weights to merge into (final/ holds the "
+                "adapter, to merge onto the full-precision base)"),
     Combination("load_in_4bit", _equals(False), "False", lambda c: not c.use_peft,
                 "without use_peft=True (a 4-bit base trains only through an adapter: QLoRA)"),
     # many ranks (torchrun): what runs in one process only, for now
@@ -282,9 +285,17 @@ def validate(c, field_names: list[str]) -> None:
 
 def unused_option_warnings(c) -> list[str]:
     """Options set away from their defaults that this configuration never reads."""
-    default = {f.name: f.default for f in dataclasses.fields(c)}
+    default = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(c)}
     out = []
     if not c.max_staleness and c.rollout_overprovision != default["rollout_overprovision"]:
         out.append(f"rollout_overprovision={c.rollout_overprovision} has no effect with max_staleness=0 (it sizes the "
                    f"rounds of partial rollouts, max_staleness >= 1)")
+    if not c.use_peft:
+        # (the adapter's shape only: lora_sync and save_merged also serve GRPOTrainer(peft_config=...), which
+        # sets use_peft after this check)
+        shape = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
+        changed = [f"{name}={getattr(c, name)!r}" for name in shape if getattr(c, name) != default[name]]
+        if changed:
+            out.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without use_peft=True "
+                       f"(they shape a LoRA adapter)")
     return out

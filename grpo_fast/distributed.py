@@ -172,6 +172,8 @@ def choose_strategy(model: torch.nn.Module, strategy: str) -> str:
     if strategy != "auto":
         return strategy
     params = list(model.parameters())
+    if any(not p.requires_grad for p in params):  # a LoRA adapter on a frozen base: FSDP2 with it is refused
+        return "ddp"
     # weights, and for the trained ones (all, or a LoRA adapter's) a gradient and AdamW's two moments
     need = sum(p.numel() * (p.element_size() + (p.element_size() + 8 if p.requires_grad else 0)) for p in params)
     device = params[0].device

@@ -62,8 +62,9 @@ class GRPOTrainer:
 
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
             config = lora.config_with(config, peft_config)
-        elif evaluate_only and not config.use_peft and lora.is_adapter_folder(config.model):
-            config = dataclasses.replace(config, use_peft=True)  # evaluating a LoRA run's final/: its base + adapter
+        elif lora.is_adapter_folder(config.model) and (config.use_peft or evaluate_only):
+            # training an adapter folder (or evaluating a LoRA run's final/): the config takes the adapter's shape
+            config = lora.config_of_folder(config, config.model)
         c = self.config = config
         self.world = distributed.join(c.distributed_strategy)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:

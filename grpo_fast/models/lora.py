@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import types
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -44,8 +45,10 @@ def adapter_base(path: str, lora_base_model: Optional[str]) -> str:
         base = json.load(f).get("base_model_name_or_path")
     from .loading import DEFAULT_MODEL
 
-    if base and (os.path.isdir(base) or DEFAULT_MODEL in base):  # (the default model's own name: its cached folder)
-        return base if os.path.isdir(base) else "default"
+    if base and os.path.isdir(base):
+        return base
+    if base and base.rstrip("/").rsplit("/", 1)[-1] == DEFAULT_MODEL.rsplit("/", 1)[-1]:
+        return "default"  # the default model's own name (its hub id or a path to it elsewhere): its installed copy
     raise ValueError(f"model={path!r} is a PEFT adapter whose base_model_name_or_path ({base!r}) is not a local folder "
                      f"(nothing is downloaded); pass the base model's folder with --lora_base_model")
 
@@ -78,6 +81,13 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
+def is_regex(targets: list) -> bool:
+    """PEFT's two forms of target_modules: a string is a regular expression full-matched against module names
+    (all-linear aside), a list holds names matched as suffixes. GRPOConfig keeps a list: one entry that is not a
+    plain name is the string form."""
+    return len(targets) == 1 and targets[0] != "all-linear" and not targets[0].isidentifier()
+
+
 def _head_name(lm: nn.Module) -> Optional[str]:
     head = lm.get_output_embeddings()
     return next((name for name, m in lm.named_modules() if m is head), None)
@@ -90,20 +100,24 @@ def check_targets(lm: nn.Module, config) -> None:
     head = _head_name(lm)
     linear = [n for n in _linear_names(lm) if n != head]
     kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    if "all-linear" in targets and len(targets) > 1:
+        raise ValueError(f"GRPOConfig.lora_target_modules={targets!r}: 'all-linear' stands alone (every linear layer "
+                         f"but the lm_head) or is replaced by names of {kinds}")
     for t in targets:
         if t == "all-linear":
             continue
-        if head is not None and _matches(head, t):
+        hits = (lambda n: re.fullmatch(t, n) is not None) if is_regex(targets) else (lambda n: _matches(n, t))  # noqa: B023
+        if head is not None and hits(head):
             raise ValueError(f"GRPOConfig.lora_target_modules={targets!r} reaches the lm_head ({head!r}), which never "
                              f"carries an adapter (the fused loss reads its weight; lora_modules_to_save may not name it "
                              f"either); target the decoder's layers: {kinds}")
-        if not any(_matches(n, t) for n in linear):
+        if not any(hits(n) for n in linear):
             raise ValueError(f"GRPOConfig.lora_target_modules={targets!r}: {t!r} names no linear layer of the model; "
                              f"its linear layers are {kinds} (or 'all-linear')")
     saved = list(config.lora_modules_to_save or [])
     modules = [n for n, _ in lm.named_modules()]
     for s in saved:
-        if (head is not None and _matches(head, s)) or s in ("lm_head", "embed_tokens") and lm.config.tie_word_embeddings:
+        if head is not None and _matches(head, s):
             raise ValueError(f"GRPOConfig.lora_modules_to_save={saved!r} reaches the lm_head (through {s!r}), which the "
                              f"fused loss reads directly; lora_target_modules may not name it either")
         if not any(_matches(n, s) for n in modules):
@@ -118,7 +132,7 @@ def lora_config(config):
 
     targets = list(config.lora_target_modules or [])
     return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      target_modules=targets[0] if targets == ["all-linear"] or is_regex(targets) else targets,
                       modules_to_save=list(config.lora_modules_to_save) if config.lora_modules_to_save else None,
                       bias="none", task_type="CAUSAL_LM")
 
@@ -139,19 +153,46 @@ def config_with(config, peft_config):
     return dataclasses.replace(config, use_peft=True, **_fields(peft_config))
 
 
+def folder_config(path: str):
+    """The LoraConfig of the adapter folder `path`."""
+    from peft import LoraConfig
+
+    return LoraConfig.from_pretrained(path)
+
+
+def config_of_folder(config, path: str):
+    """The GRPOConfig of a run that trains the adapter folder `path`: its shape (r, alpha, targets, modules to
+    save) from the folder, lora_dropout the run's own (dropout is how it is trained, not part of the adapter:
+    a TRL adapter's 0.05 would make the trained forward differ from the sampled one)."""
+    return dataclasses.replace(config_with(config, folder_config(path)), lora_dropout=config.lora_dropout)
+
+
+def _check_plain(peft_config, what: str) -> None:
+    if getattr(peft_config, "use_dora", False) or getattr(peft_config, "bias", "none") != "none" \
+            or getattr(peft_config, "lora_bias", False):
+        raise ValueError(f"{what}: use_dora and LoRA biases are not supported (the engine's merged weights and vLLM's "
+                         f"LoRA path compute plain LoRA: W + s B A); use plain LoRA")
+
+
 def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_config=None) -> nn.Module:
     """The PEFT model around `lm`: a fresh adapter (peft_config, else one from the config's lora_* fields),
     or (adapter_path) that adapter trained on, with a frozen copy of it as the reference adapter
     (`REFERENCE`). Base weights frozen."""
     from peft import PeftModel, get_peft_model
 
-    if peft_config is not None and (getattr(peft_config, "use_dora", False) or getattr(peft_config, "bias", "none") != "none"):
-        raise ValueError("peft_config: use_dora and LoRA biases are not supported (the engine's merged weights and vLLM's "
-                         "LoRA path compute plain LoRA: W + s B A); use plain LoRA")
     if adapter_path is None:
+        if peft_config is not None:
+            _check_plain(peft_config, "peft_config")
         check_targets(lm, config if peft_config is None else types.SimpleNamespace(**_fields(peft_config)))
         return get_peft_model(lm, peft_config if peft_config is not None else lora_config(config))
-    model = PeftModel.from_pretrained(lm, adapter_path, adapter_name=POLICY, is_trainable=True)
+    folder = folder_config(adapter_path)
+    _check_plain(folder, f"model={adapter_path!r} (its {ADAPTER_CONFIG})")
+    check_targets(lm, types.SimpleNamespace(**_fields(folder)))
+    if folder.modules_to_save:  # (the reference adapter would switch its LoRA layers, not these trained copies)
+        raise ValueError(f"model={adapter_path!r}: an adapter with modules_to_save ({folder.modules_to_save}) cannot be "
+                         f"trained on: its starting copy of them could not serve as the reference; start a new adapter")
+    folder.lora_dropout = config.lora_dropout  # the run's (config_of_folder)
+    model = PeftModel.from_pretrained(lm, adapter_path, adapter_name=POLICY, is_trainable=True, config=folder)
     model.load_adapter(adapter_path, adapter_name=REFERENCE, is_trainable=False)
     model.base_model.set_adapter(POLICY)  # (loading may switch the active adapter) the trained one, trainable
     return model

@@ -291,6 +291,9 @@ class VLLMEngine(RolloutEngine):
                                                 folder=self._adapter_folder())
             if old is not None:
                 compat.remove_adapter(self.llm, old)
+            # cached prefixes are keyed by the adapter's name, which a resumed run or the sync probe's retry loads
+            # again (same version, new tensors): computed with the old adapter, they must not be reused
+            self.reset_prefix_cache()
 
     def adapters(self) -> list[int]:
         """The ids of the LoRA adapters the engine holds."""

@@ -352,7 +352,10 @@ def build_engine(config, model, tokenizer, model_path):
                          max_model_len=max_model_len, seed=config.seed,
                          gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                          enable_sleep_mode=config.vllm_enable_sleep_mode,
-                         **({"lora": lora.spec(model)} if route == "adapter" else {}))
+                         **({"lora": lora.spec(model)} if route == "adapter" else {}),
+                         # QLoRA: the engine quantises the same base to 4 bits as it loads (bitsandbytes NF4), so it
+                         # samples what the trainer computes with (checked by the sync probe; GPU only, untested here)
+                         **({"quantization": "bitsandbytes"} if config.load_in_4bit else {}))
     initial_sync(engine, model, route)  # the policy may differ from the folder (resumed, or cast)
     if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, folder, True)

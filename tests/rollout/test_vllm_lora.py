@@ -40,7 +40,8 @@ def _adapted(path):
 
 
 def _engine(path, route, dtype, model):
-    return make_engine("vllm", model_path=path, dtype=dtype, max_model_len=64, seed=0,
+    # block_size 32 (the CPU default is 128): the probe's 40 tokens fill a block, which the prefix cache keeps
+    return make_engine("vllm", model_path=path, dtype=dtype, max_model_len=64, seed=0, block_size=32,
                        **({"lora": lora.spec(model)} if route == "adapter" else {}))
 
 
@@ -78,6 +79,16 @@ def test_after_each_sync_the_engine_samples_the_trainers_adapter(tiny_model_dir,
             gap = (engine_logp - trainer_logp).abs().mean().item()
             assert gap <= TOLERANCE, f"{route}: the engine differs from the trainer by {gap:.3g} after sync {version}"
             assert (engine_logp - base).abs().mean() > 100 * TOLERANCE, f"{route}: the engine still samples the base"
+        # a sync under the version already loaded (a resumed run, the probe's retry): nothing the engine cached
+        # for a prompt under the previous weights is reused (the prompt's sampled log-probs are the trainer's)
+        engine.generate([PROBE], n=1, max_new_tokens=1, seed=0)  # (the prompt's blocks now cached)
+        _a_step(model, g)
+        sync.sync_weights(engine, policy, shares_weights=False, sleep_mode=False, version=3)
+        again = engine.generate([PROBE], n=1, max_new_tokens=8, seed=0)[0][0]
+        trainer_logp = completion_logprobs(model, Packer(model, max_tokens=64), [PROBE], [again.token_ids],
+                                           temperature=1.0, backend="cpu")[0]
+        gap = (torch.tensor(again.logprobs) - trainer_logp).abs().mean().item()
+        assert gap <= TOLERANCE, f"{route}: a prompt cached under the previous weights was reused ({gap:.3g})"
         # a sync that never lands: the probe sees it and, after one more try, stops the run
         _a_step(model, g)
         update = "update_weights" if route == "merged" else "update_adapter"

@@ -116,11 +116,14 @@ def test_only_the_adapter_trains_the_reference_is_the_base_and_final_holds_the_a
 
 
 def test_a_run_from_an_adapter_folder_trains_it_with_its_start_as_the_reference(tmp_path, tiny_path):
-    start = lora.apply_lora(load_tiny_model(tiny_path)[0], config_for_peft(), peft_config=_peft_config())
+    start = lora.apply_lora(load_tiny_model(tiny_path)[0], config_for_peft(), peft_config=_peft_config(lora_dropout=0.05))
     start.peft_config["default"].base_model_name_or_path = tiny_path
     start.save_pretrained(tmp_path / "adapter")
     c = config(tmp_path, model=str(tmp_path / "adapter"), use_peft=True, beta=0.04, max_steps=1)
     trainer = GRPOTrainer(c, [target_fraction], rows())
+    # the run's config takes the adapter's shape (r 4, not the default 16); dropout stays the run's (0, not TRL's 0.05)
+    assert (trainer.config.lora_r, trainer.config.lora_alpha, trainer.config.lora_dropout) == (4, 8.0, 0.0)
+    assert trainer.model.peft_config["default"].lora_dropout == 0.0
     probe = _batch(seed=8)
     start_logp, base_logp = _logp(start, probe), _logp(load_tiny_model(tiny_path)[0], probe)
     model = trainer.model
@@ -166,6 +169,8 @@ def test_lora_options_that_cannot_combine_are_refused_by_the_config(overrides, m
     (dict(lora_modules_to_save=["lm_head"]), r"lora_modules_to_save=\['lm_head'\] reaches the lm_head"),
     (dict(lora_modules_to_save=["norm"]), r"lora_modules_to_save=\['norm'\] is refused for a model with tied embeddings"),
     (dict(load_in_4bit=True), r"load_in_4bit=True \(a 4-bit QLoRA base\) needs bitsandbytes on a CUDA GPU"),
+    (dict(lora_target_modules=["all-linear", "q_proj"]), r"'all-linear' stands alone"),
+    (dict(lora_target_modules=[r".*\.qkv"]), r"qkv' names no linear layer"),  # (PEFT's regex form)
 ])
 def test_lora_inputs_the_model_cannot_honour_are_refused_before_training(tmp_path, tiny_path, overrides, message):
     c = config(tmp_path, use_peft=True, **overrides)
@@ -184,3 +189,41 @@ def test_an_adapter_folder_is_refused_without_use_peft_and_without_a_local_base(
                                          r"--lora_base_model"):
         GRPOTrainer(config(tmp_path, model=str(tmp_path / "adapter"), use_peft=True), [target_fraction], rows())
     assert os.path.isdir(tiny_path)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(modules_to_save=["norm"]), r"lora_modules_to_save=\['norm'\] is refused for a model with tied embeddings"),
+    (dict(use_dora=True), r"adapter_config.json\): use_dora and LoRA biases are not supported"),
+])
+def test_an_adapter_folder_gets_the_checks_a_new_adapter_gets(tmp_path, tiny_path, extra, message):
+    start = lora.apply_lora(load_tiny_model(tiny_path)[0], config_for_peft(), peft_config=_peft_config())
+    start.peft_config["default"].base_model_name_or_path = tiny_path
+    start.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    (tmp_path / "adapter" / lora.ADAPTER_CONFIG).write_text(json.dumps({**saved, **extra}))
+    with pytest.raises(ValueError, match=message):
+        GRPOTrainer(config(tmp_path, model=str(tmp_path / "adapter"), use_peft=True), [target_fraction], rows())
+
+
+def test_a_regex_target_adapts_the_layers_it_matches(tiny_path):
+    model = lora.apply_lora(load_tiny_model(tiny_path)[0], config_for_peft(lora_target_modules=[r".*\.(q|v)_proj"]))
+    assert {name.rsplit(".", 1)[-1] for name, _ in lora._lora_layers(model.get_base_model())} == {"q_proj", "v_proj"}
+
+
+def test_an_adapter_base_is_the_default_model_by_its_name_only(tmp_path):
+    for base, expected in [("HuggingFaceTB/SmolLM2-135M-Instruct", "default"), ("org/SmolLM2-135M-Instruct-sft", None)]:
+        (tmp_path / lora.ADAPTER_CONFIG).write_text(json.dumps({"base_model_name_or_path": base}))
+        if expected is None:
+            with pytest.raises(ValueError, match="--lora_base_model"):
+                lora.adapter_base(str(tmp_path), None)
+        else:
+            assert lora.adapter_base(str(tmp_path), None) == expected
+
+
+def test_auto_strategy_is_ddp_for_an_adapter_where_the_full_model_would_be_sharded(tiny_path, monkeypatch):
+    from grpo_fast.distributed import choose_strategy
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10**12))  # a host whose share per rank holds no model
+    full = load_tiny_model(tiny_path)[0]
+    assert choose_strategy(full, "auto") == "fsdp2"
+    assert choose_strategy(lora.apply_lora(full, config_for_peft(), peft_config=_peft_config()), "auto") == "ddp"
