@@ -297,5 +297,5 @@ def unused_option_warnings(c) -> list[str]:
         changed = [f"{name}={getattr(c, name)!r}" for name in shape if getattr(c, name) != default[name]]
         if changed:
             out.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without use_peft=True "
-                       f"(they shape a LoRA adapter)")
+                       f"(the shape of a LoRA adapter)")
     return out
