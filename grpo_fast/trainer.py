@@ -62,6 +62,8 @@ class GRPOTrainer:
 
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
             config = lora.config_with(config, peft_config)
+        elif model is not None and lora.is_lora(model):  # a PEFT model passed in (TRL takes one too): trained as it is
+            config = lora.config_of_model(config, model)
         elif lora.is_adapter_folder(config.model) and (config.use_peft or evaluate_only):
             # training an adapter folder (or evaluating a LoRA run's final/): the config takes the adapter's shape
             config = lora.config_of_folder(config, config.model)

@@ -167,6 +167,15 @@ def config_of_folder(config, path: str):
     return dataclasses.replace(config_with(config, folder_config(path)), lora_dropout=config.lora_dropout)
 
 
+def config_of_model(config, model):
+    """The GRPOConfig of a run given a PEFT model: its adapter (named POLICY, PEFT's default name) is trained."""
+    if POLICY not in model.peft_config:
+        raise ValueError(f"model=: a PEFT model whose adapters are {list(model.peft_config)}; grpo_fast trains the one "
+                         f"named {POLICY!r} (PEFT's default name)")
+    _check_plain(model.peft_config[POLICY], "model= (a PEFT model)")
+    return config_with(config, model.peft_config[POLICY])
+
+
 def _check_plain(peft_config, what: str) -> None:
     if getattr(peft_config, "use_dora", False) or getattr(peft_config, "bias", "none") != "none" \
             or getattr(peft_config, "lora_bias", False):

@@ -227,3 +227,13 @@ def test_auto_strategy_is_ddp_for_an_adapter_where_the_full_model_would_be_shard
     full = load_tiny_model(tiny_path)[0]
     assert choose_strategy(full, "auto") == "fsdp2"
     assert choose_strategy(lora.apply_lora(full, config_for_peft(), peft_config=_peft_config()), "auto") == "ddp"
+
+
+def test_a_peft_model_passed_in_is_trained_as_its_adapter(tmp_path, tiny_path):
+    model, tokenizer = load_tiny_model(tiny_path)
+    peft_model = lora.apply_lora(model, config_for_peft(), peft_config=_peft_config())
+    trainer = GRPOTrainer(config(tmp_path), [target_fraction], rows(), model=peft_model, tokenizer=tokenizer)
+    assert trainer.config.use_peft and trainer.config.lora_r == 4 and trainer.model is peft_model
+    assert {n for group in trainer.optimizer.param_groups for p in group["params"]
+            for n, q in peft_model.named_parameters() if q is p} == \
+        {n for n, _ in peft_model.named_parameters() if ".lora_" in n}
