@@ -250,7 +250,7 @@ def delta(layer, adapter: str = POLICY) -> torch.Tensor:
     """s * B @ A of one LoRA linear layer, in float32 ([out, in])."""
     a = layer.lora_A[adapter].weight.detach().float()
     b = layer.lora_B[adapter].weight.detach().float()
-    update = layer.scaling[adapter] * (b @ a)
+    update = (b @ a).mul_(layer.scaling[adapter])  # (in place: one allocation the size of W, not two)
     return update.T if getattr(layer, "fan_in_fan_out", False) else update  # (GPT-2's Conv1D stores W transposed)
 
 
@@ -273,7 +273,9 @@ def engine_weights(model, *, merged: bool, only_adapted: bool = False) -> Iterat
             continue
         tensor = param.detach()
         if merged and isinstance(layer, LoraLayer) and hf_name.endswith(".weight") and POLICY in layer.lora_A:
-            tensor = tensor.float() + delta(layer)
+            # W + s B A into the fresh delta tensor (the same float32 sum: addition commutes exactly), so a merged
+            # sync allocates one float32 tensor per layer, not three (page faults dominated its time on the CPU)
+            tensor = delta(layer).add_(tensor)
         yield hf_name, tensor
 
 
