@@ -246,12 +246,16 @@ def _lora_layers(lm: nn.Module):
     return [(name, m) for name, m in lm.named_modules() if isinstance(m, LoraLayer)]
 
 
-def delta(layer, adapter: str = POLICY) -> torch.Tensor:
-    """s * B @ A of one LoRA linear layer, in float32 ([out, in])."""
+def merged_weight(layer, base: torch.Tensor, adapter: str = POLICY) -> torch.Tensor:
+    """W_base + s * B @ A of one LoRA linear layer, in float32, as one addmm: the product is added to the
+    base as it is written, one pass over a [out, in] tensor instead of three (a separate B @ A, its
+    scaling and the sum; those passes were most of a merged sync's time on the CPU)."""
     a = layer.lora_A[adapter].weight.detach().float()
     b = layer.lora_B[adapter].weight.detach().float()
-    update = (b @ a).mul_(layer.scaling[adapter])  # (in place: one allocation the size of W, not two)
-    return update.T if getattr(layer, "fan_in_fan_out", False) else update  # (GPT-2's Conv1D stores W transposed)
+    base = base.detach().float()
+    if getattr(layer, "fan_in_fan_out", False):  # (GPT-2's Conv1D stores W transposed: W^T + s A^T B^T)
+        return torch.addmm(base, a.T, b.T, alpha=layer.scaling[adapter])
+    return torch.addmm(base, b, a, alpha=layer.scaling[adapter])
 
 
 def engine_weights(model, *, merged: bool, only_adapted: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -273,9 +277,7 @@ def engine_weights(model, *, merged: bool, only_adapted: bool = False) -> Iterat
             continue
         tensor = param.detach()
         if merged and isinstance(layer, LoraLayer) and hf_name.endswith(".weight") and POLICY in layer.lora_A:
-            # W + s B A into the fresh delta tensor (the same float32 sum: addition commutes exactly), so a merged
-            # sync allocates one float32 tensor per layer, not three (page faults dominated its time on the CPU)
-            tensor = delta(layer).add_(tensor)
+            tensor = merged_weight(layer, tensor)
         yield hf_name, tensor
 
 
