@@ -44,6 +44,14 @@ def _parse_value(name: str, annotation):
         if base is list:
             value = yaml.safe_load(text) if text.strip().startswith("[") else [yaml.safe_load(v) for v in text.split(",")]
             return [v for v in value]
+        if base is dict:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise argparse.ArgumentTypeError(f"--{name}: expected a JSON object, got {text!r} ({err})") from None
+            if not isinstance(value, dict):
+                raise argparse.ArgumentTypeError(f"--{name}: expected a JSON object, got {text!r}")
+            return value
         if base is bool:
             if text.lower() in ("true", "1", "yes"):
                 return True

@@ -169,6 +169,14 @@ class GRPOConfig:
     answers_per_thought: int = _f(4, "multi_answer: answers sampled per thought (M). A prompt then trains K thoughts and K x M answers, and per_device_train_batch_size counts them all (a multiple of K x (1 + M)).", bounds=INTEGER_AT_LEAST_1)
     thought_end: Optional[str] = _f(None, "multi_answer: the text that ends a thought (kept in it; answers continue after it). None: the task's own (chain_arithmetic: '\\boxed{', the start of its answer), else '</think>'.")
     max_thought_length: int = _f(48, "multi_answer: most tokens of a thought; answers get max_completion_length tokens each.", bounds=INTEGER_AT_LEAST_1)
+    # ---- agents (rollout_mode multi_turn; README "Agents") ----
+    tools: Optional[list] = _f(None, "Tools the model may call, which switches on rollout_mode='multi_turn' (agents): built-in names (calculator) or module:function entries, each a function with type hints and a Google-style docstring with an Args: entry per argument (TRL's GRPOTrainer(tools=...); in Python pass the functions themselves). A trajectory is the model's turns and the tool results as one completion; the loss sees the model's tokens only.")
+    max_tool_calling_iterations: Optional[int] = _f(None, "multi_turn: most rounds of tool calls per trajectory (TRL's); a turn with calls past it ends the trajectory. None: no limit but max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    tool_timeout: float = _f(30.0, "multi_turn: seconds one tool call may take; past it the call is abandoned into an error result (counted in tools/failure_frequency) and the trajectory goes on.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
+    max_tool_response_tokens: int = _f(256, "multi_turn: most tokens of one tool result; a longer one is cut (counted in tools/truncated_frequency). Tool results count toward max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    chat_template_path: Optional[str] = _f(None, "multi_turn: a Jinja chat template file to train with (one that renders `tools` and is prefix-preserving: an earlier message renders the same whatever follows). None: the tokenizer's own if it renders tools, else for ChatML models (SmolLM2) grpo_fast's tool template.")
+    chat_template_kwargs: Optional[dict] = _f(None, "Extra keyword arguments for the chat template (TRL's; JSON on the command line, e.g. '{\"enable_thinking\": false}').")
+
     lead_alpha: float = _f(0.05, "The `lead` reward (GRPO-LEAD): a correct answer earns exp(-lead_alpha * z), z its length's z-score among its group's correct answers.", bounds=FINITE_AT_LEAST_0)
     lead_wrong_reward: float = _f(-1.0, "The `lead` reward's value for a wrong answer.", bounds=FINITE)
     difficulty_weighting: bool = _f(False, "GRPO-LEAD's difficulty-aware advantages: with rho the group's share of correct answers and w(x) = difficulty_A + (difficulty_B - difficulty_A) / (1 + exp(difficulty_k (x - difficulty_rho0))), positive advantages are multiplied by w(rho), the others by w(1 - rho): hard prompts' successes and easy prompts' failures weigh more.")
@@ -221,6 +229,8 @@ class GRPOConfig:
 
     def __post_init__(self):
         config_checks.coerce_numeric_strings(self)
+        if self.tools and self.rollout_mode == "parallel":  # giving tools switches on the agents' mode (TRL's semantics)
+            self.rollout_mode = "multi_turn"
         if isinstance(self.report_to, (list, tuple)):  # TRL's form; kept as the comma-separated string the CLI reads
             self.report_to = ",".join(map(str, self.report_to))
         config_checks.validate(self, field_names())  # first: the default below reads fields whose types it checks

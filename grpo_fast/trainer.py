@@ -57,9 +57,11 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False,
-                 peft_config=None):
+                 peft_config=None, tools: Optional[Sequence[Callable]] = None):
         from .models import lora
 
+        if tools:  # TRL's way to give tools: functions; the config names them (and so switches on multi_turn)
+            config = dataclasses.replace(config, tools=[getattr(f, "__name__", repr(f)) for f in tools])
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
             config = lora.config_with(config, peft_config)
         elif model is not None and lora.is_lora(model):  # a PEFT model passed in (TRL takes one too): trained as it is
@@ -78,13 +80,16 @@ class GRPOTrainer:
         self.resume_path = None if evaluate_only else run_folder.check_start(c)
         self.resume_overrides = [] if evaluate_only else resume.check_run(c, self.resume_path)
         reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset)
+        tools = setup.checked_tools(c, tools)  # (agents: type hints, docstrings, unique names)
         self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=dict(eval_metrics or {}))
         torch.manual_seed(c.seed)
         model, tokenizer, model_path = setup.prepare_policy(c, model, tokenizer, peft_config)
         setup.warn_emulated_bf16(c, model)
-        prompt_ids = setup.encode(train_rows, tokenizer, c)
+        agent = setup.build_agent(c, tools, tokenizer)  # (its chat template renders the tools into the prompts)
+        prompt_ids = setup.encode(train_rows, tokenizer, c, agent)
         setup.check_prompt_lengths(prompt_ids, c, model.config, "train_dataset")
-        self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge)
+        self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge,
+                                       agent=agent)
         ref_model = setup.reference_copy(model, c.beta)  # (before many ranks wrap the policy)
         self.engine = engine if engine is not None else setup.build_engine(c, model, tokenizer, model_path)
         if engine is not None and c.lora_route and not self.engine.shares_weights_with(model):
@@ -276,7 +281,7 @@ class GRPOTrainer:
         """Greedy held-out accuracy and rewards (train/evaluate.py); rows: the eval dataset's by default."""
         return evaluation.evaluate(self.engine, self.policy.tokenizer, rows if rows is not None else self.eval_rows,
                                    self.data.reward_funcs, self.held_out.metrics, self.config, self.world,
-                                   self._engine_weights)
+                                   self._engine_weights, agent=self.data.agent)
 
     def _log_eval(self, bar) -> dict:
         start = time.perf_counter()

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -225,11 +226,14 @@ def check_rows(rows: Sequence[dict], *, prompt_column: str = "prompt", where: st
 # ----------------------------------------------------------------------------- encoding
 
 
-def prompt_to_text(prompt, tokenizer) -> tuple[str, bool]:
+def prompt_to_text(prompt, tokenizer, *, tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None
+                   ) -> tuple[str, bool]:
     """The text the model sees for one prompt, and whether it carries its own special tokens.
 
     A message list goes through the tokenizer's chat template (with the generation prompt); so does a
     string when the tokenizer has a template (as a single user message). Otherwise a string is used as is.
+    tools: their JSON schemas, rendered by the template (agents); chat_template_kwargs: the template's extra
+    arguments.
     """
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if isinstance(prompt, str) and not has_template:
@@ -237,7 +241,8 @@ def prompt_to_text(prompt, tokenizer) -> tuple[str, bool]:
     if not has_template:
         raise ValueError("prompt is a list of chat messages but the tokenizer has no chat_template")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools or None,
+                                         **(chat_template_kwargs or {})), True
 
 
 def encode_prompts(
@@ -247,6 +252,8 @@ def encode_prompts(
     prompt_column: str = "prompt",
     max_prompt_length: int | None = None,
     truncation: str = "left",
+    tools: Optional[list] = None,
+    chat_template_kwargs: Optional[dict] = None,
 ) -> tuple[list[list[int]], list[str], int]:
     """Token ids of each row's prompt, chat template applied where it applies.
 
@@ -256,6 +263,7 @@ def encode_prompts(
         max_prompt_length: keep at most this many tokens per prompt (None: no limit).
         truncation: ``"left"`` drops the oldest tokens of a long prompt (keeping the generation
             prompt at the end) and logs a warning; ``"error"`` raises instead.
+        tools, chat_template_kwargs: handed to the chat template (`prompt_to_text`).
 
     Returns:
         ``(ids, texts, n_truncated)``: ids, N lists of token ids; texts, N strings decoded from those
@@ -270,7 +278,8 @@ def encode_prompts(
 
     all_ids, n_truncated, longest = [], 0, 0
     for i, row in enumerate(rows):
-        text, templated = prompt_to_text(row[prompt_column], tokenizer)
+        text, templated = prompt_to_text(row[prompt_column], tokenizer, tools=tools,
+                                         chat_template_kwargs=chat_template_kwargs)
         # A chat template writes its own BOS/markers: adding special tokens again would double them.
         ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
         if max_prompt_length is not None and len(ids) > max_prompt_length:

@@ -147,6 +147,26 @@ def chain_arithmetic_rows(n: int | None = None, *, seed: int = 0, split: str = "
     return rows
 
 
+# With the calculator tool (--tools calculator): the prompt as chat messages, the system message showing one
+# worked call. SmolLM2-135M-Instruct was not trained on function calling (its SFT set leaves it out), so
+# without an example it would hardly ever emit the markup.
+CALCULATOR_SYSTEM_PROMPT = (
+    "You are a helpful assistant who uses the calculator tool for arithmetic. Example:\n"
+    "User: Compute (2 + 3) × 4.\n"
+    "Assistant: <tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"(2 + 3) * 4\"}}\n</tool_call>\n"
+    "Tool: 20\n"
+    "Assistant: The final answer is \\boxed{20}.")
+CALCULATOR_INSTRUCTION = "Use the calculator tool, then put the final answer within \\boxed{}."
+
+
+def with_calculator(rows: list[dict]) -> list[dict]:
+    """Rows of an arithmetic task with chat prompts for the calculator tool: the system message's worked call, then
+    the question (the task's `question` column) and the instruction to use the tool."""
+    return [{**row, "prompt": [{"role": "system", "content": CALCULATOR_SYSTEM_PROMPT},
+                               {"role": "user", "content": f"Compute {row['question']}. {CALCULATOR_INSTRUCTION}"}]}
+            for row in rows]
+
+
 HUMANEVAL_HELD_OUT = 40  # of the 164 problems: the 40 with the smallest hash of their task_id
 
 

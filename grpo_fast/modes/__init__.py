@@ -7,7 +7,8 @@ turns scored rewards into advantages (`advantages`) and what it supports (`suppo
 config and its checks ask the object; none of them compares a mode's name.
 
 The built-in modes, one file each: parallel.py (GRPO's independent completions), early_exit.py
-(S-GRPO's serial groups), multi_answer.py (GRPO-MA's thoughts and answers). A new mode is one file
+(S-GRPO's serial groups), multi_answer.py (GRPO-MA's thoughts and answers), multi_turn.py (agents:
+trajectories that call tools). A new mode is one file
 with one class and one `register()` call (tests/test_rollout_mode_registry.py defines one in
 the test alone and trains a step with it).
 
@@ -32,6 +33,7 @@ class RolloutMode:
     #   sampling, difficulty weights, noise-aware weights, partial credit, multi-objective aggregation)
     runs_on_many_ranks: bool = False  # under torchrun
     streams_groups: bool = False  # `sample` takes on_group: its groups can be scored as the engine finishes them
+    takes_agent: bool = False  # `sample` takes agent= (grpo_fast/agents: the tools, the chat template, the runner)
 
     def checks(self) -> tuple:
         """config_checks.Combination rows that hold while this mode is chosen (checked before the table's)."""
@@ -82,5 +84,5 @@ def modes_where(has: Callable[[RolloutMode], bool]) -> list[str]:
 
 
 # The built-in modes register themselves on import, in this order (the order --help and refusals list them).
-for _module in ("parallel", "early_exit", "multi_answer"):
+for _module in ("parallel", "early_exit", "multi_answer", "multi_turn"):
     importlib.import_module(f".{_module}", __name__)

@@ -37,6 +37,9 @@ class Rollouts:
     ref_logp: Optional[list[torch.Tensor]] = None
     is_weights: Optional[list[torch.Tensor]] = None
     stats: dict = field(default_factory=dict)  # scoring counters (e.g. non-finite rewards)
+    # multi_turn (grpo_fast/agents): each completion as messages, the assistant turns and the tool results
+    # (what conversational reward functions receive); None: the completion is one assistant message
+    messages: Optional[list[list[dict]]] = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -67,6 +70,13 @@ class Rollouts:
 
     def completion_lengths(self) -> torch.Tensor:
         return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.float32)
+
+    def model_lengths(self) -> torch.Tensor:
+        """Completion tokens the model sampled: a trajectory's (kind "trajectory": multi_turn) leave out the tool
+        results and the template's tokens between turns, its loss mask; the other entries' are all theirs."""
+        kinds = self.kind or [None] * len(self)
+        return torch.tensor([float(self.loss_mask[i].sum()) if k == "trajectory" else float(len(c))
+                             for i, (k, c) in enumerate(zip(kinds, self.completion_ids, strict=True))])
 
     def trained_tokens(self, i: int) -> int:
         """Completion tokens of entry i that enter the loss."""

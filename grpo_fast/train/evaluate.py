@@ -28,12 +28,13 @@ class HeldOut:
 
 @torch.no_grad()
 def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: dict, config, world,
-             engine_weights=contextlib.nullcontext) -> dict:
+             engine_weights=contextlib.nullcontext, agent=None) -> dict:
     """Greedy completions for the held-out prompts (one each, whatever the rollout mode); accuracy =
     the share of correct answers: the first reward function's value > 0, whatever the shaping.
     Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths (all, and of the right ones).
     Under torchrun every rank calls it: each grades every world-size-th prompt, the scores are gathered.
-    rows: the held-out rows (the first eval_max_samples of them are graded)."""
+    rows: the held-out rows (the first eval_max_samples of them are graded). agent (multi_turn): each
+    prompt answered as one greedy trajectory, with the tools."""
     c = config
     rows = (rows or [])[: c.eval_max_samples]
     if not rows:
@@ -42,14 +43,20 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
     mine = rows[world.rank :: world.size]  # under torchrun each rank grades its share
     rewards = torch.empty(0, len(reward_funcs), dtype=torch.float64)
     lengths, extra = torch.empty(0), torch.empty(0, len(eval_metrics), dtype=torch.float64)
-    prompt_ids = setup.encode(mine, tokenizer, c) if mine else []
+    prompt_ids = setup.encode(mine, tokenizer, c, agent) if mine else []
+    budget = c.eval_max_completion_length or c.max_completion_length
     with engine_weights():  # (every rank enters, its share empty or not: under FSDP2 gathering is collective)
-        groups = engine.generate(prompt_ids, n=1, sampling=GREEDY,
-                                 max_new_tokens=c.eval_max_completion_length or c.max_completion_length) if mine else []
+        if not mine:
+            batch = None
+        elif agent is not None:
+            batch = agent.rollouts(engine, tokenizer, prompt_ids, mine, [0] * len(mine), 1, sampling=GREEDY,
+                                   max_completion_length=budget)
+        else:
+            batch = from_engine(engine.generate(prompt_ids, n=1, sampling=GREEDY, max_new_tokens=budget),
+                                prompt_ids, mine)
     if mine:
-        batch = from_engine(groups, prompt_ids, mine)
         rewards = score(reward_funcs, batch, c.prompt_column, chat, timeout=c.reward_timeout).rewards
-        lengths = batch.completion_lengths()
+        lengths = batch.model_lengths()
         if eval_metrics:  # the task's own grading (e.g. only answers in the instructed \boxed{})
             extra = score(list(eval_metrics.values()), batch, c.prompt_column, chat).rewards
     rewards, lengths, extra = (distributed.gather_rows(t, world) for t in (rewards, lengths, extra))

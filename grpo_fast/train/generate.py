@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..agents import tool_metrics
 from ..distributed import World
 from ..metrics import timed
 from ..modes import rollout_mode
@@ -41,6 +42,7 @@ class TrainData:
     prompt_ids: list
     reward_funcs: list
     judge: Optional[Callable] = None  # SGPO's partial-credit judge (the advantages stage's)
+    agent: Optional[object] = None  # multi_turn: the tools, chat template and tool runner (grpo_fast/agents)
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,14 @@ def rank_share(prompt_index: list[int], world: World) -> tuple[list[int], int]:
 
 
 def sample(engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, config, sampling: SamplingOptions,
-           seed: Callable[[], int], on_group=None) -> Rollouts:
+           seed: Callable[[], int], on_group=None, agent=None) -> Rollouts:
     """The engine's completions of `prompts` as the rollout mode samples them (`seed()`: the next call's seed;
-    on_group: handed to the engine where the mode streams its groups)."""
+    on_group: handed to the engine where the mode streams its groups; agent: to a mode that takes it)."""
     mode = rollout_mode(config.rollout_mode)
     extra = {"on_group": on_group} if on_group is not None else {}
     assert not extra or mode.streams_groups, f"rollout mode {mode.name!r} does not stream its groups"
+    if mode.takes_agent:
+        extra["agent"] = agent
     return mode.sample(engine, tokenizer, prompts, rows, first, config, sampling, seed, **extra)
 
 
@@ -127,7 +131,7 @@ def generate(engine, tokenizer, data: TrainData, prompt_index: list[int], first:
         engine.wake()
     with engine_weights():
         batch = sample(engine, tokenizer, prompts, rows, first, config, sampling, lambda: next_seed(state, config),
-                       on_group)
+                       on_group, data.agent)
     if config.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
         engine.sleep()
     return batch
@@ -238,5 +242,5 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
     if len(batch) > wanted * G:
         batch = batch.select(range(wanted * G))
     metrics = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds,
-               **round_stats}
+               **round_stats, **tool_metrics(batch.stats)}
     return Generated(batch=batch, metrics=metrics, times=times)

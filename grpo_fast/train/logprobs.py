@@ -113,7 +113,9 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
         old_logp = trainer_logp if policy.needs_old_logp else None
     if policy.use_is and not policy.in_step:
         is_weights = [policy.weights(o, s) for o, s in zip(old_logp, batch.sampling_logp, strict=True)]
-        flat = torch.cat(is_weights) if is_weights else torch.zeros(0)
+        # (the sampled tokens' weights: a tool result or injected text has none, NaN sampling log-prob)
+        flat = torch.cat([w[~s.isnan()] for w, s in zip(is_weights, batch.sampling_logp, strict=True)]) \
+            if is_weights else torch.zeros(0)
         if flat.numel():
             metrics.update({"sampling/importance_sampling_ratio/min": flat.min().item(),
                             "sampling/importance_sampling_ratio/mean": Pooled.of(flat),
@@ -125,11 +127,13 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
 
 
 def sampling_stats(old: list[torch.Tensor], sampling: list[torch.Tensor]) -> dict:
-    """The engine's log-probs against the trainer's: mean and max |difference| over the batch's tokens."""
+    """The engine's log-probs against the trainer's: mean and max |difference| over the batch's sampled tokens
+    (a NaN sampling log-prob marks a token the policy did not sample: injected text, a tool result; left out)."""
     diffs = [(o - s).abs() for o, s in zip(old, sampling, strict=True) if o.numel() and s.numel() == o.numel()]
-    if not diffs:
+    flat = torch.cat(diffs) if diffs else torch.zeros(0)
+    flat = flat[~flat.isnan()]
+    if not flat.numel():
         return {}
-    flat = torch.nan_to_num(torch.cat(diffs), nan=0.0)
     return {"sampling/logp_diff_mean": Pooled.of(flat), "sampling/logp_diff_max": flat.max().item()}
 
 

@@ -50,8 +50,11 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
         return Scores(rewards, inner.non_finite, inner.timeouts)
     n = len(batch)
     prompts = [r[prompt_column] for r in batch.rows]
-    completions = ([[{"role": "assistant", "content": t}] for t in batch.completion_texts]
-                   if conversational else list(batch.completion_texts))
+    if conversational:  # (multi_turn: the assistant turns and tool results, as TRL hands them over)
+        completions = (list(batch.messages) if batch.messages is not None
+                       else [[{"role": "assistant", "content": t}] for t in batch.completion_texts])
+    else:
+        completions = list(batch.completion_texts)
     columns = {key: [r.get(key) for r in batch.rows] for key in batch.rows[0] if key != prompt_column}
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=batch.completion_ids, **columns)
     calls = {}  # function index -> [(slice, kwargs)]: one call, or one per group
@@ -283,7 +286,7 @@ def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], options) -
     total = weighted_rewards(trained, options.reward_weights)
     groups = total.view(-1, G)
     group_std = torch.stack([g[~g.isnan()].std() if (~g.isnan()).sum() > 1 else g.new_zeros(()) for g in groups])
-    lengths = batch.completion_lengths()
+    lengths = batch.model_lengths()  # (multi_turn: the model's tokens only, as TRL)
     clipped = torch.tensor([r == "length" for r in batch.finish_reason], dtype=torch.float32)
     m = {
         "reward": Pooled.of(total),

@@ -13,7 +13,7 @@ import tempfile
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -121,6 +121,10 @@ def datasets_from_config(config) -> tuple[list[dict], list[dict] | None]:
     if config.dataset is None:
         train = task_rows(f"{config.task}:{config.task_train_size}", split="train", seed=config.seed)
         held_out = task_rows(f"{config.task}:{config.eval_max_samples}", split="test", seed=config.seed)
+        if "calculator" in (config.tools or []) and config.task in ("arithmetic", "chain_arithmetic"):
+            from ..data.tasks import with_calculator  # (prompts that show one worked call)
+
+            train, held_out = with_calculator(train), with_calculator(held_out)
         return train, held_out
     train = load_dataset_rows(config.dataset, split="train", prompt_column=config.prompt_column)
     try:
@@ -155,12 +159,35 @@ def reward_options(config) -> dict:
                 code_reward_mode=config.code_reward_mode)
 
 
-def encode(rows, tokenizer, config) -> list[list[int]]:
+def encode(rows, tokenizer, config, agent=None) -> list[list[int]]:
+    """The rows' prompt ids; with an agent (multi_turn) its chat template renders the tools into them."""
     from ..data import encode_prompts
 
     ids, _, _ = encode_prompts(rows, tokenizer, prompt_column=config.prompt_column,
-                               max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation)
+                               max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
+                               tools=agent.chat.schemas if agent is not None else None,
+                               chat_template_kwargs=config.chat_template_kwargs)
     return ids
+
+
+def checked_tools(config, tools: Optional[Sequence] = None) -> Optional[list]:
+    """The run's tools checked (`GRPOTrainer(tools=...)`, else config.tools by name), before any work; None
+    where the rollout mode calls none."""
+    if not rollout_mode(config.rollout_mode).takes_agent:
+        return None
+    from ..agents import as_tools
+    from ..agents.builtin import resolve_tool
+
+    return as_tools(list(tools) if tools is not None else [resolve_tool(name) for name in config.tools or []])
+
+
+def build_agent(config, tools: Optional[list], tokenizer):
+    """The multi_turn run's Agent (its chat template checked against the tokenizer); None without tools."""
+    if tools is None:
+        return None
+    from ..agents import build_agent as build
+
+    return build(tools, tokenizer, config)
 
 
 # ---- policy, reference, engine --------------------------------------------------------------

@@ -204,7 +204,8 @@ def _in_step_is_weights(hidden, weight, bias, mb, batch: Rollouts, options: Loss
     for j, (i, trainer) in enumerate(zip(mb.rows, mb.unpad(logp), strict=True)):
         sampling = batch.sampling_logp[i]
         out[j, : len(trainer)] = weights = importance_weights(trainer, sampling)
-        gap.add(torch.nan_to_num((trainer - sampling).abs(), nan=0.0), weights)
+        sampled = ~sampling.isnan()  # (NaN: a token the policy did not sample, a tool result: not a gap)
+        gap.add((trainer - sampling).abs()[sampled], weights[sampled])
     return out.to(mb.target_ids.device)
 
 

@@ -1,0 +1,100 @@
+"""Agents: the model calls tools over several turns, and only the outcome is rewarded (rollout_mode
+`multi_turn`, switched on by `GRPOTrainer(tools=...)` or `--tools`).
+
+- `tools.py`: tools checked (`as_tools`: type hints, an `Args:` docstring, unique names) and run
+  concurrently, each bounded by `tool_timeout` (`ToolRunner`);
+- `builtin.py`: the built-in tools by name (`calculator`) and `--tools` entries resolved;
+- `chat.py`: the chat template that shows the tools (grpo_fast's ChatML one where the model has none),
+  the calls parsed with `tokenizer.parse_response`, the token ids between turns;
+- `loop.py`: the trajectories, token-exact, with the engine never waiting for a tool (vLLM).
+
+`Agent` is what the trainer builds once and the generate and evaluate stages use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .tools import Tool, as_tools  # noqa: F401 (the public names)
+
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency",
+                "tools/truncated_frequency", "tools/turns_mean", "tools/time_waiting")
+
+
+@dataclass(frozen=True)
+class Agent:
+    """The tools, the chat template and the tool runner of a multi-turn run, and its limits."""
+
+    tools: tuple
+    chat: object  # chat.ChatTemplate
+    runner: object  # tools.ToolRunner
+    max_tool_calling_iterations: Optional[int]
+    max_tool_response_tokens: int
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """A prompt's ids: its messages rendered with the tools and the generation prompt."""
+        return self.chat.render(messages, generation_prompt=True)
+
+    def rollouts(self, engine, tokenizer, prompts: list[list[int]], rows: list[dict], seeds: Sequence[int], n: int,
+                 *, sampling, max_completion_length: int):
+        """n trajectories per prompt (prompt i's j-th seeded by hashed_seed(seeds[i], j)) as `Rollouts`, tool
+        tokens masked out of the loss (NaN sampling log-probs), the tool counters in `stats`."""
+        import torch
+
+        from ..rollout.base import hashed_seed
+        from ..train.batch import Rollouts
+        from .loop import AgentLoop, LoopOptions, Trajectory
+
+        trajectories = [Trajectory(prompt_ids=list(p), seed=hashed_seed(s, j))
+                        for p, s in zip(prompts, seeds, strict=True) for j in range(n)]
+        loop = AgentLoop(engine, tokenizer, self.chat, self.runner, LoopOptions(
+            max_completion_length=max_completion_length, max_tool_calling_iterations=self.max_tool_calling_iterations,
+            max_tool_response_tokens=self.max_tool_response_tokens, sampling=sampling))
+        loop.run(trajectories)
+        stats = {"tools/calls": sum(t.calls for t in trajectories), "tools/failures": sum(t.failures for t in trajectories),
+                 "tools/malformed": sum(t.malformed for t in trajectories),
+                 "tools/truncated": sum(t.truncated for t in trajectories),
+                 "tools/turns": sum(t.turns for t in trajectories), "tools/trajectories": len(trajectories),
+                 "tools/waiting_seconds": loop.waiting_seconds}
+        return Rollouts(
+            prompt_ids=[t.prompt_ids for t in trajectories],
+            completion_ids=[t.ids for t in trajectories],
+            sampling_logp=[torch.tensor(t.logp, dtype=torch.float32) for t in trajectories],
+            finish_reason=[t.finish_reason for t in trajectories],
+            completion_texts=[tokenizer.decode(t.ids, skip_special_tokens=True) for t in trajectories],
+            rows=[r for r in rows for _ in range(n)],
+            loss_mask=[torch.tensor(t.mask, dtype=torch.bool) for t in trajectories],
+            kind=["trajectory"] * len(trajectories),
+            stats=stats,
+            messages=[t.messages for t in trajectories],
+        )
+
+
+def tool_metrics(stats: dict) -> dict:
+    """TRL's tools/* metrics from the summed counters of `Agent.rollouts` (empty where there were none)."""
+    if "tools/trajectories" not in stats:
+        return {}
+    n, calls = max(stats["tools/trajectories"], 1), stats["tools/calls"]
+    turns_with_markup = calls + stats["tools/malformed"]
+    return {"tools/call_frequency": calls / n,  # calls per trajectory (TRL)
+            "tools/failure_frequency": stats["tools/failures"] / calls if calls else 0.0,  # failed per call (TRL)
+            "tools/malformed_frequency": stats["tools/malformed"] / turns_with_markup if turns_with_markup else 0.0,
+            "tools/truncated_frequency": stats["tools/truncated"] / calls if calls else 0.0,
+            "tools/turns_mean": stats["tools/turns"] / n,
+            "tools/time_waiting": stats["tools/waiting_seconds"]}
+
+
+def build_agent(tools: Sequence[Callable], tokenizer, config) -> Agent:
+    """The run's Agent: the tools checked, the chat template chosen and checked (it renders the tools and is
+    prefix-preserving; `config.chat_template_path` replaces the tokenizer's), before any work."""
+    from .chat import ChatTemplate
+    from .tools import ToolRunner
+
+    checked = as_tools(list(tools))
+    if not checked:
+        raise ValueError("tools: rollout_mode='multi_turn' needs at least one tool (tools= or --tools)")
+    chat = ChatTemplate(tokenizer, checked, path=config.chat_template_path, kwargs=config.chat_template_kwargs)
+    return Agent(tools=tuple(checked), chat=chat, runner=ToolRunner(checked, config.tool_timeout),
+                 max_tool_calling_iterations=config.max_tool_calling_iterations,
+                 max_tool_response_tokens=config.max_tool_response_tokens)

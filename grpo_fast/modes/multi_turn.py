@@ -1,0 +1,44 @@
+"""Agents (rollout_mode=multi_turn): num_generations trajectories per prompt, each the model's turns and
+the results of the tools it calls, trained as one completion with the tool tokens masked out of the
+loss (grpo_fast/agents). Switched on by giving tools (`GRPOTrainer(tools=...)`, `--tools`); group
+advantages as GRPO's parallel groups, of the outcome's rewards."""
+
+from __future__ import annotations
+
+from . import RolloutMode, register
+
+
+class MultiTurn(RolloutMode):
+    name = "multi_turn"
+    summary = "agents: num_generations trajectories per prompt, the model calling tools over several turns"
+    takes_agent = True
+
+    def checks(self) -> tuple:
+        from ..config_checks import Combination
+
+        return (
+            Combination("tools", None, lambda c: (
+                "at least one tool with rollout_mode='multi_turn' (its trajectories call tools): give --tools "
+                "calculator,module:function or GRPOTrainer(tools=[...])"),
+                lambda c: not c.tools, ""),
+        )
+
+    def sequence_text(self, c, longest=False) -> str:
+        return "max_completion_length (every completion token: the model's turns and the tool results)"
+
+    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, agent=None):
+        from ..rollout.base import prompt_seeds
+
+        assert agent is not None, "rollout_mode='multi_turn' samples with the run's Agent (GRPOTrainer builds it)"
+        return agent.rollouts(engine, tokenizer, prompts, rows, prompt_seeds(seed(), len(prompts), first),
+                              c.num_generations, sampling=sampling, max_completion_length=c.max_completion_length)
+
+    def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
+        from ..distributed import ONE_PROCESS
+        from ..train.advantages import group_advantages
+
+        return group_advantages(batch, c, judge, prompt_column=prompt_column, conversational=conversational,
+                                world=world or ONE_PROCESS)
+
+
+register(MultiTurn())

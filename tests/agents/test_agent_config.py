@@ -1,0 +1,36 @@
+"""The agents' options: tools switch on rollout_mode multi_turn, and what cannot go with them is refused by name
+before any work (config and command line)."""
+
+import pytest
+
+from grpo_fast.cli import build_parser, config_from_args
+from grpo_fast.config import GRPOConfig
+
+
+def test_tools_switch_on_multi_turn():
+    assert GRPOConfig(tools=["calculator"]).rollout_mode == "multi_turn"
+    assert GRPOConfig().rollout_mode == "parallel"
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(tools=["calculator"], rollout_mode="early_exit", num_generations=8),
+     "rollout_mode='early_exit' is invalid: expected 'multi_turn'"),
+    (dict(rollout_mode="multi_turn"), "tools=None is invalid: expected at least one tool"),
+    (dict(tools=["calculator"], max_staleness=1), "rollout_mode='multi_turn' is invalid"),
+    (dict(tools=["calculator"], tool_timeout=0), "tool_timeout"),
+    (dict(tools=["calculator"], max_tool_response_tokens=0), "max_tool_response_tokens"),
+])
+def test_what_cannot_go_with_tools_is_refused(fields, words):
+    with pytest.raises(ValueError, match=words):
+        GRPOConfig(**fields)
+
+
+def test_command_line_takes_tools_and_template_kwargs():
+    parser = build_parser()
+    args = parser.parse_args(["train", "--tools", "calculator,tests.agents.tool_model:add",
+                              "--chat_template_kwargs", '{"enable_thinking": false}', "--max_tool_calling_iterations", "3"])
+    config = config_from_args(args)
+    assert config.tools == ["calculator", "tests.agents.tool_model:add"] and config.rollout_mode == "multi_turn"
+    assert config.chat_template_kwargs == {"enable_thinking": False} and config.max_tool_calling_iterations == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--chat_template_kwargs", "[1, 2]"])
