@@ -17,6 +17,9 @@ What each row is (the default run's settings otherwise: lr 1e-5, vLLM engine, 64
   stable_grpo, 20% flipped Stable GRPO: the same flipped rewards, reward_noise_rate 0.2
   chain: grpo / sgpo       chain_arithmetic (three operations, 128 tokens): plain GRPO, and SGPO partial
                            credit from the chain_steps judge on groups with no right answer
+  chain: tools             the same with the calculator tool (rollout_mode multi_turn; the prompt shows one
+                           worked call; tool results count in the 128 tokens): tool calls per trajectory
+                           held out before / after and in training
 Held-out evaluation (greedy, clean rewards) before and after: accuracy (share of first reward > 0),
 mean completion length and that of the right answers; training: completion length and the grad-norm's
 mean, std and max over the steps.
@@ -57,6 +60,7 @@ CONFIGS = {
     "stable_grpo_flipped": ("Stable GRPO (p=0.2), 20% flipped rewards", dict(ARITH, reward_noise_rate=FLIP_RATE), True),
     "chain_grpo": ("chain_arithmetic: grpo", dict(CHAIN), False),
     "chain_sgpo": ("chain_arithmetic: SGPO partial credit (chain_steps)", dict(CHAIN, partial_credit_judge="chain_steps"), False),
+    "chain_tools": ("chain_arithmetic: grpo, calculator tool (agents)", dict(CHAIN, tools=["calculator"]), False),
 }
 
 
@@ -118,6 +122,7 @@ def run_one(name: str, steps: int, prompts: int, result_path: str) -> None:
         eval_after={k: v for k, v in evals[-1].items() if k.startswith("eval/")},
         train_length=[x["completions/mean_length"] for x in steps_],
         train_reward=[x["reward"] for x in steps_],
+        train_tool_calls=[x["tools/call_frequency"] for x in steps_ if "tools/call_frequency" in x],
         grad_norm=grad, grad_norm_mean=mean, grad_norm_std=math.sqrt(sum((g - mean) ** 2 for g in grad) / max(len(grad) - 1, 1)),
         grad_norm_max=max(grad),
     )
@@ -133,7 +138,10 @@ def table(results: list[dict]) -> list[str]:
              "grad-norm mean ± std (max) | wall |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         b, a = r["eval_before"], r["eval_after"]
-        extra = "".join(f"; {k[5:]} {_fmt(b[k])} → {_fmt(a[k])}" for k in ("eval/accuracy_boxed", "eval/step_score") if k in a)
+        extra = "".join(f"; {k[5:]} {_fmt(b[k])} → {_fmt(a[k])}"
+                        for k in ("eval/accuracy_boxed", "eval/step_score", "eval/tools/call_frequency") if k in a)
+        if r.get("train_tool_calls"):
+            extra += f"; training tools/call_frequency {_fmt(r['train_tool_calls'][0])} → {_fmt(r['train_tool_calls'][-1])}"
         lines.append(
             f"| {r['label']} | {_fmt(b['eval/accuracy'])} → **{_fmt(a['eval/accuracy'])}**{extra} | "
             f"{_fmt(a['eval/completions/mean_length'], '.1f')} / {_fmt(a.get('eval/completions/mean_length_correct'), '.1f')} | "

@@ -171,6 +171,7 @@ class GRPOConfig:
     max_thought_length: int = _f(48, "multi_answer: most tokens of a thought; answers get max_completion_length tokens each.", bounds=INTEGER_AT_LEAST_1)
     # ---- agents (rollout_mode multi_turn; README "Agents") ----
     tools: Optional[list] = _f(None, "Tools the model may call, which switches on rollout_mode='multi_turn' (agents): built-in names (calculator) or module:function entries, each a function with type hints and a Google-style docstring with an Args: entry per argument (TRL's GRPOTrainer(tools=...); in Python pass the functions themselves). A trajectory is the model's turns and the tool results as one completion; the loss sees the model's tokens only.")
+    environment_factory: Optional[str] = _f(None, "An environment class as module:Class, which switches on rollout_mode='multi_turn' (TRL's environment_factory; in Python pass the class, or a dict {name: class} chosen by a dataset column `environment`): one instance per trajectory (pooled), reset(**row) before its first turn (a returned string extends the prompt), every other public method a tool, an optional get_reward() a reward function named after the class (appended after reward_funcs, weight 1).")
     max_tool_calling_iterations: Optional[int] = _f(None, "multi_turn: most rounds of tool calls per trajectory (TRL's); a turn with calls past it ends the trajectory. None: no limit but max_completion_length.", bounds=INTEGER_AT_LEAST_1)
     tool_timeout: float = _f(30.0, "multi_turn: seconds one tool call may take; past it the call is abandoned into an error result (counted in tools/failure_frequency) and the trajectory goes on.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
     max_tool_response_tokens: int = _f(256, "multi_turn: most tokens of one tool result; a longer one is cut (counted in tools/truncated_frequency). Tool results count toward max_completion_length.", bounds=INTEGER_AT_LEAST_1)
@@ -229,7 +230,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         config_checks.coerce_numeric_strings(self)
-        if self.tools and self.rollout_mode == "parallel":  # giving tools switches on the agents' mode (TRL's semantics)
+        if (self.tools or self.environment_factory) and self.rollout_mode == "parallel":  # tools switch on the agents' mode
             self.rollout_mode = "multi_turn"
         if isinstance(self.report_to, (list, tuple)):  # TRL's form; kept as the comma-separated string the CLI reads
             self.report_to = ",".join(map(str, self.report_to))

@@ -94,7 +94,9 @@ COMBINATIONS = (
         lambda c: c.reward_noise_rate is not None and first_reward(c) in OUTSIDE_01, ""),
     # agents: tools switch on the multi_turn mode; no other mode calls them
     Combination("rollout_mode", _equals("multi_turn"), "'multi_turn' (or 'parallel', which tools switch to it)",
-                lambda c: bool(c.tools), lambda c: f"with tools={c.tools!r}: only multi_turn trajectories call tools"),
+                lambda c: bool(c.tools or c.environment_factory),
+                lambda c: f"with tools={c.tools!r} / environment_factory={c.environment_factory!r}: only multi_turn "
+                          f"trajectories call tools"),
     # partial rollouts: vLLM's request loop, parallel groups
     Combination("engine", lambda v: v in ("vllm", "auto"), "'vllm' or 'auto'", lambda c: c.max_staleness > 0, _partial),
     Combination("rollout_mode", _modes_with(lambda m: m.supports_partial_rollouts),

@@ -57,11 +57,15 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False,
-                 peft_config=None, tools: Optional[Sequence[Callable]] = None):
+                 peft_config=None, tools: Optional[Sequence[Callable]] = None, environment_factory=None):
         from .models import lora
 
         if tools:  # TRL's way to give tools: functions; the config names them (and so switches on multi_turn)
             config = dataclasses.replace(config, tools=[getattr(f, "__name__", repr(f)) for f in tools])
+        if environment_factory is not None:  # (a class, or {name: class} chosen by the rows' `environment` column)
+            named = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+            config = dataclasses.replace(config, environment_factory=",".join(
+                f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', repr(f))}" for f in named))
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
             config = lora.config_with(config, peft_config)
         elif model is not None and lora.is_lora(model):  # a PEFT model passed in (TRL takes one too): trained as it is
@@ -79,13 +83,15 @@ class GRPOTrainer:
                 setup.check_partial_rollouts(engine, c)
         self.resume_path = None if evaluate_only else run_folder.check_start(c)
         self.resume_overrides = [] if evaluate_only else resume.check_run(c, self.resume_path)
-        reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset)
-        tools = setup.checked_tools(c, tools)  # (agents: type hints, docstrings, unique names)
+        agent_parts = setup.agent_parts(c, tools, environment_factory)  # (agents: tools checked, environments built)
+        extra_rewards = agent_parts[1].reward_functions() if agent_parts and agent_parts[1] is not None else ()
+        reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset,
+                                                                          extra_rewards)
         self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=dict(eval_metrics or {}))
         torch.manual_seed(c.seed)
         model, tokenizer, model_path = setup.prepare_policy(c, model, tokenizer, peft_config)
         setup.warn_emulated_bf16(c, model)
-        agent = setup.build_agent(c, tools, tokenizer)  # (its chat template renders the tools into the prompts)
+        agent = setup.build_agent(c, agent_parts, tokenizer)  # (its chat template renders the tools into the prompts)
         prompt_ids = setup.encode(train_rows, tokenizer, c, agent)
         setup.check_prompt_lengths(prompt_ids, c, model.config, "train_dataset")
         self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge,

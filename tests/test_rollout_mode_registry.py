@@ -44,7 +44,7 @@ def new_mode():
 
 
 def test_the_built_in_modes_are_the_registry():
-    assert list(ROLLOUT_MODES) == ["parallel", "early_exit", "multi_answer"]
+    assert list(ROLLOUT_MODES) == ["parallel", "early_exit", "multi_answer", "multi_turn"]
 
 
 def test_the_config_takes_a_new_mode_and_its_checks_read_what_it_supports(new_mode, tmp_path):
@@ -72,8 +72,8 @@ def test_the_trainer_trains_a_step_with_a_new_rollout_mode(new_mode, tmp_path, t
 def test_an_unknown_rollout_mode_raises_naming_the_known_ones(tmp_path):
     from tests.trainer.common import config
 
-    with pytest.raises(ValueError, match=r"rollout_mode='leave_one_out'.*'parallel'.*'early_exit'.*'multi_answer'"):
+    with pytest.raises(ValueError, match=r"rollout_mode='leave_one_out'.*'parallel'.*'early_exit'.*'multi_answer'.*'multi_turn'"):
         config(tmp_path, rollout_mode="leave_one_out")
     with pytest.raises(ValueError, match=r"rollout_mode='nope' is not supported; expected one of \['parallel', "
-                                         r"'early_exit', 'multi_answer'\]"):
+                                         r"'early_exit', 'multi_answer', 'multi_turn'\]"):
         rollout_mode("nope")

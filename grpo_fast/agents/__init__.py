@@ -31,6 +31,8 @@ class Agent:
     runner: object  # tools.ToolRunner
     max_tool_calling_iterations: Optional[int]
     max_tool_response_tokens: int
+    environments: Optional[object] = None  # environments.Environments (environment_factory)
+    prompt_column: str = "prompt"
 
     def encode(self, messages: list[dict]) -> list[int]:
         """A prompt's ids: its messages rendered with the tools and the generation prompt."""
@@ -48,6 +50,13 @@ class Agent:
 
         trajectories = [Trajectory(prompt_ids=list(p), seed=hashed_seed(s, j))
                         for p, s in zip(prompts, seeds, strict=True) for j in range(n)]
+        handed = None
+        if self.environments is not None:  # each trajectory its own environment, reset with its row
+            handed = self.environments.hand_out([r for r in rows for _ in range(n)])
+            for t, h, row in zip(trajectories, handed, [r for r in rows for _ in range(n)], strict=True):
+                t.tools = h.tools
+                t.prompt_ids = self.chat.render(self._messages(row, h.observation), generation_prompt=True,
+                                                schemas=self.environments.schemas(h.name))
         loop = AgentLoop(engine, tokenizer, self.chat, self.runner, LoopOptions(
             max_completion_length=max_completion_length, max_tool_calling_iterations=self.max_tool_calling_iterations,
             max_tool_response_tokens=self.max_tool_response_tokens, sampling=sampling))
@@ -68,7 +77,16 @@ class Agent:
             kind=["trajectory"] * len(trajectories),
             stats=stats,
             messages=[t.messages for t in trajectories],
+            environments=[h.instance for h in handed] if handed is not None else None,
         )
+
+    def _messages(self, row: dict, observation: Optional[str]) -> list[dict]:
+        """A row's prompt as messages, what its environment's reset returned appended to the last one (TRL's)."""
+        prompt = row[self.prompt_column]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if observation:
+            messages[-1]["content"] = messages[-1]["content"] + observation
+        return messages
 
 
 def tool_metrics(stats: dict) -> dict:
@@ -85,16 +103,21 @@ def tool_metrics(stats: dict) -> dict:
             "tools/time_waiting": stats["tools/waiting_seconds"]}
 
 
-def build_agent(tools: Sequence[Callable], tokenizer, config) -> Agent:
+def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None) -> Agent:
     """The run's Agent: the tools checked, the chat template chosen and checked (it renders the tools and is
-    prefix-preserving; `config.chat_template_path` replaces the tokenizer's), before any work."""
+    prefix-preserving; `config.chat_template_path` replaces the tokenizer's), before any work. environments:
+    `environments.Environments` (environment_factory), built."""
     from .chat import ChatTemplate
     from .tools import ToolRunner
 
     checked = as_tools(list(tools))
-    if not checked:
-        raise ValueError("tools: rollout_mode='multi_turn' needs at least one tool (tools= or --tools)")
-    chat = ChatTemplate(tokenizer, checked, path=config.chat_template_path, kwargs=config.chat_template_kwargs)
+    shown = checked if environments is None else [Tool(s["function"]["name"], None, s, False)
+                                                  for s in next(iter(environments.schema_lists.values()))]
+    if not shown:
+        raise ValueError("tools: rollout_mode='multi_turn' needs at least one tool (tools=, --tools, or an environment "
+                         "with public methods)")
+    chat = ChatTemplate(tokenizer, shown, path=config.chat_template_path, kwargs=config.chat_template_kwargs)
     return Agent(tools=tuple(checked), chat=chat, runner=ToolRunner(checked, config.tool_timeout),
                  max_tool_calling_iterations=config.max_tool_calling_iterations,
-                 max_tool_response_tokens=config.max_tool_response_tokens)
+                 max_tool_response_tokens=config.max_tool_response_tokens, environments=environments,
+                 prompt_column=config.prompt_column)

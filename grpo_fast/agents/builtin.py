@@ -70,16 +70,18 @@ def calculator(expression: str) -> str:
 BUILTIN_TOOLS: dict[str, Callable] = {"calculator": calculator}
 
 
-def resolve_tool(entry: str) -> Callable:
-    """A `--tools` entry: a built-in name, or `module:function` (importable, e.g. a file on PYTHONPATH)."""
-    if entry in BUILTIN_TOOLS:
+def resolve_tool(entry: str, what: str = "tools") -> Callable:
+    """A `--tools` entry: a built-in name, or `module:function` (importable, e.g. a file on PYTHONPATH); `what`:
+    the option named in errors (`--environment_factory module:Class` resolves the same way, built-ins aside)."""
+    if what == "tools" and entry in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[entry]
     if ":" not in entry:
-        raise ValueError(f"tools: {entry!r} is neither a built-in tool {sorted(BUILTIN_TOOLS)} nor module:function")
+        known = f"neither a built-in tool {sorted(BUILTIN_TOOLS)} nor" if what == "tools" else "not"
+        raise ValueError(f"{what}: {entry!r} is {known} module:name")
     module, _, name = entry.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"tools: cannot load {entry!r} ({type(err).__name__}: {err}); expected a built-in name "
-                         f"{sorted(BUILTIN_TOOLS)} or module:function") from None
+        raise ValueError(f"{what}: cannot load {entry!r} ({type(err).__name__}: {err}); expected module:name"
+                         f"{f' or a built-in name {sorted(BUILTIN_TOOLS)}' if what == 'tools' else ''}") from None
     return fn

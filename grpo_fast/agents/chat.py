@@ -109,8 +109,11 @@ class ChatTemplate:
         self.source = source
         self.end_of_turn = tokenizer.eos_token_id
 
-    def render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, tokenize=True,
+    def render(self, messages: list[dict], *, generation_prompt: bool, schemas: Optional[list] = None) -> list[int]:
+        """Token ids of `messages` with the tools shown (`schemas`: a trajectory's own, an environment's; None: the
+        run's)."""
+        schemas = self.schemas if schemas is None else schemas
+        ids = self.tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=True,
                                                  add_generation_prompt=generation_prompt, return_dict=False,
                                                  **self.kwargs)
         return list(ids)

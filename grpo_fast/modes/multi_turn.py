@@ -19,8 +19,8 @@ class MultiTurn(RolloutMode):
         return (
             Combination("tools", None, lambda c: (
                 "at least one tool with rollout_mode='multi_turn' (its trajectories call tools): give --tools "
-                "calculator,module:function or GRPOTrainer(tools=[...])"),
-                lambda c: not c.tools, ""),
+                "calculator,module:function, --environment_factory module:Class, or GRPOTrainer(tools=[...])"),
+                lambda c: not c.tools and not c.environment_factory, ""),
         )
 
     def sequence_text(self, c, longest=False) -> str:

@@ -40,6 +40,7 @@ class Rollouts:
     # multi_turn (grpo_fast/agents): each completion as messages, the assistant turns and the tool results
     # (what conversational reward functions receive); None: the completion is one assistant message
     messages: Optional[list[list[dict]]] = None
+    environments: Optional[list] = None  # multi_turn with environment_factory: each completion's environment
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -57,6 +57,8 @@ def score(reward_funcs: Sequence[Callable], batch: Rollouts, prompt_column: str,
         completions = list(batch.completion_texts)
     columns = {key: [r.get(key) for r in batch.rows] for key in batch.rows[0] if key != prompt_column}
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=batch.completion_ids, **columns)
+    if batch.environments is not None:  # (TRL's: reward functions see each completion's environment)
+        kwargs["environments"] = list(batch.environments)
     calls = {}  # function index -> [(slice, kwargs)]: one call, or one per group
     for j, func in enumerate(reward_funcs):
         parts = [slice(s, s + group_size) for s in range(0, n, group_size)] if getattr(func, "takes_groups", False) else [slice(0, n)]

@@ -23,8 +23,14 @@ from ..rewards.registry import reward_name
 # ---- inputs ----------------------------------------------------------------------------------
 
 
-def check_reward_funcs(reward_funcs, config) -> list[Callable]:
+def check_reward_funcs(reward_funcs, config, extra: Sequence[Callable] = ()) -> list[Callable]:
+    """The reward functions checked, `extra` (environments' get_reward, weight 1 each) appended."""
     funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or [])
+    if config.reward_weights is not None and extra:
+        raise ValueError(f"GRPOConfig.reward_weights={config.reward_weights} with an environment's get_reward "
+                         f"({[reward_name(f) for f in extra]}, weight 1 each) is not supported yet: leave reward_weights "
+                         f"unset (every function weighs 1)")
+    funcs += list(extra)
     if not funcs:
         raise ValueError("reward_funcs: expected at least one reward function, got none")
     for i, f in enumerate(funcs):
@@ -45,12 +51,14 @@ def as_rows(dataset, prompt_column: str, name: str) -> list[dict]:
     return rows
 
 
-_TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+_TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "environments")
 
 
-def checked_inputs(config, reward_funcs, train_dataset, eval_dataset) -> tuple[list, list[dict], Optional[list], Optional[Callable]]:
-    """(reward functions, train rows, held-out rows or None, SGPO's partial-credit judge or None), each checked."""
-    reward_funcs = check_reward_funcs(reward_funcs, config)
+def checked_inputs(config, reward_funcs, train_dataset, eval_dataset, extra_rewards: Sequence[Callable] = ()
+                   ) -> tuple[list, list[dict], Optional[list], Optional[Callable]]:
+    """(reward functions, train rows, held-out rows or None, SGPO's partial-credit judge or None), each checked;
+    extra_rewards (the environments') appended to the reward functions."""
+    reward_funcs = check_reward_funcs(reward_funcs, config, extra_rewards)
     train_rows = as_rows(train_dataset, config.prompt_column, "train_dataset")
     eval_rows = None if eval_dataset is None else as_rows(eval_dataset, config.prompt_column, "eval_dataset")
     check_reward_columns(reward_funcs, train_rows, "train_dataset")
@@ -170,24 +178,30 @@ def encode(rows, tokenizer, config, agent=None) -> list[list[int]]:
     return ids
 
 
-def checked_tools(config, tools: Optional[Sequence] = None) -> Optional[list]:
-    """The run's tools checked (`GRPOTrainer(tools=...)`, else config.tools by name), before any work; None
-    where the rollout mode calls none."""
+def agent_parts(config, tools: Optional[Sequence] = None, environment_factory=None):
+    """(tools, environments) of a multi_turn run, checked and built before any work: the tools (`GRPOTrainer(tools=)`,
+    else config.tools by name), the environments (`environment_factory`, else config.environment_factory as
+    module:Class; each built once); None where the rollout mode calls no tools."""
     if not rollout_mode(config.rollout_mode).takes_agent:
         return None
     from ..agents import as_tools
     from ..agents.builtin import resolve_tool
+    from ..agents.environments import Environments
 
-    return as_tools(list(tools) if tools is not None else [resolve_tool(name) for name in config.tools or []])
+    checked = as_tools(list(tools) if tools is not None else [resolve_tool(name) for name in config.tools or []])
+    if environment_factory is None and config.environment_factory:
+        environment_factory = resolve_tool(config.environment_factory, what="environment_factory")
+    return checked, Environments(environment_factory, checked) if environment_factory is not None else None
 
 
-def build_agent(config, tools: Optional[list], tokenizer):
-    """The multi_turn run's Agent (its chat template checked against the tokenizer); None without tools."""
-    if tools is None:
+def build_agent(config, parts, tokenizer):
+    """The multi_turn run's Agent (its chat template checked against the tokenizer); None without one."""
+    if parts is None:
         return None
     from ..agents import build_agent as build
 
-    return build(tools, tokenizer, config)
+    tools, environments = parts
+    return build(tools, tokenizer, config, environments)
 
 
 # ---- policy, reference, engine --------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""Environments (TRL's `environment_factory`): one instance per trajectory, pooled and reused across batches.
+
+An environment is a class (or any callable returning an instance) with `reset(**row) -> str | None`: called
+with the trajectory's dataset row before its first turn; a returned string extends the prompt's last message.
+Every other public method is a tool of that trajectory (typed and documented like any tool); an optional
+`get_reward() -> float` becomes a reward function named after the class, appended after the user's with
+weight 1 (with no reward functions of the user's it is the first one, hence the verifier). Reward functions
+receive `environments=[...]`, one instance per completion. A dict `{name: factory}` picks each row's
+environment by its `environment` column.
+
+Environment code is user code: it is built once at start (so a class without `reset`, or with a method the
+model cannot be shown, is refused before any work); its tools run bounded like any tool.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, NamedTuple, Optional, Union
+
+from .tools import Tool, as_tool, as_tools
+
+RESERVED = ("reset", "get_reward")
+
+
+def environment_tools(instance) -> list[Tool]:
+    """The tools of an environment instance: its public methods but reset and get_reward, bound."""
+    names = [name for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+             if not name.startswith("_") and name not in RESERVED]
+    return [as_tool(getattr(instance, name)) for name in names]
+
+
+class Handed(NamedTuple):
+    """An environment handed to one trajectory: the instance (reset with its row), its tools by name, the pool's
+    name (None: a single factory) and what reset returned (a string extends the prompt)."""
+
+    instance: object
+    tools: dict
+    name: Optional[str]
+    observation: Optional[str]
+
+
+class Environments:
+    """The pools of a run's environments and the tools each shows (the run's own tools, then its methods)."""
+
+    def __init__(self, factory: Union[Callable, dict], tools: list[Tool]):
+        self.factories = dict(factory) if isinstance(factory, dict) else {None: factory}
+        self.keyed = isinstance(factory, dict)
+        self.standalone = list(tools)
+        self.pools: dict = {}
+        self.schema_lists: dict = {}  # name -> the JSON schemas its trajectories' template shows
+        self.reward_classes: list = []
+        for name, make in self.factories.items():
+            label = getattr(make, "__name__", repr(make))
+            if not callable(make):
+                raise TypeError(f"environment_factory: {label!r} is not callable (a class or a function returning an "
+                                f"environment)")
+            instance = make()
+            if not callable(getattr(instance, "reset", None)):
+                raise ValueError(f"environment_factory: {type(instance).__name__} has no reset() method; an environment "
+                                 f"needs reset(**row) -> str | None (called before each trajectory)")
+            self.pools[name] = [instance]
+            self.schema_lists[name] = [t.schema for t in as_tools([*self.standalone, *environment_tools(instance)])]
+            if callable(getattr(instance, "get_reward", None)) and type(instance) not in self.reward_classes:
+                self.reward_classes.append(type(instance))
+
+    def schemas(self, name) -> list[dict]:
+        return self.schema_lists[name]
+
+    def hand_out(self, rows: list[dict]) -> list[Handed]:
+        """One environment per row, each instance used once per call (more made as needed), reset with its row."""
+        out, used = [], {}
+        for row in rows:
+            name = row.get("environment") if self.keyed else None
+            if name not in self.factories:
+                raise ValueError(f"environment_factory: a row's environment {name!r} is not one of "
+                                 f"{sorted(map(str, self.factories))}")
+            pool, k = self.pools[name], used.get(name, 0)
+            if k == len(pool):
+                pool.append(self.factories[name]())
+            used[name] = k + 1
+            instance = pool[k]
+            observation = instance.reset(**({key: v for key, v in row.items() if key != "environment"} if self.keyed
+                                            else dict(row)))
+            tools = {t.name: t for t in [*self.standalone, *environment_tools(instance)]}
+            out.append(Handed(instance, tools, name, observation))
+        return out
+
+    def reward_functions(self) -> list[Callable]:
+        """One reward function per environment class with get_reward, named after it (TRL's)."""
+        funcs = []
+        for cls in self.reward_classes:
+            def reward(prompts=None, completions=None, environments=None, _cls=cls, **columns):
+                return [e.get_reward() if type(e) is _cls else None for e in environments]
+
+            reward.__name__ = cls.__name__
+            funcs.append(reward)
+        return funcs
