@@ -24,19 +24,14 @@ TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/malfor
 
 @dataclass(frozen=True)
 class Agent:
-    """The tools, the chat template and the tool runner of a multi-turn run, and its limits."""
+    """The chat template, the tool runner (the run's tools) and the environments of a multi-turn run, its limits."""
 
-    tools: tuple
     chat: object  # chat.ChatTemplate
     runner: object  # tools.ToolRunner
     max_tool_calling_iterations: Optional[int]
     max_tool_response_tokens: int
     environments: Optional[object] = None  # environments.Environments (environment_factory)
     prompt_column: str = "prompt"
-
-    def encode(self, messages: list[dict]) -> list[int]:
-        """A prompt's ids: its messages rendered with the tools and the generation prompt."""
-        return self.chat.render(messages, generation_prompt=True)
 
     def rollouts(self, engine, tokenizer, prompts: list[list[int]], rows: list[dict], seeds: Sequence[int], n: int,
                  *, sampling, max_completion_length: int):
@@ -50,10 +45,11 @@ class Agent:
 
         trajectories = [Trajectory(prompt_ids=list(p), seed=hashed_seed(s, j))
                         for p, s in zip(prompts, seeds, strict=True) for j in range(n)]
+        rows = [r for r in rows for _ in range(n)]  # (one per trajectory)
         handed = None
         if self.environments is not None:  # each trajectory its own environment, reset with its row
-            handed = self.environments.hand_out([r for r in rows for _ in range(n)])
-            for t, h, row in zip(trajectories, handed, [r for r in rows for _ in range(n)], strict=True):
+            handed = self.environments.hand_out(rows)
+            for t, h, row in zip(trajectories, handed, rows, strict=True):
                 t.tools = h.tools
                 t.prompt_ids = self.chat.render(self._messages(row, h.observation), generation_prompt=True,
                                                 schemas=self.environments.schemas(h.name))
@@ -72,7 +68,7 @@ class Agent:
             sampling_logp=[torch.tensor(t.logp, dtype=torch.float32) for t in trajectories],
             finish_reason=[t.finish_reason for t in trajectories],
             completion_texts=[tokenizer.decode(t.ids, skip_special_tokens=True) for t in trajectories],
-            rows=[r for r in rows for _ in range(n)],
+            rows=rows,
             loss_mask=[torch.tensor(t.mask, dtype=torch.bool) for t in trajectories],
             kind=["trajectory"] * len(trajectories),
             stats=stats,
@@ -117,7 +113,7 @@ def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None)
         raise ValueError("tools: rollout_mode='multi_turn' needs at least one tool (tools=, --tools, or an environment "
                          "with public methods)")
     chat = ChatTemplate(tokenizer, shown, path=config.chat_template_path, kwargs=config.chat_template_kwargs)
-    return Agent(tools=tuple(checked), chat=chat, runner=ToolRunner(checked, config.tool_timeout),
+    return Agent(chat=chat, runner=ToolRunner(checked, config.tool_timeout),
                  max_tool_calling_iterations=config.max_tool_calling_iterations,
                  max_tool_response_tokens=config.max_tool_response_tokens, environments=environments,
                  prompt_column=config.prompt_column)

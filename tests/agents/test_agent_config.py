@@ -34,3 +34,17 @@ def test_command_line_takes_tools_and_template_kwargs():
     assert config.chat_template_kwargs == {"enable_thinking": False} and config.max_tool_calling_iterations == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--chat_template_kwargs", "[1, 2]"])
+
+
+def test_environment_factory_by_name_from_the_command_line():
+    from grpo_fast.train import setup
+
+    args = build_parser().parse_args(["train", "--environment_factory", "tests.agents.test_environments:Counter"])
+    config = config_from_args(args)
+    assert config.rollout_mode == "multi_turn"
+    tools, environments = setup.agent_parts(config)
+    assert tools == [] and [f.__name__ for f in environments.reward_functions()] == ["Counter"]
+    assert sorted(s["function"]["name"] for s in environments.schemas(None)) == ["add", "mul"]
+    bad = config_from_args(build_parser().parse_args(["train", "--environment_factory", "tests.agents.nope:Env"]))
+    with pytest.raises(ValueError, match="environment_factory: cannot load 'tests.agents.nope:Env'"):
+        setup.agent_parts(bad)

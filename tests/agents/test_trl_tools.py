@@ -55,3 +55,29 @@ def test_fast_trainer_with_tools_makes_stock_trl_updates(tool_model_dir, tmp_pat
     for name, p_stock in stock.model.named_parameters():
         p_fast = dict(fast.model.named_parameters())[name]
         assert_close(p_fast, p_stock, atol=1e-5, rtol=1e-5, name=f"weight {name}")
+
+
+def test_stock_trl_builds_with_the_shipped_tokenizer(tmp_path):
+    """SmolLM2's tokenizer with grpo_fast's tool template and response parser (saved, then loaded as a user would):
+    stock TRL keeps the template (prefix-preserving), uses the parser, and renders the tools."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from grpo_fast.agents.builtin import calculator
+    from grpo_fast.agents.chat import TOOL_CHAT_TEMPLATE, ChatTemplate
+    from grpo_fast.agents.tools import as_tools
+    from grpo_fast.models.loading import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    ChatTemplate(tokenizer, as_tools([calculator]))
+    tokenizer.save_pretrained(tmp_path / "tok")
+    shipped = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert shipped.chat_template == TOOL_CHAT_TEMPLATE and shipped.response_template is not None
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 2 + 3?"}]] * 4})
+    args = grpo_config(tmp_path / "run", max_steps=1, per_device_train_batch_size=4, num_generations=4)
+    trainer = GRPOTrainer(model=default_model_path(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=data, processing_class=shipped, tools=[calculator])
+    assert trainer.chat_template is None  # TRL found it prefix-preserving: kept, not replaced by its training template
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call><|im_end|>'
+    parsed = trainer.processing_class.parse_response(text, prefix="<|im_start|>assistant\n")
+    assert parsed["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "2 + 3"}}
