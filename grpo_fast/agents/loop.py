@@ -29,8 +29,7 @@ from ..rollout.base import Continuation, SamplingOptions, hashed_seed
 from .chat import ChatTemplate
 from .tools import Calls, ToolRunner
 
-MALFORMED = ('error: the tool call could not be parsed; write <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
-             'with valid JSON')
+MALFORMED = "error: the tool call is not valid JSON"  # (short: it counts against max_completion_length)
 
 
 @dataclass

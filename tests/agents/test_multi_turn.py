@@ -27,11 +27,11 @@ from tests.trainer.test_step import CaptureGrads
 TOOL_NAMES = ["tests.agents.tool_model:add", "tests.agents.tool_model:mul"]
 
 
-def right_answer(prompts, completions, answer, **columns):
+def right_answer(prompts, completions, completion_ids, answer, **columns):
     """1 when the last assistant message is the number the script asks for, plus a little per message (groups
     whose answers all agree still differ, so every step has a gradient)."""
-    return [float(c[-1]["role"] == "assistant" and c[-1]["content"].strip() == a) + 0.05 * len(c)
-            for c, a in zip(completions, answer, strict=True)]
+    return [float(c[-1]["role"] == "assistant" and c[-1]["content"].strip() == a) + 0.05 * len(c) + 0.001 * len(ids)
+            for c, a, ids in zip(completions, answer, completion_ids, strict=True)]
 
 
 def _config(tmp_path, model_dir, **overrides):
@@ -177,8 +177,8 @@ def test_hf_engine_trains_with_tools(tmp_path, tool_model_dir):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["tools/call_frequency"] > 0 and r["tools/turns_mean"] > 1
-        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
-        assert r["completions/mean_length"] < 200
+        assert math.isfinite(r["loss"]) and r["completions/mean_length"] < 200
+    assert any(r["grad_norm"] > 0 for r in steps), "no step had a gradient"
 
 
 def _metrics(trainer) -> list[dict]:
@@ -228,64 +228,62 @@ def test_vllm_slow_tool_does_not_stall_the_others(vllm_trainer):
     assert loop.waiting_seconds < 3, f"the loop waited {loop.waiting_seconds:.1f} s with work to decode"
 
 
-@vllm_only
-def test_vllm_hanging_tool_times_out_and_the_run_ends(vllm_trainer):
+def _first_call_only(behaviour):
+    """The script's add, but its first call of the run does `behaviour()` instead (hang, raise, answer at length);
+    the other trajectories go on, so the run still has trajectories of 3 turns."""
+    lock, calls = threading.Lock(), []
+
     def add(a: int, b: int) -> str:
-        """Never return (in practice).
+        """Add two numbers.
 
         Args:
             a: The first number.
             b: The second number.
         """
+        with lock:
+            calls.append(time.monotonic())
+            first = len(calls) == 1
+        return behaviour() if first else f"{int(a) + int(b)} (now mul)"
+
+    return add
+
+
+@vllm_only
+def test_vllm_hanging_tool_times_out_and_the_run_ends(vllm_trainer):
+    def hang():
         time.sleep(600)
         return "late"
 
     start = time.monotonic()
-    trajectories, _ = _run(vllm_trainer, [add, mul], timeout=1.0, iterations=2)
+    trajectories, _ = _run(vllm_trainer, [_first_call_only(hang), mul], timeout=1.0)
     assert time.monotonic() - start < 60, "a tool sleeping 600 s held the run"
     _assert_tools_ran(trajectories)
-    results = [m for t in trajectories for m in t.messages if m["role"] == "tool" and m["name"] == "add"]
-    assert results and all("did not return within tool_timeout=1 s" in m["content"] for m in results)
-    assert sum(t.failures for t in trajectories) >= len(results)  # (besides: results rolled back, mul's bad arguments)
+    timed_out = [m for t in trajectories for m in t.messages if m["role"] == "tool"
+                 and m["content"] == "error: tool 'add' did not return within tool_timeout=1 s"]
+    assert len(timed_out) == 1 and sum(t.failures for t in trajectories) >= 1
 
 
 @vllm_only
 def test_vllm_raising_tool_and_an_oversized_result_are_counted(vllm_trainer):
-    def add(a: int, b: int) -> str:
-        """Raise.
-
-        Args:
-            a: The first number.
-            b: The second number.
-        """
+    def boom():
         raise RuntimeError("add is broken")
 
-    trajectories, _ = _run(vllm_trainer, [add, mul], iterations=2)
+    trajectories, _ = _run(vllm_trainer, [_first_call_only(boom), mul])
     _assert_tools_ran(trajectories)
     assert sum(t.failures for t in trajectories) >= 1
     assert any("add is broken" in m["content"] for t in trajectories for m in t.messages if m["role"] == "tool")
 
-    def big(a: int, b: int) -> str:
-        """Answer at length.
-
-        Args:
-            a: The first number.
-            b: The second number.
-        """
-        return "9" * 500 + " (now mul)"
-
-    big.__name__ = "add"
-    trajectories, _ = _run(vllm_trainer, [big, mul], iterations=2, response_tokens=8)
+    trajectories, _ = _run(vllm_trainer, [_first_call_only(lambda: "9" * 500 + " (now mul)"), mul], response_tokens=16)
     _assert_tools_ran(trajectories)
-    assert sum(t.truncated for t in trajectories) >= 1
+    assert sum(t.truncated for t in trajectories) == 1
     _assert_bookkeeping(trajectories, 200)
 
 
 @vllm_only
 def test_vllm_malformed_calls_are_answered_and_the_trajectory_goes_on(vllm_trainer):
-    """The tiny model now and then writes call markup that does not parse (more so at temperature 1.5): each is
+    """The tiny model now and then writes call markup that does not parse (more so at temperature 1.2): each is
     answered with an error result, counted, and its trajectory continues with another turn."""
-    trajectories, _ = _run(vllm_trainer, n=16, temperature=1.5)
+    trajectories, _ = _run(vllm_trainer, n=16, temperature=1.2)
     _assert_tools_ran(trajectories)
     assert sum(t.malformed for t in trajectories) >= 1
     answered = [t for t in trajectories if any(m["role"] == "tool" and m["name"] == "invalid_call" for m in t.messages)]
@@ -302,5 +300,6 @@ def test_vllm_engine_trains_with_tools(vllm_trainer):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["tools/call_frequency"] > 0 and r["tools/turns_mean"] > 1 and r["tools/time_waiting"] >= 0
-        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert math.isfinite(r["loss"])
         assert r["sampling/logp_diff_max"] < 1e-3, "the engine's log-probs of the model's tokens are the policy's"
+    assert any(r["grad_norm"] > 0 for r in steps), "no step had a gradient"
