@@ -99,6 +99,9 @@ def test_environment_tools_reset_pool_and_reward(tmp_path, tool_model_dir):
     assert [e.row["answer"] for e in batch.environments] == [r["answer"] for r in rows for _ in range(4)]
     assert len({id(e) for e in batch.environments}) == 8
     assert batch.stats["tools/calls"] >= 1 and sum(e.calls for e in batch.environments) == batch.stats["tools/calls"]
+    # completions/mean_length counts the model's tokens: the loss mask's, not the tool results'
+    assert batch.model_lengths().tolist() == [float(m.sum()) for m in batch.loss_mask]
+    assert (batch.model_lengths() < batch.completion_lengths()).any()
     agent.rollouts(trainer.engine, tok, trainer.train_prompt_ids[:2], rows, [3, 4], 4, sampling=SamplingOptions(),
                    max_completion_length=200)
     assert Counter.made - before <= 8, "instances are pooled and reused across calls"
