@@ -11,6 +11,9 @@ Cases, each `--steps` optimizer steps:
   fsdp2      --dtype weights under torchrun with one rank and distributed_strategy=fsdp2 (NCCL on CUDA)
   lora       --dtype weights, a LoRA adapter (use_peft, r 8, all-linear; the reference: the adapter disabled)
   qlora      the same on a 4-bit base (load_in_4bit: bitsandbytes on CUDA; skipped, and said so, elsewhere)
+  multi_turn agents: the tiny model made to call tools (tests/agents/tool_model.py), its add / mul tools over
+             several turns with the HF engine on the device, tool tokens masked (tools/call_frequency, turns)
+  reward_model  a tiny sequence-classification reward model (its scores the reward), placed on the device
 Each reports whether the steps ran with finite losses, and the peak memory of each step (CUDA's
 allocator; None on a CPU); the LoRA cases also whether every base tensor is bitwise unchanged. packed_vs_padded: the trainer's packed log-probs (its own attention path:
 varlen flash-attn if installed, else per-sequence SDPA) against a right-padded forward with
@@ -37,6 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # a plain checkout, not installed
 
 
+def _steps(trainer, output_dir: str, steps: int, **extra) -> dict:
+    """What every case reports of its logged steps: how many, finite, loss and grad-norm per step."""
+    logged = [json.loads(x) for x in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    logged = [x for x in logged if "loss" in x]
+    return dict(steps=trainer.state.step, strategy=trainer.parallel.strategy, **extra,
+                finite=len(logged) == steps and all(math.isfinite(x["loss"]) for x in logged),
+                loss=[x["loss"] for x in logged], grad_norm=[x["grad_norm"] for x in logged], logged=logged)
+
+
 def train_case(model_dir: str, device: str, dtype: str, steps: int, **overrides) -> dict:
     """A few GRPO steps in this process; per step: loss, kl, grad_norm and the peak memory."""
     from grpo_fast.trainer import GRPOTrainer
@@ -60,17 +72,57 @@ def train_case(model_dir: str, device: str, dtype: str, steps: int, **overrides)
         lora = c.use_peft
         base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad} if lora else {}
         trainer.train()
-        lines = [json.loads(x) for x in (Path(c.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    logged = [x for x in lines if "loss" in x]
-    extra = {}
-    if lora:  # only the adapter trains: every frozen (base) tensor bitwise as loaded
-        now = dict(trainer.model.named_parameters())
-        extra = dict(base_unchanged=all(torch.equal(now[n], t) for n, t in base.items()),
-                     trainable=sum(p.numel() for p in now.values() if p.requires_grad))
-    return dict(steps=trainer.state.step, strategy=trainer.parallel.strategy, **extra,
-                finite=len(logged) == steps and all(math.isfinite(x["loss"]) for x in logged),
-                loss=[x["loss"] for x in logged], kl=[x.get("kl") for x in logged],
-                grad_norm=[x["grad_norm"] for x in logged], peak_mib=peaks)
+        extra = {}
+        if lora:  # only the adapter trains: every frozen (base) tensor bitwise as loaded
+            now = dict(trainer.model.named_parameters())
+            extra = dict(base_unchanged=all(torch.equal(now[n], t) for n, t in base.items()),
+                         trainable=sum(p.numel() for p in now.values() if p.requires_grad))
+        out = _steps(trainer, c.output_dir, steps, **extra)
+    return dict(out, kl=[x.get("kl") for x in out.pop("logged")], peak_mib=peaks)
+
+
+def multi_turn_case(device: str, dtype: str, steps: int) -> dict:
+    """GRPO steps of the tiny tool-calling model with its tools (rollout_mode multi_turn, HF engine)."""
+    from grpo_fast.config import GRPOConfig
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.agents.test_multi_turn import TOOL_NAMES, right_answer
+    from tests.agents.tool_model import build_tool_model, tool_prompts
+
+    with tempfile.TemporaryDirectory() as out:
+        model_dir = build_tool_model(Path(out) / "model")
+        c = GRPOConfig(model=model_dir, tools=TOOL_NAMES, reward_funcs=["right_answer"], num_generations=4, dtype=dtype,
+                       per_device_train_batch_size=8, max_prompt_length=64, max_completion_length=200, max_steps=steps,
+                       learning_rate=1e-4, engine="hf", output_dir=str(Path(out) / "run"), disable_tqdm=True,
+                       eval_steps=0, eval_before_train=False, save_final=False)
+        trainer = GRPOTrainer(c, [right_answer], tool_prompts(24))
+        trainer.train()
+        out = _steps(trainer, c.output_dir, steps, on_device=str(next(trainer.model.parameters()).device))
+    logged = out.pop("logged")
+    return dict(out, tool_calls=[x["tools/call_frequency"] for x in logged], turns=[x["tools/turns_mean"] for x in logged])
+
+
+def reward_model_case(model_dir: str, device: str, dtype: str, steps: int) -> dict:
+    """GRPO steps rewarded by a tiny reward model (a sequence-classification folder in reward_funcs)."""
+    from transformers import LlamaForSequenceClassification
+
+    from grpo_fast.rewards import get_reward_funcs
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.tiny_model import build_tiny_tokenizer, tiny_llama_config
+    from tests.trainer.common import config, rows
+
+    with tempfile.TemporaryDirectory() as out:
+        folder = Path(out) / "tiny-rm"
+        torch.manual_seed(0)
+        LlamaForSequenceClassification(tiny_llama_config(num_labels=1)).float().save_pretrained(folder)
+        build_tiny_tokenizer().save_pretrained(folder)
+        (rm,) = get_reward_funcs([str(folder)])
+        c = config(Path(out), model=model_dir, dtype=dtype, max_steps=steps, per_device_train_batch_size=8,
+                   max_completion_length=16, learning_rate=1e-3, eval_before_train=False, eval_steps=0, save_final=False,
+                   reward_funcs=["tiny-rm"])
+        trainer = GRPOTrainer(c, [rm], rows())
+        trainer.train()
+        out = _steps(trainer, c.output_dir, steps, reward_model_device=str(rm.model.device))
+    return dict(out, reward=[x["reward"] for x in out.pop("logged")])
 
 
 def fsdp2_case(model_dir: str, device: str, dtype: str, steps: int) -> dict:
@@ -121,6 +173,15 @@ def markdown(report: dict) -> str:
             continue
         finite = f"{r['finite']}" + ("" if "base_unchanged" not in r else f" (base unchanged: {r['base_unchanged']})")
         lines.append(f"| {name} | {r.get('strategy', '-')} | {r.get('steps', 0)} | {finite} | {loss} | {peak} |")
+    if "tool_calls" in report["cases"].get("multi_turn", {}):
+        r = report["cases"]["multi_turn"]
+        lines += ["", f"multi_turn (model on {r['on_device']}): tools/call_frequency per step "
+                      f"{', '.join(f'{x:.2f}' for x in r['tool_calls'])}; tools/turns_mean "
+                      f"{', '.join(f'{x:.2f}' for x in r['turns'])}"]
+    if "reward" in report["cases"].get("reward_model", {}):
+        r = report["cases"]["reward_model"]
+        lines += ["", f"reward_model (on {r['reward_model_device']}): reward per step "
+                      f"{', '.join(f'{x:.4g}' for x in r['reward'])}"]
     p = report["packed_vs_padded"]
     lines += ["", f"Packed vs padded log-probs (max |diff| against a float32 padded reference, scale {p['scale']:.3g}): "
               f"packed float32 {p['packed_float32']:.2e}, packed bf16 {p['packed_bfloat16']:.2e} (padded bf16 "
@@ -162,6 +223,12 @@ def main() -> int:
                 cases["qlora"] = dict(finite=False, error=f"{type(err).__name__}: {err}"[-3000:])
         else:
             cases["qlora"] = dict(skipped="needs bitsandbytes on a CUDA GPU", finite=True)
+        for name, case in (("multi_turn", lambda: multi_turn_case(args.device, dtype, args.steps)),
+                           ("reward_model", lambda: reward_model_case(model_dir, args.device, dtype, args.steps))):
+            try:  # (reported, not raised: the other cases' figures still come back)
+                cases[name] = case()
+            except Exception as err:
+                cases[name] = dict(finite=False, error=f"{type(err).__name__}: {err}"[-3000:])
         report = dict(device=args.device, dtype=dtype, command=" ".join(["python", *sys.argv]), cases=cases,
                       packed_vs_padded=packed_vs_padded(model_dir, args.device))
     out = Path(args.out)
@@ -171,6 +238,7 @@ def main() -> int:
     print(markdown(report))
     ok = all(r["finite"] and r.get("steps") == args.steps and r.get("base_unchanged", True)
              for r in cases.values() if "skipped" not in r) and report["packed_vs_padded"]["ok"]
+    ok = ok and any(x > 0 for x in cases["multi_turn"].get("tool_calls", []))  # (the tools ran)
     return 0 if ok else 1
 
 

@@ -9,7 +9,8 @@
 #   2. benchmarks/check_gpu.py --sweep              -> check_gpu.{json,md}  (matmul peak, fused vs floor)
 #   3. benchmarks/check_trainer_gpu.py              -> check_trainer.json (GRPOTrainer on CUDA: LoRA and
 #      QLoRA (bitsandbytes, when carried: only the adapter changes), bf16
-#      weights, bf16 autocast, FSDP2 on one rank over NCCL; packed = padded log-probs; peak memory)
+#      weights, bf16 autocast, FSDP2 on one rank over NCCL, multi-turn tool rollouts with the HF engine,
+#      a reward model on the device; packed = padded log-probs; peak memory)
 #   4. benchmarks/bench_loss.py --device cuda       -> bench_loss.*  (plain PyTorch / Liger / grpo_fast)
 # plus suite.log (all output, the pytest logs included) and summary.md (with check_trainer's table).
 # Each stage runs alone too: GPU_SUITE_STAGES="trainer check-gpu" bash benchmarks/gpu_suite.sh OUTDIR

@@ -60,12 +60,7 @@ class GRPOTrainer:
                  peft_config=None, tools: Optional[Sequence[Callable]] = None, environment_factory=None):
         from .models import lora
 
-        if tools:  # TRL's way to give tools: functions; the config names them (and so switches on multi_turn)
-            config = dataclasses.replace(config, tools=[getattr(f, "__name__", repr(f)) for f in tools])
-        if environment_factory is not None:  # (a class, or {name: class} chosen by the rows' `environment` column)
-            named = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
-            config = dataclasses.replace(config, environment_factory=",".join(
-                f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', repr(f))}" for f in named))
+        config = setup.config_with_agents(config, tools, environment_factory)  # (tools switch on multi_turn)
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
             config = lora.config_with(config, peft_config)
         elif model is not None and lora.is_lora(model):  # a PEFT model passed in (TRL takes one too): trained as it is

@@ -4,6 +4,7 @@ judge and thought end, precisions; the records the stages read (`Policy`, `Optio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import inspect
 import math
@@ -176,6 +177,18 @@ def encode(rows, tokenizer, config, agent=None) -> list[list[int]]:
                                tools=agent.chat.schemas if agent is not None else None,
                                chat_template_kwargs=config.chat_template_kwargs)
     return ids
+
+
+def config_with_agents(config, tools: Optional[Sequence] = None, environment_factory=None):
+    """TRL's way to give tools and environments (`GRPOTrainer(tools=, environment_factory=)`): the config names
+    them, which switches on rollout_mode multi_turn (an environment dict: each class, comma-separated)."""
+    if tools:
+        config = dataclasses.replace(config, tools=[getattr(f, "__name__", repr(f)) for f in tools])
+    if environment_factory is not None:
+        named = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+        config = dataclasses.replace(config, environment_factory=",".join(
+            f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', repr(f))}" for f in named))
+    return config
 
 
 def agent_parts(config, tools: Optional[Sequence] = None, environment_factory=None):
