@@ -132,8 +132,10 @@ class AgentLoop:
 
     # ---- drivers -------------------------------------------------------------------------------
 
-    def run(self, trajectories: list[Trajectory]) -> list[Trajectory]:
-        if getattr(self.engine, "runs_partial_rollouts", False):
+    def run(self, trajectories: list[Trajectory], lockstep: bool = False) -> list[Trajectory]:
+        """Run the trajectories to their ends. lockstep: turns in lock-step even on an engine with a request loop
+        (benchmarks/bench_agents.py compares the two)."""
+        if getattr(self.engine, "runs_partial_rollouts", False) and not lockstep:
             self._run_streaming(trajectories)
         else:
             self._run_lockstep(trajectories)
