@@ -5,8 +5,8 @@ results as one completion. Its tokens carry a mask (1: sampled by the model; 0: 
 template's tokens between turns) and a sampling log-prob (NaN where the mask is 0), so the loss, the
 IS ratios and the mismatch metrics see the model's tokens only.
 
-A turn ends the trajectory when it has no call, ends by length, or is the `max_tool_calling_iterations`-th
-with calls; a tool result that would overflow `max_completion_length` (every completion token counts,
+A turn ends the trajectory when it has no call, ends by length, or calls again after
+`max_tool_calling_iterations` rounds of results (its calls do not run); a tool result that would overflow `max_completion_length` (every completion token counts,
 tool results too) or the engine's `max_model_len` ends it before the result is appended (TRL's roll-back).
 A turn whose call markup does not parse is answered with an error result (`malformed`).
 

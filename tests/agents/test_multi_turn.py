@@ -3,6 +3,7 @@ test asserts calls and a trajectory of >= 3 turns where it samples freely), tool
 and the IS metrics, the vLLM engine never waiting for a tool, bad tools costing one counted failure each, and
 a few training steps with each engine."""
 
+import dataclasses
 import json
 import math
 import os
@@ -51,19 +52,13 @@ def _trainer(tmp_path, model_dir, **overrides):
 def _run(trainer, tools=None, n=8, *, temperature=1.0, max_completion_length=200, iterations=None, timeout=30.0,
          response_tokens=256) -> tuple[list[Trajectory], AgentLoop]:
     """n trajectories of the run's first prompts through the loop, with `tools` (default: the script's)."""
-    c = dataclasses_replace(trainer.config, tool_timeout=timeout)
+    c = dataclasses.replace(trainer.config, tool_timeout=timeout)
     agent = build_agent(tools or TOOLS, trainer.tokenizer, c)
     loop = AgentLoop(trainer.engine, trainer.tokenizer, agent.chat, agent.runner, LoopOptions(
         max_completion_length=max_completion_length, max_tool_calling_iterations=iterations,
         max_tool_response_tokens=response_tokens, sampling=SamplingOptions(temperature=temperature)))
     trajectories = [Trajectory(prompt_ids=list(trainer.train_prompt_ids[i % 4]), seed=hashed_seed(7, i)) for i in range(n)]
     return loop.run(trajectories), loop
-
-
-def dataclasses_replace(config, **changes):
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
 
 
 def _assert_tools_ran(trajectories):
