@@ -40,11 +40,6 @@ def _slot_processes() -> list[int]:
     return pids
 
 
-def _available_mb() -> float:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 1024
-
-
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     yield
@@ -115,7 +110,6 @@ def test_cpu_wall_and_memory_limits(box):
 
 def test_the_process_limit_holds_before_any_fork_bomb(box, process_limit_in_force):
     """A pre-flight check first: forks that sleep, counted, cannot pass the limit. Only then the bomb."""
-    before_mb = _available_mb()
     check = box.run("import os, time\nn = 0\ntry:\n    for _ in range(40):\n        if os.fork() == 0:\n"
                     "            time.sleep(3); os._exit(0)\n        n += 1\nfinally:\n    print(n)")
     assert check.reason == "process_limit" and 0 < int(check.stdout) <= LIMITS.max_processes, check
@@ -123,12 +117,12 @@ def test_the_process_limit_holds_before_any_fork_bomb(box, process_limit_in_forc
                    "except OSError:\n    print(n, flush=True)\n    while True: pass")
     assert bomb.reason in ("process_limit", "cpu_time", "timeout"), bomb
     assert all(int(n) <= LIMITS.max_processes for n in bomb.stdout.split()), bomb.stdout
-    # every process the bomb could make runs as a slot uid: none is left (the host's count is back where it
-    # was, whatever else the machine runs meanwhile), and the host's free memory did not go with it
+    # every process the bomb could make runs as a slot uid: none is left, so nothing of it holds memory (the host's
+    # free memory is no measure of that here: the other test worker's engines move it by gigabytes meanwhile)
     deadline = time.monotonic() + 5
     while _slot_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _slot_processes() == [] and _available_mb() > before_mb - 256
+    assert _slot_processes() == []
 
 
 def test_output_and_file_limits(box):
