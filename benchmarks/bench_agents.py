@@ -16,6 +16,7 @@ seconds the loop waited with nothing to decode (`tools/time_waiting`), tokens pe
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -31,33 +32,18 @@ LOOPS = ("streaming", "lockstep")
 
 
 def slow_tools(latency: float, tail: bool):
-    """The script's add and mul, each call sleeping its latency first."""
+    """The script's add and mul, each call sleeping its latency first (functools.wraps keeps the schema)."""
     from tests.agents import tool_model
 
-    def delay(a, b) -> float:
-        return latency * (8 if tail and (int(a) * 31 + int(b)) % 8 == 0 else 1)
+    def slow(tool):
+        @functools.wraps(tool)
+        def call(a: int, b: int) -> str:
+            time.sleep(latency * (8 if tail and (int(a) * 31 + int(b)) % 8 == 0 else 1))
+            return tool(a, b)
 
-    def add(a: int, b: int) -> str:
-        """Add two numbers.
+        return call
 
-        Args:
-            a: The first number.
-            b: The second number.
-        """
-        time.sleep(delay(a, b))
-        return tool_model.add(a, b)
-
-    def mul(a: int, b: int) -> str:
-        """Multiply two numbers.
-
-        Args:
-            a: The first number.
-            b: The second number.
-        """
-        time.sleep(delay(a, b))
-        return tool_model.mul(a, b)
-
-    return [add, mul]
+    return [slow(tool_model.add), slow(tool_model.mul)]
 
 
 def measure(args) -> list[dict]:

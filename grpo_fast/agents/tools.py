@@ -80,7 +80,6 @@ class Result:
     content: str
     failed: bool = False  # raised, unknown tool, bad arguments, or timed out
     timed_out: bool = False
-    seconds: float = 0.0
 
 
 @dataclass
@@ -89,8 +88,6 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: Optional[BaseException] = None
-    started: float = 0.0
-    finished: float = 0.0
     future: Any = None  # an async call's, cancelled when abandoned
 
 
@@ -125,12 +122,11 @@ class Calls:
                 if c.future is not None:
                     c.future.cancel()  # (a sync call's thread cannot be stopped: it is a daemon, left to finish)
                 out.append(Result(c.name, f"error: tool {c.name!r} did not return within tool_timeout={timeout:g} s",
-                                  failed=True, timed_out=True, seconds=timeout))
+                                  failed=True, timed_out=True))
             elif c.error is not None:
-                out.append(Result(c.name, f"error: {type(c.error).__name__}: {c.error}", failed=True,
-                                  seconds=c.finished - c.started))
+                out.append(Result(c.name, f"error: {type(c.error).__name__}: {c.error}", failed=True))
             else:
-                out.append(Result(c.name, _content(c.result), seconds=c.finished - c.started))
+                out.append(Result(c.name, _content(c.result)))
         return out
 
 
@@ -169,10 +165,10 @@ class ToolRunner:
         return Calls(running, time.monotonic() + self.timeout, immediate)
 
     def _launch(self, tool: Tool, args: dict) -> _Call:
-        c = _Call(tool.name, started=time.monotonic())
+        c = _Call(tool.name)
 
         def finish(result=None, error=None):
-            c.result, c.error, c.finished = result, error, time.monotonic()
+            c.result, c.error = result, error
             c.done.set()
 
         if tool.is_async:

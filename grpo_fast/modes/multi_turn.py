@@ -5,13 +5,21 @@ advantages as GRPO's parallel groups, of the outcome's rewards."""
 
 from __future__ import annotations
 
-from . import RolloutMode, register
+from . import register
+from .parallel import Parallel
 
 
-class MultiTurn(RolloutMode):
+class MultiTurn(Parallel):
+    """Parallel groups (their advantages) whose members are trajectories; what parallel groups support beyond
+    that (partial rollouts, many ranks, streamed scoring, the options that shape their advantages) not yet."""
+
     name = "multi_turn"
     summary = "agents: num_generations trajectories per prompt, the model calling tools over several turns"
     takes_agent = True
+    supports_partial_rollouts = False
+    shapes_parallel_groups = False
+    runs_on_many_ranks = False
+    streams_groups = False
 
     def checks(self) -> tuple:
         from ..config_checks import Combination
@@ -26,19 +34,12 @@ class MultiTurn(RolloutMode):
     def sequence_text(self, c, longest=False) -> str:
         return "max_completion_length (every completion token: the model's turns and the tool results)"
 
-    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, agent=None):
+    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, on_group=None, agent=None):
         from ..rollout.base import prompt_seeds
 
         assert agent is not None, "rollout_mode='multi_turn' samples with the run's Agent (GRPOTrainer builds it)"
         return agent.rollouts(engine, tokenizer, prompts, rows, prompt_seeds(seed(), len(prompts), first),
                               c.num_generations, sampling=sampling, max_completion_length=c.max_completion_length)
-
-    def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
-        from ..distributed import ONE_PROCESS
-        from ..train.advantages import group_advantages
-
-        return group_advantages(batch, c, judge, prompt_column=prompt_column, conversational=conversational,
-                                world=world or ONE_PROCESS)
 
 
 register(MultiTurn())

@@ -22,6 +22,7 @@ from grpo_fast.train.batch import Rollouts
 from grpo_fast.train.logprobs import sampling_stats
 from grpo_fast.train.step import LossOptions, train_step
 from grpo_fast.trainer import GRPOTrainer
+from tests.agents import tool_model
 from tests.agents.tool_model import TOOLS, mul, tool_prompts
 from tests.trainer.test_step import CaptureGrads
 
@@ -194,38 +195,9 @@ def vllm_trainer(tool_model_dir, tmp_path_factory):
                     vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate")
 
 
-@vllm_only
-def test_vllm_slow_tool_does_not_stall_the_others(vllm_trainer):
-    lock, slept = threading.Lock(), []
-
-    def add(a: int, b: int) -> str:
-        """Add two numbers (the first call of the run sleeps 3 s).
-
-        Args:
-            a: The first number.
-            b: The second number.
-        """
-        with lock:
-            first = not slept
-            slept.append(time.monotonic())
-        if first:
-            time.sleep(3)
-        return f"{int(a) + int(b)} (now mul)"
-
-    trajectories, loop = _run(vllm_trainer, [add, mul])
-    _assert_tools_ran(trajectories)
-    _assert_bookkeeping(trajectories, 200)
-    # the sleeper: the trajectory whose second turn came >= 3 s after its first
-    sleeper = next(t for t in trajectories if len(t.turn_ends) >= 2 and t.turn_ends[1] - t.turn_ends[0] >= 3)
-    start, end = sleeper.turn_ends[0], sleeper.turn_ends[0] + 3
-    meanwhile = [e for t in trajectories if t is not sleeper for e in t.turn_ends if start < e < end]
-    assert meanwhile, "no other trajectory finished a turn while one tool slept: the engine waited for it"
-    assert loop.waiting_seconds < 3, f"the loop waited {loop.waiting_seconds:.1f} s with work to decode"
-
-
 def _first_call_only(behaviour):
-    """The script's add, but its first call of the run does `behaviour()` instead (hang, raise, answer at length);
-    the other trajectories go on, so the run still has trajectories of 3 turns."""
+    """The script's add, but its first call of the run returns `behaviour(a, b)` instead (sleep first, hang, raise,
+    answer at length); the other trajectories go on, so the run still has trajectories of 3 turns."""
     lock, calls = threading.Lock(), []
 
     def add(a: int, b: int) -> str:
@@ -238,14 +210,31 @@ def _first_call_only(behaviour):
         with lock:
             calls.append(time.monotonic())
             first = len(calls) == 1
-        return behaviour() if first else f"{int(a) + int(b)} (now mul)"
+        return behaviour(a, b) if first else tool_model.add(a, b)
 
     return add
 
 
 @vllm_only
+def test_vllm_slow_tool_does_not_stall_the_others(vllm_trainer):
+    def sleep_then_add(a, b):
+        time.sleep(3)
+        return tool_model.add(a, b)
+
+    trajectories, loop = _run(vllm_trainer, [_first_call_only(sleep_then_add), mul])
+    _assert_tools_ran(trajectories)
+    _assert_bookkeeping(trajectories, 200)
+    # the sleeper: the trajectory whose second turn came >= 3 s after its first
+    sleeper = next(t for t in trajectories if len(t.turn_ends) >= 2 and t.turn_ends[1] - t.turn_ends[0] >= 3)
+    start, end = sleeper.turn_ends[0], sleeper.turn_ends[0] + 3
+    meanwhile = [e for t in trajectories if t is not sleeper for e in t.turn_ends if start < e < end]
+    assert meanwhile, "no other trajectory finished a turn while one tool slept: the engine waited for it"
+    assert loop.waiting_seconds < 3, f"the loop waited {loop.waiting_seconds:.1f} s with work to decode"
+
+
+@vllm_only
 def test_vllm_hanging_tool_times_out_and_the_run_ends(vllm_trainer):
-    def hang():
+    def hang(a, b):
         time.sleep(600)
         return "late"
 
@@ -260,7 +249,7 @@ def test_vllm_hanging_tool_times_out_and_the_run_ends(vllm_trainer):
 
 @vllm_only
 def test_vllm_raising_tool_and_an_oversized_result_are_counted(vllm_trainer):
-    def boom():
+    def boom(a, b):
         raise RuntimeError("add is broken")
 
     trajectories, _ = _run(vllm_trainer, [_first_call_only(boom), mul])
@@ -268,7 +257,7 @@ def test_vllm_raising_tool_and_an_oversized_result_are_counted(vllm_trainer):
     assert sum(t.failures for t in trajectories) >= 1
     assert any("add is broken" in m["content"] for t in trajectories for m in t.messages if m["role"] == "tool")
 
-    trajectories, _ = _run(vllm_trainer, [_first_call_only(lambda: "9" * 500 + " (now mul)"), mul], response_tokens=16)
+    trajectories, _ = _run(vllm_trainer, [_first_call_only(lambda a, b: "9" * 500 + " (now mul)"), mul], response_tokens=16)
     _assert_tools_ran(trajectories)
     assert sum(t.truncated for t in trajectories) == 1
     _assert_bookkeeping(trajectories, 200)
