@@ -85,8 +85,7 @@ def multi_turn_case(device: str, dtype: str, steps: int) -> dict:
     """GRPO steps of the tiny tool-calling model with its tools (rollout_mode multi_turn, HF engine)."""
     from grpo_fast.config import GRPOConfig
     from grpo_fast.trainer import GRPOTrainer
-    from tests.agents.test_multi_turn import TOOL_NAMES, right_answer
-    from tests.agents.tool_model import build_tool_model, tool_prompts
+    from tests.agents.tool_model import TOOL_NAMES, build_tool_model, right_answer, tool_prompts
 
     with tempfile.TemporaryDirectory() as out:
         model_dir = build_tool_model(Path(out) / "model")

@@ -20,6 +20,9 @@ from .tools import Tool, as_tools  # noqa: F401 (the public names)
 
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency",
                 "tools/truncated_frequency", "tools/turns_mean", "tools/time_waiting")
+# the counters `Agent.rollouts` leaves in its Rollouts' stats (what TOOL_METRICS are computed from)
+TOOL_COUNTERS = ("tools/calls", "tools/failures", "tools/malformed", "tools/truncated", "tools/turns",
+                 "tools/trajectories", "tools/waiting_seconds")
 
 
 @dataclass(frozen=True)
@@ -85,18 +88,26 @@ class Agent:
         return messages
 
 
-def tool_metrics(stats: dict) -> dict:
-    """TRL's tools/* metrics from the summed counters of `Agent.rollouts` (empty where there were none)."""
+def tool_metrics(stats: dict, world=None) -> dict:
+    """TRL's tools/* metrics from the counters of `Agent.rollouts` (empty where there were none). Under torchrun
+    (`world`: every rank calls it) the counters are summed over the ranks first, so N ranks log the rates one
+    process logs; time_waiting is the ranks' mean."""
     if "tools/trajectories" not in stats:
         return {}
-    n, calls = max(stats["tools/trajectories"], 1), stats["tools/calls"]
-    turns_with_markup = calls + stats["tools/malformed"]
+    counted = {k: float(stats[k]) for k in TOOL_COUNTERS}
+    if world is not None and world.size > 1:
+        from ..distributed import sum_over_ranks
+
+        counted = dict(zip(counted, sum_over_ranks(list(counted.values()), world), strict=True))
+        counted["tools/waiting_seconds"] /= world.size
+    n, calls = max(counted["tools/trajectories"], 1), counted["tools/calls"]
+    turns_with_markup = calls + counted["tools/malformed"]
     return {"tools/call_frequency": calls / n,  # calls per trajectory (TRL)
-            "tools/failure_frequency": stats["tools/failures"] / calls if calls else 0.0,  # failed per call (TRL)
-            "tools/malformed_frequency": stats["tools/malformed"] / turns_with_markup if turns_with_markup else 0.0,
-            "tools/truncated_frequency": stats["tools/truncated"] / calls if calls else 0.0,
-            "tools/turns_mean": stats["tools/turns"] / n,
-            "tools/time_waiting": stats["tools/waiting_seconds"]}
+            "tools/failure_frequency": counted["tools/failures"] / calls if calls else 0.0,  # failed per call (TRL)
+            "tools/malformed_frequency": counted["tools/malformed"] / turns_with_markup if turns_with_markup else 0.0,
+            "tools/truncated_frequency": counted["tools/truncated"] / calls if calls else 0.0,
+            "tools/turns_mean": counted["tools/turns"] / n,
+            "tools/time_waiting": counted["tools/waiting_seconds"]}
 
 
 def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None) -> Agent:

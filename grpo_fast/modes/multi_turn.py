@@ -18,7 +18,7 @@ class MultiTurn(Parallel):
     takes_agent = True
     supports_partial_rollouts = False
     shapes_parallel_groups = False
-    runs_on_many_ranks = False
+    runs_on_many_ranks = True  # (each rank runs its share's trajectories, environments and tools)
     streams_groups = False
 
     def checks(self) -> tuple:

@@ -68,10 +68,11 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
         out[f"eval/rewards/{reward_name(f)}/mean"] = _nanmean(rewards[:, j])
     for name, column in zip(eval_metrics, extra.T, strict=True):
         out[f"eval/{name}"] = torch.nan_to_num(column, nan=0.0).mean().item()
-    if agent is not None and batch is not None:  # (multi_turn runs in one process: this rank's trajectories are all)
-        from ..agents import tool_metrics
+    if agent is not None:  # (every rank: the counters are summed over the ranks)
+        from ..agents import TOOL_COUNTERS, tool_metrics
 
-        out.update({f"eval/{k}": v for k, v in tool_metrics(batch.stats).items() if k != "tools/time_waiting"})
+        stats = batch.stats if batch is not None else dict.fromkeys(TOOL_COUNTERS, 0)
+        out.update({f"eval/{k}": v for k, v in tool_metrics(stats, world).items() if k != "tools/time_waiting"})
     return out
 
 

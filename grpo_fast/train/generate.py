@@ -242,5 +242,5 @@ def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling
     if len(batch) > wanted * G:
         batch = batch.select(range(wanted * G))
     metrics = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds,
-               **round_stats, **tool_metrics(batch.stats)}
+               **round_stats, **tool_metrics(batch.stats, world)}
     return Generated(batch=batch, metrics=metrics, times=times)

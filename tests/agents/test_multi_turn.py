@@ -23,17 +23,8 @@ from grpo_fast.train.logprobs import sampling_stats
 from grpo_fast.train.step import LossOptions, train_step
 from grpo_fast.trainer import GRPOTrainer
 from tests.agents import tool_model
-from tests.agents.tool_model import TOOLS, mul, tool_prompts
+from tests.agents.tool_model import TOOL_NAMES, TOOLS, mul, right_answer, tool_prompts
 from tests.trainer.test_step import CaptureGrads
-
-TOOL_NAMES = ["tests.agents.tool_model:add", "tests.agents.tool_model:mul"]
-
-
-def right_answer(prompts, completions, completion_ids, answer, **columns):
-    """1 when the last assistant message is the number the script asks for, plus a little per message (groups
-    whose answers all agree still differ, so every step has a gradient)."""
-    return [float(c[-1]["role"] == "assistant" and c[-1]["content"].strip() == a) + 0.05 * len(c) + 0.001 * len(ids)
-            for c, a, ids in zip(completions, answer, completion_ids, strict=True)]
 
 
 def _config(tmp_path, model_dir, **overrides):

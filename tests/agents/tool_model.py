@@ -64,6 +64,14 @@ def mul(a: int, b: int) -> str:
 
 
 TOOLS = [add, mul]
+TOOL_NAMES = ["tests.agents.tool_model:add", "tests.agents.tool_model:mul"]  # (as --tools names them)
+
+
+def right_answer(prompts, completions, completion_ids, answer, **columns):
+    """1 when the last assistant message is the number the script asks for, plus a little per message (groups
+    whose answers all agree still differ, so every step has a gradient)."""
+    return [float(c[-1]["role"] == "assistant" and c[-1]["content"].strip() == a) + 0.05 * len(c) + 0.001 * len(ids)
+            for c, a, ids in zip(completions, answer, completion_ids, strict=True)]
 
 
 def build_chatml_tokenizer():

@@ -73,14 +73,16 @@ LORA = ["use_peft=True", "lora_r=4", "beta=0.05"]
 
 
 @pytest.fixture(scope="module")
-def hf_runs(tiny_model_dir, tmp_path_factory):
+def hf_runs(tiny_model_dir, tool_model_dir, tmp_path_factory):
     """Every HF-engine run of the equality tests below, in three launches (one process; 2 ranks; one
     process again for what resumes the 2-rank checkpoints), by name: (folder, seen, metrics, weights)."""
     root = tmp_path_factory.mktemp("hf")
+    agents = f"tool_model={tool_model_dir}"
     launches = [
-        (1, [("one", "16", "hf"), ("one-global-stats", "16", "hf", *GLOBAL_STATS), ("one-lora", "16", "hf", *LORA)]),
+        (1, [("one", "16", "hf"), ("one-global-stats", "16", "hf", *GLOBAL_STATS), ("one-lora", "16", "hf", *LORA),
+             ("one-agents", "16", "hf", agents)]),
         (2, [("ddp", "8", "hf", "distributed_strategy=ddp"), ("fsdp2", "8", "hf", "distributed_strategy=fsdp2"),
-             ("ddp-lora", "8", "hf", "distributed_strategy=ddp", *LORA),
+             ("ddp-lora", "8", "hf", "distributed_strategy=ddp", *LORA), ("ddp-agents", "8", "hf", "distributed_strategy=ddp", agents),
              ("two-global-stats", "8", "hf", *GLOBAL_STATS),  # and 1 -> 2: a one-process checkpoint sharded over two ranks
              ("fsdp2-resumed2", "8", "hf", "distributed_strategy=fsdp2", f"resume_from_checkpoint={root / 'one' / 'checkpoint-1'}")]),
         (1, [(f"{s}-resumed", "16", "hf", f"resume_from_checkpoint={root / s / 'checkpoint-1'}") for s in ("ddp", "fsdp2")]),
@@ -147,6 +149,31 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
                            capture_output=True, text=True, timeout=600)
     assert other.returncode != 0 and "with 16 completions per step over all ranks" in other.stderr
     assert "per_device_train_batch_size x ranks x gradient_accumulation_steps = 8 x 1 x 1 = 8" in other.stderr
+
+
+def test_agents_on_two_ranks_train_like_one_process(hf_runs, tool_model_dir):
+    """Multi-turn trajectories (the tiny tool-calling model, its tools, HF engine): each rank runs its share's
+    trajectories and tools; the 2 ranks sample what one process samples and make the same updates, and log the
+    tools/* rates one process logs (counters summed over the ranks)."""
+    one, seen1, steps1, weights1 = hf_runs["one-agents"]
+    two, seen2, steps2, weights2 = hf_runs["ddp-agents"]
+    assert _sampled(two, 2) == _sampled(one, 1), "2 ranks run exactly the trajectories one process runs"
+    assert seen2 == {"world": 2, "step": 2, "strategy": "ddp"}
+    trained = [s for s in steps1 if "loss" in s]
+    assert len(trained) == 2 and all(s["tools/call_frequency"] > 0 and s["tools/turns_mean"] > 1.5 for s in trained), \
+        "the tools ran, over several turns"
+    assert any("eval/tools/call_frequency" in s for s in steps1)
+    assert [s["step"] for s in steps2] == [s["step"] for s in steps1]
+    for a, b in zip(steps1, steps2, strict=True):
+        names = [n for n in a if n.startswith(("tools/", "eval/tools/", "reward", "eval/accuracy", "completions/"))
+                 and n != "tools/time_waiting"]
+        assert names and names == [n for n in b if n in names], "2 ranks log the names one process logs"
+        for name in names:
+            assert b[name] == pytest.approx(a[name], rel=1e-6), (name, a["step"])
+        if "loss" in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    _assert_same_weights(weights2, weights1, load_file(Path(tool_model_dir) / "model.safetensors"))
 
 
 def _assert_resumed_like(steps, weights, steps1, weights1, initial):

@@ -6,7 +6,9 @@ costs ~10 s of imports on the 2-core machines, so runs that start the same world
 
 ENGINE is hf, or vllm (one in-process engine per rank); `name=value` arguments override the config
 (resume_from_checkpoint=..., scale_rewards=batch, distributed_strategy=fsdp2; kill_rank_after_step=R:N,
-a fault for the elastic-restart test; judge_rank=hf, a judge_rank reward whose requests go to OUT/judge-rank<r>.json); the global batch is per_device_train_batch_size x ranks. Each
+a fault for the elastic-restart test; judge_rank=hf, a judge_rank reward whose requests go to OUT/judge-rank<r>.json;
+tool_model=DIR, an agents run: the tiny tool-calling model of DIR, its tools and prompts, multi-turn trajectories);
+the global batch is per_device_train_batch_size x ranks. Each
 rank writes the completion ids it sampled, per reward call (train and eval), to OUT/sampled-rank<r>.json; rank 0
 prints one JSON line per job, in order."""
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from grpo_fast.trainer import GRPOTrainer
+from tests.agents.tool_model import TOOL_NAMES, right_answer, tool_prompts
 from tests.tiny_model import load_tiny_model
 from tests.trainer.common import config, rows, target_fraction
 
@@ -33,8 +36,14 @@ def main(model_dir: str, *argv: str) -> None:
 
 
 def run(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
-    model, tokenizer = load_tiny_model(model_dir)
     overrides = {k: {"True": True, "False": False}.get(v, v) for k, v in (o.split("=", 1) for o in overrides)}
+    agents = overrides.pop("tool_model", None)
+    if agents is not None:  # (tests/agents/test_multi_turn.py's run: the tools, longer sequences, one eval)
+        model_dir = agents
+        overrides = dict(tools=TOOL_NAMES, max_prompt_length=64,
+                         max_completion_length=160, max_tokens_per_microbatch=2048, learning_rate=1e-4, eval_steps=2,
+                         eval_before_train=False, **overrides)
+    model, tokenizer = load_tiny_model(model_dir)
     kill = overrides.pop("kill_rank_after_step", None)  # "R:N": rank R kills itself after step N (first attempt only)
     judged = overrides.pop("judge_rank", None) == "hf"  # a judge_rank reward on the tiny model (HF judge engine)
     c = config(Path(output_dir), output_dir=output_dir, per_device_train_batch_size=per_device, eval_max_samples=4,
@@ -43,17 +52,20 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
         _kill_after_step(*map(int, kill.split(":")))
     sampled = []
 
+    graded = right_answer if agents is not None else target_fraction
+
     def reward(prompts, completions, completion_ids, **columns):  # records what this rank sampled, then scores it
         sampled.append(completion_ids)
-        return target_fraction(prompts, completions, completion_ids, **columns)
+        return graded(prompts, completions, completion_ids, **columns)
 
-    reward.__name__ = "target_fraction"
+    reward.__name__ = graded.__name__
     funcs = [reward]
     if judged:
         from grpo_fast.rewards.judge import JudgeOptions, JudgeRank
 
         funcs.append(JudgeRank(JudgeOptions(model=model_dir, engine="hf", max_new_tokens=24)))
-    trainer = GRPOTrainer(c, funcs, rows(), rows(4), model=model, tokenizer=tokenizer)
+    data = (tool_prompts(24), tool_prompts(4, 1)) if agents is not None else (rows(), rows(4))
+    trainer = GRPOTrainer(c, funcs, *data, model=model, tokenizer=tokenizer)
     if c.use_peft and trainer.world.main:  # the adapter as it starts (what the update is measured from)
         from safetensors.torch import save_file
 
