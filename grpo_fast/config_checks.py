@@ -20,7 +20,7 @@ from typing import Callable, Union
 from .loss_types import loss_type
 from .modes import modes_where, rollout_mode
 
-PARTIAL_ROLLOUTS = "(partial rollouts continue single completions in vLLM's request loop)"
+PARTIAL_ROLLOUTS = "(partial rollouts continue completions, and agents' trajectories, in vLLM's request loop)"
 # first reward functions whose values leave [0, 1] (a wrong answer scores below 0)
 OUTSIDE_01 = {"lead": "-1 for a wrong answer", "math_length": "down to -1 for a wrong answer"}
 

@@ -31,7 +31,7 @@ PROGRESS_KEYS = ("reward", "eval/accuracy", "completions/mean_length", "step_tim
 SUMMED = frozenset({
     "num_tokens", "num_micro_batches", "tokens_per_second", "rewards/non_finite",
     "rollout/generated_tokens", "rollout/reprefill_tokens", "rollout/carried_over", "rollout/dropped_stale",
-    "rollout/in_flight", "judge/tokens", "judge/requests", "judge/unparsable", "judge/overlong",
+    "rollout/in_flight", "rollout/restarted_trajectories", "judge/tokens", "judge/requests", "judge/unparsable", "judge/overlong",
     "sandbox/seconds", "sandbox/oom", "sandbox/process_limit", "sandbox/output_limit", "code/no_code",
     "code/syntax_errors",
 })

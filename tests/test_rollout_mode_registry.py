@@ -55,8 +55,8 @@ def test_the_config_takes_a_new_mode_and_its_checks_read_what_it_supports(new_mo
     with pytest.raises(ValueError, match=r"dynamic_sampling=True is invalid: expected False with "
                                          r"rollout_mode='leave_one_out': it shapes the advantages of parallel groups"):
         config(tmp_path, rollout_mode=new_mode, dynamic_sampling=True)
-    with pytest.raises(ValueError, match=r"rollout_mode='leave_one_out' is invalid: expected 'parallel' with "
-                                         r"max_staleness=1"):
+    with pytest.raises(ValueError, match=r"rollout_mode='leave_one_out' is invalid: expected 'parallel' or "
+                                         r"'multi_turn' with max_staleness=1"):
         config(tmp_path, rollout_mode=new_mode, max_staleness=1, engine="vllm")
 
 

@@ -36,35 +36,68 @@ class Agent:
     environments: Optional[object] = None  # environments.Environments (environment_factory)
     prompt_column: str = "prompt"
 
+    def loop(self, engine, tokenizer, *, sampling, max_completion_length: int):
+        """The turn loop of one call (loop.py)."""
+        from .loop import AgentLoop, LoopOptions
+
+        return AgentLoop(engine, tokenizer, self.chat, self.runner, LoopOptions(
+            max_completion_length=max_completion_length, max_tool_calling_iterations=self.max_tool_calling_iterations,
+            max_tool_response_tokens=self.max_tool_response_tokens, sampling=sampling))
+
+    def trajectory(self, prompt_ids: list[int], row: dict, seed: int):
+        """A trajectory not started; with environments, its own instance reset with its row, the prompt
+        extended by what reset returned."""
+        from .loop import Trajectory
+
+        t = Trajectory(prompt_ids=list(prompt_ids), seed=seed)
+        if self.environments is not None:
+            h = self.environments.acquire(row)
+            t.environment, t.tools = h.instance, h.tools
+            t.prompt_ids = self.chat.render(self._messages(row, h.observation), generation_prompt=True,
+                                            schemas=self.environments.schemas(h.name))
+        return t
+
+    def restore(self, t, row: dict, loop) -> bool:
+        """A trajectory read back from a checkpoint made whole again: with environments, a fresh instance reset
+        with its row and the recorded calls replayed on it (`loop.replay`). False where that does not give back
+        the recorded prompt and results (the environment is not deterministic): t then starts again from its
+        prompt, as a new trajectory with the same seed."""
+        if self.environments is None or t.environment is not None:
+            return True
+        fresh = self.trajectory(t.prompt_ids, row, t.seed)
+        if fresh.prompt_ids == t.prompt_ids and loop.replay(t.messages, fresh.tools):
+            t.environment, t.tools = fresh.environment, fresh.tools
+            return True
+        self.environments.release_all_but([i for _, i in self.environments.lent if i is not fresh.environment])
+        t.__dict__.update(self.trajectory(t.prompt_ids, row, t.seed).__dict__)  # (an instance reset, not replayed)
+        return False
+
     def rollouts(self, engine, tokenizer, prompts: list[list[int]], rows: list[dict], seeds: Sequence[int], n: int,
                  *, sampling, max_completion_length: int):
         """n trajectories per prompt (prompt i's j-th seeded by hashed_seed(seeds[i], j)) as `Rollouts`, tool
         tokens masked out of the loss (NaN sampling log-probs), the tool counters in `stats`."""
+        from ..rollout.base import hashed_seed
+
+        rows = [r for r in rows for _ in range(n)]  # (one per trajectory)
+        if self.environments is not None:  # (the previous call's instances, scored by now, are free again)
+            self.environments.release_all_but([])
+        trajectories = [self.trajectory(prompts[i // n], rows[i], hashed_seed(seeds[i // n], i % n))
+                        for i in range(len(rows))]
+        loop = self.loop(engine, tokenizer, sampling=sampling, max_completion_length=max_completion_length)
+        loop.run(trajectories)
+        return self.as_rollouts(trajectories, rows, tokenizer, loop.waiting_seconds)
+
+    def as_rollouts(self, trajectories: list, rows: list[dict], tokenizer, waiting_seconds: float):
+        """The trajectories as `Rollouts` (one row each), the tool counters in `stats`."""
         import torch
 
-        from ..rollout.base import hashed_seed
         from ..train.batch import Rollouts
-        from .loop import AgentLoop, LoopOptions, Trajectory
 
-        trajectories = [Trajectory(prompt_ids=list(p), seed=hashed_seed(s, j))
-                        for p, s in zip(prompts, seeds, strict=True) for j in range(n)]
-        rows = [r for r in rows for _ in range(n)]  # (one per trajectory)
-        handed = None
-        if self.environments is not None:  # each trajectory its own environment, reset with its row
-            handed = self.environments.hand_out(rows)
-            for t, h, row in zip(trajectories, handed, rows, strict=True):
-                t.tools = h.tools
-                t.prompt_ids = self.chat.render(self._messages(row, h.observation), generation_prompt=True,
-                                                schemas=self.environments.schemas(h.name))
-        loop = AgentLoop(engine, tokenizer, self.chat, self.runner, LoopOptions(
-            max_completion_length=max_completion_length, max_tool_calling_iterations=self.max_tool_calling_iterations,
-            max_tool_response_tokens=self.max_tool_response_tokens, sampling=sampling))
-        loop.run(trajectories)
         stats = {"tools/calls": sum(t.calls for t in trajectories), "tools/failures": sum(t.failures for t in trajectories),
                  "tools/malformed": sum(t.malformed for t in trajectories),
                  "tools/truncated": sum(t.truncated for t in trajectories),
                  "tools/turns": sum(t.turns for t in trajectories), "tools/trajectories": len(trajectories),
-                 "tools/waiting_seconds": loop.waiting_seconds}
+                 "tools/waiting_seconds": waiting_seconds}
         return Rollouts(
             prompt_ids=[t.prompt_ids for t in trajectories],
             completion_ids=[t.ids for t in trajectories],
@@ -76,7 +109,7 @@ class Agent:
             kind=["trajectory"] * len(trajectories),
             stats=stats,
             messages=[t.messages for t in trajectories],
-            environments=[h.instance for h in handed] if handed is not None else None,
+            environments=[t.environment for t in trajectories] if self.environments is not None else None,
         )
 
     def _messages(self, row: dict, observation: Optional[str]) -> list[dict]:

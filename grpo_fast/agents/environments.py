@@ -1,4 +1,4 @@
-"""Environments (TRL's `environment_factory`): one instance per trajectory, pooled and reused across batches.
+"""Environments (TRL's `environment_factory`): one instance per trajectory, pooled and reused once it is trained.
 
 An environment is a class (or any callable returning an instance) with `reset(**row) -> str | None`: called
 with the trajectory's dataset row before its first turn; a returned string extends the prompt's last message.
@@ -46,7 +46,9 @@ class Environments:
         self.factories = dict(factory) if isinstance(factory, dict) else {None: factory}
         self.keyed = isinstance(factory, dict)
         self.standalone = list(tools)
-        self.pools: dict = {}
+        self.pools: dict = {}  # name -> every instance made
+        self.free: dict = {}  # name -> the instances no trajectory holds
+        self.lent: list = []  # (name, instance) held by a trajectory
         self.schema_lists: dict = {}  # name -> the JSON schemas its trajectories' template shows
         self.reward_classes: list = []
         for name, make in self.factories.items():
@@ -58,7 +60,7 @@ class Environments:
             if not callable(getattr(instance, "reset", None)):
                 raise ValueError(f"environment_factory: {type(instance).__name__} has no reset() method; an environment "
                                  f"needs reset(**row) -> str | None (called before each trajectory)")
-            self.pools[name] = [instance]
+            self.pools[name], self.free[name] = [instance], [instance]
             self.schema_lists[name] = [t.schema for t in as_tools([*self.standalone, *environment_tools(instance)])]
             if callable(getattr(instance, "get_reward", None)) and type(instance) not in self.reward_classes:
                 self.reward_classes.append(type(instance))
@@ -66,24 +68,31 @@ class Environments:
     def schemas(self, name) -> list[dict]:
         return self.schema_lists[name]
 
-    def hand_out(self, rows: list[dict]) -> list[Handed]:
-        """One environment per row, each instance used once per call (more made as needed), reset with its row."""
-        out, used = [], {}
-        for row in rows:
-            name = row.get("environment") if self.keyed else None
-            if name not in self.factories:
-                raise ValueError(f"environment_factory: a row's environment {name!r} is not one of "
-                                 f"{sorted(map(str, self.factories))}")
-            pool, k = self.pools[name], used.get(name, 0)
-            if k == len(pool):
-                pool.append(self.factories[name]())
-            used[name] = k + 1
-            instance = pool[k]
-            observation = instance.reset(**({key: v for key, v in row.items() if key != "environment"} if self.keyed
-                                            else dict(row)))
-            tools = {t.name: t for t in [*self.standalone, *environment_tools(instance)]}
-            out.append(Handed(instance, tools, name, observation))
-        return out
+    def acquire(self, row: dict) -> Handed:
+        """An instance of the row's environment no trajectory holds (made where none is free), reset with the row."""
+        name = row.get("environment") if self.keyed else None
+        if name not in self.factories:
+            raise ValueError(f"environment_factory: a row's environment {name!r} is not one of "
+                             f"{sorted(map(str, self.factories))}")
+        if self.free[name]:
+            instance = self.free[name].pop(0)
+        else:
+            instance = self.factories[name]()
+            self.pools[name].append(instance)
+        self.lent.append((name, instance))
+        observation = instance.reset(**({key: v for key, v in row.items() if key != "environment"} if self.keyed
+                                        else dict(row)))
+        tools = {t.name: t for t in [*self.standalone, *environment_tools(instance)]}
+        return Handed(instance, tools, name, observation)
+
+    def release_all_but(self, held: list) -> None:
+        """Give back every instance lent but those `held` (by trajectories still in flight): the others'
+        trajectories were trained (scored, their rewards read) or dropped."""
+        keep = {id(i) for i in held}
+        for name, instance in self.lent:
+            if id(instance) not in keep:
+                self.free[name].append(instance)
+        self.lent = [(name, instance) for name, instance in self.lent if id(instance) in keep]
 
     def reward_functions(self) -> list[Callable]:
         """One reward function per environment class with get_reward, named after it (TRL's)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..rollout.base import Continuation, SamplingOptions, hashed_seed
 from .chat import ChatTemplate
@@ -53,10 +53,37 @@ class Trajectory:
     done: bool = False
     pending: Optional[Calls] = None  # the calls of its last turn, running
     turn_ends: list[float] = field(default_factory=list)  # monotonic time each turn finished (the engine's log)
+    # partial rollouts (train/partial_rollouts.py): a trajectory carried over between rounds
+    ver: list[int] = field(default_factory=list)  # the policy version that sampled (or appended) each token
+    turn_start: int = 0  # where its current turn starts in `ids` (tokens after it: a turn a round stopped)
+    awaiting: Optional[list] = None  # the calls of its last turn whose results are not in yet ([]: malformed)
+    environment: Optional[object] = None  # its environment instance (environment_factory), reset with its row
 
     @property
     def running_ids(self) -> list[int]:
         return self.prompt_ids + self.ids
+
+    @property
+    def finish(self) -> Optional[str]:
+        """None while it runs (a partial-rollout group's member), else how its last turn ended."""
+        return self.finish_reason if self.done else None
+
+    COUNTERS = ("turns", "rounds", "calls", "failures", "malformed", "truncated")
+
+    def to_dict(self) -> dict:
+        """The checkpoint's form (a partial-rollout member): tokens, log-probs (NaN as None), mask, versions,
+        messages, counters, the calls awaiting results (run again on resume: their threads are not saved)."""
+        return {"prompt_ids": self.prompt_ids, "seed": self.seed, "ids": self.ids, "mask": self.mask, "ver": self.ver,
+                "logp": [None if math.isnan(x) else x for x in self.logp], "messages": self.messages,
+                "finish": self.finish, "finish_reason": self.finish_reason, "turn_start": self.turn_start,
+                "awaiting": self.awaiting, **{k: getattr(self, k) for k in self.COUNTERS}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        return cls(prompt_ids=list(d["prompt_ids"]), seed=int(d["seed"]), ids=list(d["ids"]), mask=list(d["mask"]),
+                   logp=[math.nan if x is None else float(x) for x in d["logp"]], ver=list(d["ver"]),
+                   messages=list(d["messages"]), finish_reason=d["finish_reason"], done=d["finish"] is not None,
+                   turn_start=int(d["turn_start"]), awaiting=d["awaiting"], **{k: int(d[k]) for k in cls.COUNTERS})
 
 
 @dataclass(frozen=True)
@@ -71,6 +98,7 @@ class AgentLoop:
     def __init__(self, engine, tokenizer, chat: ChatTemplate, runner: ToolRunner, options: LoopOptions):
         self.engine, self.tokenizer, self.chat, self.runner, self.o = engine, tokenizer, chat, runner, options
         self.waiting_seconds = 0.0  # tool time no decoding overlapped (the whole loop's)
+        self.version = 0  # the policy version sampling now (partial rollouts: recorded per token)
 
     # ---- one turn's bookkeeping ----------------------------------------------------------------
 
@@ -78,19 +106,33 @@ class AgentLoop:
         """Tokens the next turn may add: the completion budget and the engine's context, whichever is less."""
         return min(self.o.max_completion_length - len(t.ids), self.engine.max_model_len - len(t.running_ids))
 
-    def _turn_done(self, t: Trajectory, token_ids: list[int], logprobs: list[float], finish_reason: str) -> None:
-        """Append a sampled turn; start its calls, or end the trajectory."""
-        prefix = t.running_ids
+    def request(self, t: Trajectory) -> Continuation:
+        """Its next turn as a request: a new turn, or the rest of one a round stopped (seeded by where it goes on)."""
+        into = len(t.ids) - t.turn_start
+        seed = hashed_seed(t.seed, t.turns, into) if into else hashed_seed(t.seed, t.turns)
+        return Continuation(prompt_ids=t.running_ids, max_new_tokens=self.budget(t), seed=seed)
+
+    def _append(self, t: Trajectory, token_ids: list[int], logprobs: list[float], sampled: bool) -> None:
         t.ids += token_ids
-        t.logp += [float(x) for x in logprobs]
-        t.mask += [True] * len(token_ids)
+        t.logp += [float(x) for x in logprobs] if sampled else [math.nan] * len(token_ids)
+        t.mask += [sampled] * len(token_ids)
+        t.ver += [self.version] * len(token_ids)
+
+    def carry(self, t: Trajectory, token_ids: list[int], logprobs: list[float]) -> None:
+        """What a turn sampled before its round stopped (the turn goes on in the next round)."""
+        self._append(t, token_ids, logprobs, True)
+
+    def _turn_done(self, t: Trajectory, token_ids: list[int], logprobs: list[float], finish_reason: str) -> None:
+        """Append a sampled turn (or its last part); start its calls, or end the trajectory."""
+        self._append(t, token_ids, logprobs, True)
+        turn, prefix = t.ids[t.turn_start:], t.prompt_ids + t.ids[: t.turn_start]
         t.turns += 1
         t.turn_ends.append(time.monotonic())
         t.finish_reason = finish_reason
         if finish_reason == "stop":
-            content, calls, malformed = self.chat.parse(token_ids, prefix)
+            content, calls, malformed = self.chat.parse(turn, prefix)
         else:  # (cut by the budget: no call runs)
-            content, calls, malformed = self.tokenizer.decode(token_ids, skip_special_tokens=True), [], False
+            content, calls, malformed = self.tokenizer.decode(turn, skip_special_tokens=True), [], False
         t.messages.append({"role": "assistant", "content": content,
                            **({"tool_calls": [{"type": "function", "function": c} for c in calls]} if calls else {})})
         limit = self.o.max_tool_calling_iterations
@@ -100,28 +142,52 @@ class AgentLoop:
             return
         t.malformed += malformed
         t.calls += len(calls)
-        t.pending = self.runner.start(calls, t.tools) if calls else None
+        t.awaiting = list(calls)
+        self.start_calls(t)
 
-    def _results_in(self, t: Trajectory) -> Optional[Continuation]:
-        """The finished calls' results appended (masked); the next turn's request, or None when it ended."""
+    def start_calls(self, t: Trajectory) -> None:
+        """Run the calls its last turn made (again, after a resume: their threads are not in a checkpoint)."""
+        t.pending = self.runner.start(t.awaiting, t.tools) if t.awaiting else None
+
+    def ready(self, t: Trajectory) -> bool:
+        """Whether the results it awaits are in (or timed out)."""
+        return t.pending is None or t.pending.ready()
+
+    def results_in(self, t: Trajectory) -> bool:
+        """The finished calls' results appended (masked); whether it goes on (its next turn: `request(t)`)."""
         if t.pending is None:  # a malformed turn: one error result (counted as malformed, not as a failed call)
             messages = [{"role": "tool", "name": "invalid_call", "content": MALFORMED}]
         else:
             results = t.pending.results(self.runner.timeout)
             t.failures += sum(r.failed for r in results)
             messages = [{"role": "tool", "name": r.name, "content": self._cut(r.content, t)} for r in results]
-        t.pending = None
+        t.pending, t.awaiting = None, None
         t.rounds += 1
         between = self.chat.between_turns(messages)
         if len(t.ids) + len(between) >= self.o.max_completion_length \
                 or len(t.running_ids) + len(between) >= self.engine.max_model_len:
             t.done = True  # (rolled back: the results would leave no room for a turn)
-            return None
-        t.ids += between
-        t.logp += [math.nan] * len(between)
-        t.mask += [False] * len(between)
+            return False
+        self._append(t, between, [], False)
         t.messages += messages
-        return Continuation(prompt_ids=t.running_ids, max_new_tokens=self.budget(t), seed=hashed_seed(t.seed, t.turns))
+        t.turn_start = len(t.ids)
+        return True
+
+    def replay(self, messages: list[dict], tools: Optional[dict]) -> bool:
+        """Run a trajectory's recorded calls again, in order, on `tools` (a fresh environment's): whether each
+        gives the recorded result (as the trajectory holds it, cut to max_tool_response_tokens). A last turn's
+        calls without results yet are left to the round (they await results, and run again there)."""
+        scratch = Trajectory(prompt_ids=[], seed=0)
+        for k, message in enumerate(messages):
+            calls = [c["function"] for c in message.get("tool_calls") or []] if message["role"] == "assistant" else []
+            recorded = [m["content"] for m in messages[k + 1 : k + 1 + len(calls)] if m["role"] == "tool"]
+            if not calls or len(recorded) < len(calls):
+                continue
+            running = self.runner.start(calls, tools)
+            running.wait()
+            if [self._cut(r.content, scratch) for r in running.results(self.runner.timeout)] != recorded:
+                return False
+        return True
 
     def _cut(self, content: str, t: Trajectory) -> str:
         ids = self.tokenizer.encode(content, add_special_tokens=False)
@@ -141,11 +207,8 @@ class AgentLoop:
             self._run_lockstep(trajectories)
         return trajectories
 
-    def _first(self, t: Trajectory) -> Continuation:
-        return Continuation(prompt_ids=t.running_ids, max_new_tokens=self.budget(t), seed=hashed_seed(t.seed, 0))
-
     def _run_lockstep(self, trajectories: list[Trajectory]) -> None:
-        requests = {i: self._first(t) for i, t in enumerate(trajectories)}
+        requests = {i: self.request(t) for i, t in enumerate(trajectories)}
         while requests:
             order = list(requests)
             groups = self.engine.generate([requests[i].prompt_ids for i in order], n=1,
@@ -163,43 +226,81 @@ class AgentLoop:
             requests = {}
             for i in order:
                 t = trajectories[i]
-                if not t.done:
-                    nxt = self._results_in(t)
-                    if nxt is not None:
-                        requests[i] = nxt
+                if not t.done and self.results_in(t):
+                    requests[i] = self.request(t)
 
     def _run_streaming(self, trajectories: list[Trajectory]) -> None:
-        waiting: list[int] = []  # trajectories whose calls run
-        slots: list[int] = []  # the trajectory of each request of the current round
+        self.stream(trajectories)
 
-        def ready() -> list[Continuation]:
-            """The next turns of the trajectories whose calls returned (each a request of the round)."""
+    def stream(self, trajectories: list[Trajectory], enough: Callable[[], bool] = lambda: False,
+               more: Callable[[int], list[Trajectory]] = lambda busy: [],
+               on_done: Callable[[Trajectory, int], None] = lambda t, step: None) -> dict:
+        """Run the trajectories' turns in the engine's request loop (`generate_until`), a trajectory's next turn
+        joining the running batch as soon as its calls return, until every trajectory ended or `enough()` (asked
+        after every engine step: partial rollouts' round end; a turn still running then keeps its tokens so far,
+        a call still running goes on). more(busy): trajectories to start now (busy: the requests running);
+        on_done(t, step): t ended at that engine step. Returns the engine steps, the requests running summed
+        over them, the tokens sampled."""
+        waiting, owners = [], []  # trajectories whose calls run; the trajectory of each request of the engine call
+        counts = {"steps": 0, "busy": 0, "generated": 0}
+
+        def start(new: list[Trajectory]) -> list[Continuation]:
             out = []
-            for i in [i for i in waiting if trajectories[i].pending is None or trajectories[i].pending.ready()]:
-                waiting.remove(i)
-                nxt = self._results_in(trajectories[i])
-                if nxt is not None:
-                    slots.append(i)
-                    out.append(nxt)
+            for t in new:
+                if t.done:
+                    continue
+                if t.awaiting is not None:  # (carried over with its calls running, or resumed: they run again)
+                    if t.pending is None and t.awaiting:
+                        self.start_calls(t)
+                    waiting.append(t)
+                    continue
+                owners.append(t)
+                out.append(self.request(t))
             return out
 
-        def finished(k: int, c) -> None:
-            t = trajectories[slots[k]]
-            self._turn_done(t, c.token_ids, c.logprobs, c.finish_reason)
-            if not t.done:
-                waiting.append(slots[k])
+        def ready() -> list[Continuation]:
+            """The next turns of the trajectories whose calls returned."""
+            out = []
+            for t in [t for t in waiting if self.ready(t)]:
+                waiting.remove(t)
+                if self.results_in(t):
+                    owners.append(t)
+                    out.append(self.request(t))
+                else:
+                    on_done(t, counts["steps"])
+            return out
 
-        requests = []
-        for i, t in enumerate(trajectories):
-            slots.append(i)
-            requests.append(self._first(t))
-        while requests:
-            self.engine.generate_until(requests, lambda f: False, more=lambda f: ready(),
-                                       sampling=self.o.sampling, on_finished=finished)
-            slots.clear()
-            started = time.monotonic()
+        def step_done(finished: list[bool]) -> bool:
+            counts["steps"] += 1
+            counts["busy"] += finished.count(False)
+            return enough()
+
+        def finished(k: int, c) -> None:
+            t = owners[k]
+            counts["generated"] += len(c.token_ids)
+            self._turn_done(t, c.token_ids, c.logprobs, c.finish_reason)
+            if t.done:
+                on_done(t, counts["steps"])
+            else:
+                waiting.append(t)
+
+        requests = start(trajectories)
+        requests += start(more(len(requests)))
+        while True:
+            if requests:
+                result = self.engine.generate_until(requests, step_done, more=lambda f: ready() + start(more(f.count(False))),
+                                                    sampling=self.o.sampling, on_finished=finished)
+                for t, c in zip(owners, result.completions, strict=True):
+                    if c.finish_reason is None:  # stopped with the round: the turn goes on in the next one
+                        counts["generated"] += len(c.token_ids)
+                        self.carry(t, c.token_ids, c.logprobs)
+                owners.clear()
+            if not waiting or enough():
+                return counts
+            started = time.monotonic()  # every live trajectory waits on a tool: the only wait
             requests = ready()
-            while not requests and waiting:  # every live trajectory waits on a tool: the only wait
+            while not requests and waiting:
                 time.sleep(0.001)
                 requests = ready()
             self.waiting_seconds += time.monotonic() - started
+            requests += start(more(len(requests)))

@@ -10,13 +10,13 @@ from .parallel import Parallel
 
 
 class MultiTurn(Parallel):
-    """Parallel groups (their advantages) whose members are trajectories; what parallel groups support beyond
-    that (partial rollouts, many ranks, streamed scoring, the options that shape their advantages) not yet."""
+    """Parallel groups (their advantages) whose members are trajectories, also with partial rollouts (agents/rounds.py)
+    and on many ranks; streamed scoring and the options that shape parallel groups' advantages not yet."""
 
     name = "multi_turn"
     summary = "agents: num_generations trajectories per prompt, the model calling tools over several turns"
     takes_agent = True
-    supports_partial_rollouts = False
+    supports_partial_rollouts = True  # (trajectories carried over mid-turn and between turns: agents/rounds.py)
     shapes_parallel_groups = False
     runs_on_many_ranks = True  # (each rank runs its share's trajectories, environments and tools)
     streams_groups = False

@@ -17,12 +17,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ..agents import rounds as agent_rounds
 from ..agents import tool_metrics
 from ..distributed import World
 from ..metrics import timed
 from ..modes import rollout_mode
 from ..rewards.registry import reward_name
-from ..rollout.base import SamplingOptions, prompt_seeds
+from ..rollout.base import SamplingOptions, hashed_seed, prompt_seeds
 from . import partial_rollouts
 from .batch import Rollouts, from_engine
 from .score import GroupScorer, Scores, conversational, counter_metrics, score, zero_std_groups
@@ -144,6 +145,8 @@ def partial_round(engine, tokenizer, data: TrainData, state, config,
     scores: each group was scored as its last member finished, while the round ran on; else None)."""
     c = config
     pool, dropped = partial_rollouts.drop_stale(state.in_flight, state.policy_version, c.max_staleness)
+    if data.agent is not None:
+        return agent_round(engine, tokenizer, data, state, c, sampling, pool, dropped)
 
     def draw(n: int) -> list[dict]:  # n new groups: the next prompts of the data order, their seeds
         return partial_rollouts.new_groups(next_prompts(state, n, len(data.rows), c),
@@ -184,6 +187,31 @@ def partial_round(engine, tokenizer, data: TrainData, state, config,
         return out
 
     return batch, stats, scores
+
+
+def agent_round(engine, tokenizer, data: TrainData, state, config, sampling: SamplingOptions, pool: list,
+                dropped: int) -> tuple[Rollouts, dict, None]:
+    """Partial rollouts of an agent (agents/rounds.py): trajectories carried over between rounds; a group in
+    flight read back from a checkpoint made whole first (its environments rebuilt, `Agent.restore`)."""
+    c, agent = config, data.agent
+    loop = agent.loop(engine, tokenizer, sampling=sampling, max_completion_length=c.max_completion_length)
+    if agent.environments is not None:  # (the instances of trained or dropped groups are free again)
+        agent.environments.release_all_but([t.environment for g in pool for t in g.members])
+    restarted = sum(not agent.restore(t, data.rows[g.prompt], loop) for g in pool for t in g.members)
+
+    def draw(n: int) -> list:  # n new groups of trajectories: the next prompts of the data order, their seeds
+        return partial_rollouts.new_groups(
+            next_prompts(state, n, len(data.rows), c), prompt_seeds(next_seed(state, c), n), c.num_generations,
+            lambda p, seed, j: agent.trajectory(data.prompt_ids[p], data.rows[p], hashed_seed(seed, j)))
+
+    if c.vllm_enable_sleep_mode:
+        engine.wake()
+    trained, state.in_flight, stats = agent_rounds.run_round(loop, pool, draw, c, version=state.policy_version)
+    if c.vllm_enable_sleep_mode:
+        engine.sleep()
+    batch = agent.as_rollouts([t for g in trained for t in g.members],
+                              [data.rows[g.prompt] for g in trained for _ in g.members], tokenizer, loop.waiting_seconds)
+    return batch, {**stats, "rollout/dropped_stale": dropped, "rollout/restarted_trajectories": restarted}, None
 
 
 # ---- the stage: generate and score, with dynamic sampling ------------------------------------

@@ -64,15 +64,53 @@ class Group:
 
     def to_dict(self) -> dict:
         """The checkpoint's form: plain dicts and lists (without `scores`)."""
-        return {"prompt": self.prompt, "seed": self.seed, "members": [asdict(m) for m in self.members]}
+        return {"prompt": self.prompt, "seed": self.seed, "members": [m.to_dict() for m in self.members]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Group":
-        return cls(int(d["prompt"]), int(d["seed"]), [Member.from_dict(m) for m in d["members"]])
+        from ..agents.loop import Trajectory  # (an agent's member: a trajectory, which has a mask)
+
+        return cls(int(d["prompt"]), int(d["seed"]),
+                   [Trajectory.from_dict(m) if "mask" in m else Member.from_dict(m) for m in d["members"]])
 
 
-def new_groups(prompt_index: list[int], seeds: list[int], group_size: int) -> list[Group]:
-    return [Group(int(p), int(s), [Member() for _ in range(group_size)]) for p, s in zip(prompt_index, seeds, strict=True)]
+def new_groups(prompt_index: list[int], seeds: list[int], group_size: int,
+               member: Callable[[int, int, int], object] = lambda prompt, seed, j: Member()) -> list[Group]:
+    """Groups of `group_size` members not started (member(prompt, group seed, j): an agent's makes trajectories)."""
+    return [Group(int(p), int(s), [member(int(p), int(s), j) for j in range(group_size)])
+            for p, s in zip(prompt_index, seeds, strict=True)]
+
+
+def round_limits(config) -> tuple[int, int, int]:
+    """(groups a round trains, sequences it keeps running, groups it lets be ahead of the trainer): the slot and
+    admission rules of `run_round`."""
+    wanted = config.prompts_per_generation
+    return (wanted, math.ceil(wanted * (1 + config.rollout_overprovision)) * config.num_generations,
+            (config.max_staleness + 1) * wanted)
+
+
+def at_last_chance(pool: list[Group], version: int, max_staleness: int) -> list[Group]:
+    """The groups that must complete in this round (their oldest token is max_staleness versions old now)."""
+    return [g for g in pool if oldest_version(g) <= version - max_staleness]
+
+
+def complete(group: Group) -> bool:
+    return all(m.finish is not None for m in group.members)
+
+
+def train_first(pool: list[Group], finished_at: dict, wanted: int) -> tuple[list[Group], list[Group]]:
+    """(the `wanted` complete groups to train: the oldest first, then in the order they completed
+    (finished_at: id(group) -> when its last member finished; absent: before the round), the rest)."""
+    done = [k for k, g in enumerate(pool) if complete(g)]
+    order = sorted(done, key=lambda k: (oldest_version(pool[k]), finished_at.get(id(pool[k]), -1), k))[:wanted]
+    return [pool[k] for k in order], [g for k, g in enumerate(pool) if k not in order]
+
+
+def staleness(trained: list[Group], version: int) -> dict:
+    """The trained tokens' staleness (the model's tokens: an agent's tool results are not trained)."""
+    stale = [version - v for g in trained for m in g.members
+             for v, sampled in zip(m.ver, getattr(m, "mask", None) or [True] * len(m.ver), strict=True) if sampled]
+    return {"rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0)}
 
 
 def oldest_version(group: Group) -> float:
@@ -102,9 +140,8 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
     - the round ends once prompts_per_generation groups are complete and none still running would be
       too stale to train next round; the oldest complete groups train first. So long completions
       train too, where ending at the first complete groups would drop every long one as stale."""
-    wanted, budget, size = config.prompts_per_generation, config.max_completion_length, config.num_generations
-    slots = math.ceil(wanted * (1 + config.rollout_overprovision)) * size
-    ahead = (config.max_staleness + 1) * wanted
+    budget, size = config.max_completion_length, config.num_generations
+    wanted, slots, ahead = round_limits(config)
     running, requests, carried, members_left, slot = [], [], [], [], {}
     queued, done = {}, {}  # id(group) -> its requests (member, request index); request index -> Completion
 
@@ -132,7 +169,7 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
 
     join(pool)
     join(top_up(len(requests)))
-    last_chance = [slot[id(g)] for g in pool if oldest_version(g) <= version - config.max_staleness]  # staleness k now
+    last_chance = [slot[id(g)] for g in at_last_chance(pool, version, config.max_staleness)]
 
     def enough(finished: list[bool]) -> bool:  # enough complete groups, and none left to go too stale
         left = list(members_left)
@@ -165,12 +202,8 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
             m.finish = "length"
         if step is not None:
             last_step[id(g)] = max(last_step.get(id(g), -1), step)
-    complete = [k for k, g in enumerate(pool) if all(m.finish is not None for m in g.members)]
-    order = sorted(complete, key=lambda k: (oldest_version(pool[k]), last_step.get(id(pool[k]), -1), k))[:wanted]
-    trained, left = [pool[k] for k in order], [g for k, g in enumerate(pool) if k not in order]
-    stale = [version - v for g in trained for m in g.members for v in m.ver]
-    stats = {"rollout/carried_over": sum(carried),
-             "rollout/staleness_mean": sum(stale) / max(len(stale), 1), "rollout/staleness_max": max(stale, default=0),
+    trained, left = train_first(pool, last_step, wanted)
+    stats = {"rollout/carried_over": sum(carried), **staleness(trained, version),
              "rollout/busy_fraction": result.busy_fraction(slots),
              "rollout/generated_tokens": sum(len(c.token_ids) for c in result.completions),
              "rollout/reprefill_tokens": sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c),

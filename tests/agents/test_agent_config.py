@@ -16,7 +16,7 @@ def test_tools_switch_on_multi_turn():
     (dict(tools=["calculator"], rollout_mode="early_exit", num_generations=8),
      "rollout_mode='early_exit' is invalid: expected 'multi_turn'"),
     (dict(rollout_mode="multi_turn"), "tools=None is invalid: expected at least one tool"),
-    (dict(tools=["calculator"], max_staleness=1), "rollout_mode='multi_turn' is invalid"),
+    (dict(tools=["calculator"], max_staleness=1, engine="hf"), "engine='hf' is invalid: expected 'vllm' or 'auto' with max_staleness=1"),
     (dict(tools=["calculator"], tool_timeout=0), "tool_timeout"),
     (dict(tools=["calculator"], max_tool_response_tokens=0), "max_tool_response_tokens"),
 ])

@@ -120,7 +120,7 @@ def test_synchronous_runs_log_zero_rollout_metrics(tmp_path, tiny):
 @pytest.mark.parametrize("overrides, match", [
     (dict(engine="hf"), "engine='hf'.*'vllm' or 'auto' with max_staleness=1"),
     (dict(dynamic_sampling=True), "dynamic_sampling=True.*False with max_staleness=1"),
-    (dict(rollout_mode="early_exit", num_generations=8), "rollout_mode='early_exit'.*'parallel' with max_staleness"),
+    (dict(rollout_mode="early_exit", num_generations=8), "rollout_mode='early_exit'.*'parallel' or 'multi_turn' with max_staleness"),
     (dict(max_staleness=-1), "max_staleness=-1.*>= 0"),
     (dict(rollout_overprovision=-0.5), "rollout_overprovision=-0.5.*>= 0"),
 ])
