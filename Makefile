@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test train bench lint gpu-suite
+.PHONY: setup test train bench lint gpu-suite gpu-wheels
 setup:
 	@./scripts/setup_env.sh
 test: setup
@@ -16,3 +16,5 @@ lint: setup
 	$(VENV)/bin/ruff check grpo_fast kernels tests benchmarks
 gpu-suite:
 	bash benchmarks/gpu_suite.sh benchmarks/results/gpu
+gpu-wheels: setup  # what the GPU image lacks, to carry with a device call (benchmarks/gpu_suite.sh installs it there)
+	$(PY) -m pip download bitsandbytes==0.50.2 --no-deps --only-binary :all: -d gpu_wheels

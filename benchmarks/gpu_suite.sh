@@ -27,6 +27,14 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
+# QLoRA needs bitsandbytes, which the GPU image lacks: `make gpu-wheels` downloads its wheel (43 MB) into
+# gpu_wheels/ (git-ignored); carry that folder with the device call (`carry: ["gpu_wheels"]`) and it is
+# installed here into a scratch folder put on PYTHONPATH (no network needed on the GPU machine).
+for wheel in "$ROOT"/gpu_wheels/bitsandbytes-*.whl; do
+    [ -f "$wheel" ] || continue
+    "$PY" -m pip install -q --no-deps --target /tmp/gpu_suite_site "$wheel" \
+        && export PYTHONPATH="/tmp/gpu_suite_site:$PYTHONPATH"
+done
 BUDGET_S=${GPU_SUITE_BUDGET_S:-290}  # whole suite (the last run took 205 s before the trainer stage); each stage has its own cap
 START=$(date +%s)
 FAILED=0

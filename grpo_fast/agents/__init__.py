@@ -68,7 +68,7 @@ class Agent:
         if fresh.prompt_ids == t.prompt_ids and loop.replay(t.messages, fresh.tools):
             t.environment, t.tools = fresh.environment, fresh.tools
             return True
-        self.environments.release_all_but([i for _, i in self.environments.lent if i is not fresh.environment])
+        self.environments.release([fresh.environment])
         t.__dict__.update(self.trajectory(t.prompt_ids, row, t.seed).__dict__)  # (an instance reset, not replayed)
         return False
 
@@ -79,10 +79,12 @@ class Agent:
         from ..rollout.base import hashed_seed
 
         rows = [r for r in rows for _ in range(n)]  # (one per trajectory)
-        if self.environments is not None:  # (the previous call's instances, scored by now, are free again)
-            self.environments.release_all_but([])
+        if self.environments is not None:  # (the previous call's instances, scored by now, are free again; not
+            self.environments.release(self.environments.last_call)  # those of trajectories in flight, if any)
         trajectories = [self.trajectory(prompts[i // n], rows[i], hashed_seed(seeds[i // n], i % n))
                         for i in range(len(rows))]
+        if self.environments is not None:
+            self.environments.last_call = [t.environment for t in trajectories]
         loop = self.loop(engine, tokenizer, sampling=sampling, max_completion_length=max_completion_length)
         loop.run(trajectories)
         return self.as_rollouts(trajectories, rows, tokenizer, loop.waiting_seconds)

@@ -49,6 +49,7 @@ class Environments:
         self.pools: dict = {}  # name -> every instance made
         self.free: dict = {}  # name -> the instances no trajectory holds
         self.lent: list = []  # (name, instance) held by a trajectory
+        self.last_call: list = []  # the instances of the last synchronous call (`Agent.rollouts`), given back at the next
         self.schema_lists: dict = {}  # name -> the JSON schemas its trajectories' template shows
         self.reward_classes: list = []
         for name, make in self.factories.items():
@@ -85,14 +86,18 @@ class Environments:
         tools = {t.name: t for t in [*self.standalone, *environment_tools(instance)]}
         return Handed(instance, tools, name, observation)
 
-    def release_all_but(self, held: list) -> None:
-        """Give back every instance lent but those `held` (by trajectories still in flight): the others'
-        trajectories were trained (scored, their rewards read) or dropped."""
-        keep = {id(i) for i in held}
+    def release(self, instances: list) -> None:
+        """Give these instances back (their trajectories were trained: scored, their rewards read; or dropped)."""
+        back = {id(i) for i in instances}
         for name, instance in self.lent:
-            if id(instance) not in keep:
+            if id(instance) in back:
                 self.free[name].append(instance)
-        self.lent = [(name, instance) for name, instance in self.lent if id(instance) in keep]
+        self.lent = [(name, instance) for name, instance in self.lent if id(instance) not in back]
+
+    def release_all_but(self, held: list) -> None:
+        """Give back every instance lent but those `held` (by trajectories still in flight)."""
+        keep = {id(i) for i in held}
+        self.release([instance for _, instance in self.lent if id(instance) not in keep])
 
     def reward_functions(self) -> list[Callable]:
         """One reward function per environment class with get_reward, named after it (TRL's)."""

@@ -98,17 +98,20 @@ def build_chatml_tokenizer():
     return tokenizer
 
 
-def scripted_conversation(rng: random.Random) -> list[dict]:
+def scripted_conversation(rng: random.Random, muls: int = 1) -> list[dict]:
+    """The script; muls > 1 (benchmarks/bench_agents.py's chains): mul is called again while its result says
+    "(now mul)", on the last result and c."""
     a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(2, 5)
     call = lambda name, x, y: [{"type": "function", "function": {"name": name, "arguments": {"a": x, "b": y}}}]  # noqa: E731
-    return [
-        {"role": "user", "content": f"({a}+{b})*{c}?"},
-        {"role": "assistant", "content": "", "tool_calls": call("add", a, b)},
-        {"role": "tool", "name": "add", "content": add(a, b)},
-        {"role": "assistant", "content": "", "tool_calls": call("mul", a + b, c)},
-        {"role": "tool", "name": "mul", "content": mul(a + b, c)},
-        {"role": "assistant", "content": str((a + b) * c)},
-    ]
+    messages = [{"role": "user", "content": f"({a}+{b})*{c}?"},
+                {"role": "assistant", "content": "", "tool_calls": call("add", a, b)},
+                {"role": "tool", "name": "add", "content": add(a, b)}]
+    value = a + b
+    for k in range(muls):
+        messages += [{"role": "assistant", "content": "", "tool_calls": call("mul", value, c)},
+                     {"role": "tool", "name": "mul", "content": mul(value, c) if k == muls - 1 else f"{value * c} (now mul)"}]
+        value *= c
+    return messages + [{"role": "assistant", "content": str(value)}]
 
 
 def tool_prompts(n: int, seed: int = 0) -> list[dict]:
@@ -136,10 +139,12 @@ def _assistant_mask(tokenizer, messages, schemas) -> tuple[list[int], list[bool]
     return ids, mask
 
 
-def build_tool_model(path: str | os.PathLike, *, seed: int = 0, steps: int = 60, conversations: int = 16) -> str:
+def build_tool_model(path: str | os.PathLike, *, seed: int = 0, steps: int = 60, conversations: int = 16,
+                     max_muls: int = 1) -> str:
     """Write the tiny tool-calling model (fp32 safetensors + its tokenizer) to `path`; return it as str. 60 full-batch
     AdamW steps on 16 conversations: about 8 s on 2 cores; at temperature 1 it then runs the script's 3 turns in
-    most trajectories, and now and then writes call markup that does not parse (which the tests want too)."""
+    most trajectories, and now and then writes call markup that does not parse (which the tests want too).
+    max_muls > 1: conversations of 1 to max_muls mul calls (uniform), for a model that calls mul while told to."""
     import torch
     from transformers import LlamaForCausalLM
     from transformers.utils import get_json_schema
@@ -149,7 +154,8 @@ def build_tool_model(path: str | os.PathLike, *, seed: int = 0, steps: int = 60,
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     schemas = [get_json_schema(f) for f in TOOLS]
     rng = random.Random(seed)
-    examples = [_assistant_mask(tokenizer, scripted_conversation(rng), schemas) for _ in range(conversations)]
+    examples = [_assistant_mask(tokenizer, scripted_conversation(rng, rng.randint(1, max_muls) if max_muls > 1 else 1),
+                                schemas) for _ in range(conversations)]
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), tokenizer.pad_token_id)
     labels = torch.full((len(examples), width), -100)
