@@ -11,10 +11,11 @@ tool results too) or the engine's `max_model_len` ends it before the result is a
 A turn whose call markup does not parse is answered with an error result (`malformed`).
 
 Two drivers, one bookkeeping:
-- an engine with a request loop (vLLM: `generate_until`) never waits for a tool: a trajectory's calls
-  start the moment its turn finishes, and its next turn joins the running batch as soon as they return,
-  while the engine keeps decoding the others; only when every live trajectory waits on a tool does
-  the loop wait (the time counted in `tools/time_waiting`);
+- an engine with a request loop (vLLM: `generate_until`) never waits for a tool (`stream`): a trajectory's
+  calls start the moment its turn finishes, and its next turn joins the running batch as soon as they
+  return, while the engine keeps decoding the others; only when every live trajectory waits on a tool does
+  the loop wait (the time counted in `tools/time_waiting`). Partial rollouts (rounds.py) drive the same
+  loop with a round's end: a turn stopped by it keeps its tokens (`carry`), running calls go on;
 - otherwise (the HF engine) turns run in lock-step: every live trajectory's turn, then all their tools.
 """
 
@@ -69,6 +70,18 @@ class Trajectory:
         return self.finish_reason if self.done else None
 
     COUNTERS = ("turns", "rounds", "calls", "failures", "malformed", "truncated")
+    LIVE = ("pending", "tools", "environment")  # handles on running calls and user objects: shared by copies
+
+    def __deepcopy__(self, memo) -> "Trajectory":
+        """A copy of its tokens and records sharing its live handles (the trainer copies its state at each
+        round's start, to rewind to on an interrupt: running calls and environments are not copied)."""
+        import copy
+
+        out = copy.copy(self)
+        for name, value in vars(self).items():
+            if name not in self.LIVE:
+                setattr(out, name, copy.deepcopy(value, memo))
+        return out
 
     def to_dict(self) -> dict:
         """The checkpoint's form (a partial-rollout member): tokens, log-probs (NaN as None), mask, versions,
@@ -202,7 +215,7 @@ class AgentLoop:
         """Run the trajectories to their ends. lockstep: turns in lock-step even on an engine with a request loop
         (benchmarks/bench_agents.py compares the two)."""
         if getattr(self.engine, "runs_partial_rollouts", False) and not lockstep:
-            self._run_streaming(trajectories)
+            self.stream(trajectories)
         else:
             self._run_lockstep(trajectories)
         return trajectories
@@ -228,9 +241,6 @@ class AgentLoop:
                 t = trajectories[i]
                 if not t.done and self.results_in(t):
                     requests[i] = self.request(t)
-
-    def _run_streaming(self, trajectories: list[Trajectory]) -> None:
-        self.stream(trajectories)
 
     def stream(self, trajectories: list[Trajectory], enough: Callable[[], bool] = lambda: False,
                more: Callable[[int], list[Trajectory]] = lambda busy: [],

@@ -4,6 +4,7 @@ the trajectory once, in the next round), no trained token is more than one versi
 with trajectories in flight trains what the uninterrupted run trains. Environments read back from a checkpoint
 are rebuilt by replaying their calls, or, where that gives other results, their trajectories start again."""
 
+import copy
 import dataclasses
 import json
 import threading
@@ -184,6 +185,10 @@ def test_an_environment_read_back_is_replayed_or_its_trajectory_restarted(run_a,
                       "name": "mul", "arguments": {"a": 5, "b": 4}}}]}]
     t.ids, t.mask, t.logp, t.ver, t.turns, t.rounds, t.calls = [1, 2, 3], [True] * 3, [-1.0] * 3, [0] * 3, 2, 1, 2
     t.awaiting = [{"name": "mul", "arguments": {"a": 5, "b": 4}}]
+    t.pending = loop.runner.start(t.awaiting, t.tools)
+    copied = copy.deepcopy(t)  # (the trainer's rewind copy: records copied, running calls and the instance shared)
+    assert copied.pending is t.pending and copied.environment is t.environment and copied.ids == t.ids
+    assert copied.ids is not t.ids and copied.messages is not t.messages
     back = Trajectory.from_dict(json.loads(json.dumps(t.to_dict())))  # (the checkpoint's form, through JSON)
     assert back.environment is None and back.awaiting == t.awaiting
     assert agent.restore(back, row, loop) is rebuilt
