@@ -288,6 +288,18 @@ def markdown(report: dict) -> str:
                          f"{s[name]['step_s_per_token'] / s['TRL']['step_s_per_token']:.2f}x (target <= 0.25x).")
     lines.append(f"Zero latency, per-trajectory / lock-step (rollout part): "
                  f"{med['per-trajectory'] / med['lock-step']:.2f}x (target <= 1.05x).")
+    if "lock-step" in s:  # a GPU decodes the same turns ~10x faster while a tool takes as long
+        busy = s["lock-step"]["busy_fraction"]
+        gpu = busy / 10 / (busy / 10 + 1 - busy)
+        lines += ["", f"On a GPU, where decode dominates (a batch turn ~10x faster, the tools as slow): lock-step keeps "
+                      f"the busy fraction's decoding part and all its waits, so {busy:.2f} here becomes "
+                      f"{busy:.2f}/10 / ({busy:.2f}/10 + {1 - busy:.2f}) = {gpu:.2f}: the engine idles "
+                      f"{1 - gpu:.0%} of the rollout. Per-trajectory turns alone do not change that when a batch's "
+                      f"trajectories start together and take turns of like length (their tools overlap one another, "
+                      f"not decoding); partial rollouts do: new prompts' turns decode while the batch waits, so the busy "
+                      f"fraction stays near the {s.get('per-trajectory, partial rollouts', {}).get('busy_fraction', float('nan')):.2f} "
+                      f"measured here as long as max_staleness x prompts_per_generation groups hold enough turns to "
+                      f"cover a tool's latency (with a batch turn 10x shorter, about 10x the trajectories in flight)."]
     lines += ["", "Rollout part: `time/generate` (generation and tool waits, scoring excluded). Busy fraction: the "
                   "rollout part's share not spent waiting with nothing to decode (`tools/time_waiting`). Not overlapped: "
                   "that wait over the tool calls' summed time. TRL logs no rollout time of its own; its whole step is "
