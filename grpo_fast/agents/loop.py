@@ -132,8 +132,11 @@ class AgentLoop:
         t.ver += [self.version] * len(token_ids)
 
     def carry(self, t: Trajectory, token_ids: list[int], logprobs: list[float]) -> None:
-        """What a turn sampled before its round stopped (the turn goes on in the next round)."""
+        """What a turn sampled before its round stopped (the turn goes on in the next round; stopped on its
+        last token, it ends there, by length)."""
         self._append(t, token_ids, logprobs, True)
+        if self.budget(t) < 1:
+            self._turn_done(t, [], [], "length")
 
     def _turn_done(self, t: Trajectory, token_ids: list[int], logprobs: list[float], finish_reason: str) -> None:
         """Append a sampled turn (or its last part); start its calls, or end the trajectory."""
