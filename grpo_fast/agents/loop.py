@@ -60,6 +60,9 @@ class Trajectory:
     awaiting: Optional[list] = None  # the calls of its last turn whose results are not in yet ([]: malformed)
     environment: Optional[object] = None  # its environment instance (environment_factory), reset with its row
 
+    COUNTERS = ("turns", "rounds", "calls", "failures", "malformed", "truncated")
+    LIVE = ("pending", "tools", "environment")  # handles on running calls and user objects: shared by copies
+
     @property
     def running_ids(self) -> list[int]:
         return self.prompt_ids + self.ids
@@ -68,9 +71,6 @@ class Trajectory:
     def finish(self) -> Optional[str]:
         """None while it runs (a partial-rollout group's member), else how its last turn ended."""
         return self.finish_reason if self.done else None
-
-    COUNTERS = ("turns", "rounds", "calls", "failures", "malformed", "truncated")
-    LIVE = ("pending", "tools", "environment")  # handles on running calls and user objects: shared by copies
 
     def __deepcopy__(self, memo) -> "Trajectory":
         """A copy of its tokens and records sharing its live handles (the trainer copies its state at each
