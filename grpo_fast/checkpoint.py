@@ -12,29 +12,46 @@ crash never leaves a half-written `checkpoint-N` or `final/`.
         model.safetensors, config.json, tokenizer files     (rank 0; loadable by transformers and vLLM)
         trainer_state.pt   {"state": TrainState as dict, "scheduler", "rng" (rank 0's), "rng_by_rank",
                             "config", "world_size"}
+        manifest.json      {"step", "files": {relative path: size in bytes}}: written last (rank 0, once every
+                            rank has written), so a folder whose files do not match it was damaged after the
+                            write (a truncated copy, a bad disk); final/ has one too ("merged": merged/ in it)
 
-Checkpoints of earlier versions (the optimizer inside trainer_state.pt, no distributed/) still load.
-Many ranks write into one folder: output_dir must be on storage that every node sees.
+Loading checks first: a checkpoint whose files do not match its manifest is passed over for the previous
+intact one with one warning ('latest'), or refused in one line naming the file (a folder named explicitly);
+a file that still fails to read (damage that kept its size, or a checkpoint without a manifest) is
+named in one line too. Sizes, not checksums: checking them costs nothing at any model size, and a torn
+file (the case a kill, a full disk or a truncated copy leaves) changes its size; bit rot that keeps
+the size surfaces as a read error of the named file.
+
+Checkpoints of earlier versions (the optimizer inside trainer_state.pt, no distributed/, no manifest)
+still load. Many ranks write into one folder: output_dir must be on storage that every node sees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import logging
 import os
 import random
 import re
 import shutil
 import warnings
+from typing import Optional
 
 import torch
 
 from .errors import chain
 
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.pt"
 DCP_FOLDER = "distributed"
+MANIFEST = "manifest.json"
 TEMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_warned_fallback: set[tuple[str, str]] = set()  # (newest, chosen) fallbacks this process has announced
 
 
 def rng_state() -> dict:
@@ -73,28 +90,42 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
             torch.save({"state": state, "scheduler": scheduler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
                         "config": config, "world_size": world.size}, os.path.join(tmp, STATE_FILE))
 
-    # the HF model + the sharded model + AdamW's two moments (float32 each) + RNG and small state (LoRA: the adapter's)
+    # the HF model + the sharded model + AdamW's two moments (float32 each) + RNG and small state (LoRA: the
+    # adapter's file + its sharded copy + its two moments: kilobytes to megabytes, hence sizes in KiB too)
     needed = _tensor_bytes(_saved_parameters(model)) * 4
-    final = write_atomically(os.path.join(output_dir, f"checkpoint-{step}"), write, needed_bytes=needed, world=world)
+    final = write_atomically(os.path.join(output_dir, f"checkpoint-{step}"), write, needed_bytes=needed, world=world,
+                             manifest={"step": step})
     if total_limit is not None and world.main:
         for old in list_checkpoints(output_dir)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def save_final_model(target: str, model, tokenizer, parallel, merged: bool = False) -> str:
+def save_final_model(target: str, model, tokenizer, parallel, merged: bool = False, step: Optional[int] = None) -> str:
     """The trained model alone, as an HF folder at `target`, atomically (every rank calls this). A LoRA
     policy: its adapter (adapter_config.json + adapter_model.safetensors), and with `merged` also
-    `merged/`, the base with the adapter merged."""
+    `merged/`, the base with the adapter merged. step: the trained step, kept in its manifest (a resume
+    of a run killed while this was written finds final/ missing or older, and writes it: `final_written`)."""
     from .models import lora
+
+    merged = merged and lora.is_lora(model)
 
     def write(tmp: str) -> None:
         _save_whole_model(model, tokenizer, tmp, parallel)
-        if merged and lora.is_lora(model) and parallel.world.main:
+        if merged and parallel.world.main:
             lora.save_merged(model, os.path.join(tmp, "merged"), tokenizer)
 
     needed = _tensor_bytes(model.parameters()) if merged or not lora.is_lora(model) else _tensor_bytes(_saved_parameters(model))
-    return write_atomically(target, write, needed_bytes=needed, world=parallel.world)
+    return write_atomically(target, write, needed_bytes=needed, world=parallel.world,
+                            manifest={"step": step, "merged": merged})
+
+
+def final_written(target: str, step: int, merged: bool) -> bool:
+    """Whether `target` (final/) holds the model of `step` (with merged/ where `merged`) intact, as
+    `save_final_model` records it; a final/ of an earlier version (no manifest) counts as not written."""
+    record = read_manifest(target)
+    return (record is not None and record.get("step") == step and (record.get("merged") or not merged)
+            and damage(target) is None)
 
 
 def _save_whole_model(model, tokenizer, folder: str, parallel) -> None:
@@ -142,16 +173,40 @@ def save_sharded(model, optimizer, folder: str) -> None:
 
 
 def load_sharded(model, optimizer, folder: str) -> None:
-    """Load a `save_sharded` folder into the live model and optimizer, resharded to this world."""
+    """Load a `save_sharded` folder into the live model and optimizer, resharded to this world. Strict:
+    the folder's tensors are the live model's, one for one (a LoRA adapter of another shape is refused, not
+    loaded in part); a file that fails to read is named in one line."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = _model_and_optimizer(model, optimizer)  # (initialises AdamW's state, so it has a place to load into)
-    with _no_process_group_notice():
-        dcp.load(state, checkpoint_id=folder)
+    try:
+        with _no_process_group_notice():
+            saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise unreadable(os.path.join(folder, ".metadata"), err) from err
+    _check_same_tensors(folder, {k[len("model."):] for k in saved if k.startswith("model.")}, set(state["model"]))
+    try:
+        with _no_process_group_notice():
+            dcp.load(state, checkpoint_id=folder)
+    except (Exception, CheckpointException) as err:  # (CheckpointException, a rank's failure, is a BaseException)
+        raise unreadable(folder, err) from err
     frozen = any(not p.requires_grad for p in model.parameters())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(ignore_frozen_params=frozen, strict=not frozen))
+
+
+def _check_same_tensors(folder: str, saved: set, live: set) -> None:
+    """Refuse a checkpoint whose model tensors are not the live model's: loading the common ones alone
+    would train on with the rest silently at their fresh values (a LoRA adapter resumed with other
+    target modules kept 4 of its 28 tensors)."""
+    missing, unexpected = sorted(live - saved), sorted(saved - live)
+    if missing or unexpected:
+        raise ValueError(f"{folder} does not hold this model's tensors: {len(missing)} of the model's {len(live)} are not "
+                         f"in it (e.g. {missing[:2]}), {len(unexpected)} of its {len(saved)} are not in the model (e.g. "
+                         f"{unexpected[:2]}); resume with the options it was saved with (a LoRA adapter keeps its "
+                         f"shape: use_peft, lora_r, lora_target_modules, lora_modules_to_save)")
 
 
 def load_model_and_optimizer(path: str, saved: dict, model, optimizer) -> None:
@@ -161,7 +216,10 @@ def load_model_and_optimizer(path: str, saved: dict, model, optimizer) -> None:
         load_sharded(model, optimizer, os.path.join(path, DCP_FOLDER))
     else:  # an earlier version's checkpoint: the HF weights and the optimizer's own state dict
         load_model_weights(model, path)
-        optimizer.load_state_dict(saved["optimizer"])
+        try:
+            optimizer.load_state_dict(saved["optimizer"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"{os.path.join(path, STATE_FILE)}: its optimizer state does not fit this model ({err})") from err
 
 
 def rank_rng_state(saved: dict, rank: int) -> dict:
@@ -178,7 +236,7 @@ def save_model(model, tokenizer, folder: str, state_dict: dict | None = None) ->
         tokenizer.save_pretrained(folder)
 
 
-def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -> str:
+def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None, manifest: Optional[dict] = None) -> str:
     """Run `write(tmp_folder)`, fsync what it wrote, then rename the folder to `target`.
 
     A crash, a kill or a full disk at any moment leaves either the old `target` or the new one,
@@ -187,6 +245,8 @@ def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -
     "no space left on <folder>" with the size the write needs (`needed_bytes`, an estimate).
     world (many ranks): every rank calls this and writes its part into the same temporary folder;
     rank 0 makes and renames it, and a failure on any rank fails the write on all of them.
+    manifest: written by rank 0 as MANIFEST (these fields and every file's size) once every rank has
+    written, before the fsync: what loading checks the folder against (`damage`).
     """
     from .distributed import ONE_PROCESS, any_rank, barrier, gather_objects
 
@@ -206,6 +266,8 @@ def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -
     failed = any_rank(error is not None, world)
     if not failed:  # once every rank has written: a rank's walk never meets another's file mid-rename
         try:
+            if manifest is not None and world.main:
+                _write_manifest(tmp, manifest)
             _fsync_tree(tmp)
         except BaseException as err:
             error = err
@@ -228,7 +290,7 @@ def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None) -
         if _disk_full(err, parent, needed_bytes):
             free = shutil.disk_usage(parent).free
             raise OSError(errno.ENOSPC, f"no space left on {parent}: writing {name} needs about "
-                          f"{needed_bytes / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free "
+                          f"{_size(needed_bytes)}, {_size(free)} are free "
                           f"(earlier checkpoints are intact; free space, then resume)") from None
         raise
     finally:
@@ -259,6 +321,16 @@ def _disk_full(err: BaseException, folder: str, needed_bytes: int) -> bool:
     return False
 
 
+def _size(n: int) -> str:
+    """Bytes for a person: a LoRA checkpoint is kilobytes, a model gigabytes (a fixed MiB said "0 MiB")."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.0f} {unit}"
+    return f"{n} bytes"
+
+
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)  # (a DTensor's numel is the whole tensor's)
 
@@ -282,6 +354,46 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def _write_manifest(folder: str, fields: dict) -> None:
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({**fields, "files": dict(sorted(files.items()))}, f, indent=1)
+
+
+def read_manifest(folder: str) -> Optional[dict]:
+    """The folder's manifest; None where it has none (written by an earlier version) or it is unreadable."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def damage(folder: str) -> Optional[str]:
+    """What is wrong with a checkpoint (or final/) folder, naming the file; None when every file its
+    manifest lists is there with the size written (or it has no manifest: an earlier version's, checked
+    as it loads)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    record = read_manifest(folder)
+    files = record.get("files") if record is not None else None
+    if not isinstance(files, dict):
+        return f"{path} is unreadable"
+    for name, size in files.items():
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) != size:
+            return f"{file} holds {os.path.getsize(file)} bytes where {size} were written"
+    return None
+
+
 def list_checkpoints(output_dir: str) -> list[str]:
     """Complete checkpoint folders in `output_dir`, oldest step first."""
     if not os.path.isdir(output_dir):
@@ -292,15 +404,40 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 def resolve_checkpoint(spec: str, output_dir: str) -> str:
-    """'latest' -> the newest checkpoint in output_dir; a folder -> itself. Errors say what was looked at."""
+    """'latest' -> the newest intact checkpoint in output_dir (damaged newer ones passed over with one
+    warning, rank 0, once per process); a folder -> itself, refused when damaged. Errors say what was
+    looked at, in one line."""
     if spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
             raise FileNotFoundError(f"resume_from_checkpoint='latest': no checkpoint-* folder with {STATE_FILE} in {output_dir!r}")
-        return found[-1]
+        damaged = []
+        for path in reversed(found):
+            problem = damage(path)
+            if problem is None:
+                if damaged and os.environ.get("RANK", "0") == "0" and (found[-1], path) not in _warned_fallback:
+                    _warned_fallback.add((found[-1], path))
+                    logger.warning("%s: resuming from %s, the newest intact checkpoint", "; ".join(damaged), path)
+                return path
+            damaged.append(f"{os.path.basename(path)} is damaged ({problem})")
+        raise ValueError(f"resume_from_checkpoint='latest': no intact checkpoint in {output_dir!r}: {'; '.join(damaged)}; "
+                         f"start a fresh run (--overwrite_output_dir, or another --output_dir)")
     if not os.path.exists(os.path.join(spec, STATE_FILE)):
         raise FileNotFoundError(f"resume_from_checkpoint={spec!r}: not a grpo_fast checkpoint (no {STATE_FILE} there)")
+    problem = damage(spec)
+    if problem is not None:
+        raise ValueError(f"resume_from_checkpoint={spec!r} is damaged: {problem}; resume from another checkpoint "
+                         f"(--resume_from_checkpoint, or --resume for the newest intact one)")
     return spec
+
+
+def unreadable(path: str, err: BaseException) -> ValueError:
+    """A checkpoint file that failed to load, as one line naming it (the reader's own message can be a
+    page of tracebacks: its first line is kept)."""
+    cause = next((e for e in chain(err) if not getattr(e, "failures", None)), err)  # (not DCP's per-rank wrapper)
+    first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "").split(". ")[0]
+    return ValueError(f"{path} cannot be read ({type(cause).__name__}: {first[:300]}): the checkpoint is damaged; "
+                      f"resume from an earlier one with --resume_from_checkpoint")
 
 
 def load_model_weights(model, path: str) -> None:
@@ -312,7 +449,10 @@ def load_model_weights(model, path: str) -> None:
         raise FileNotFoundError(f"{path}: no .safetensors weights")
     weights = {}
     for f in files:
-        weights.update(load_file(os.path.join(path, f)))
+        try:
+            weights.update(load_file(os.path.join(path, f)))
+        except Exception as err:
+            raise unreadable(os.path.join(path, f), err) from err
     # copy into the live tensors (named_parameters lists a tied lm_head once, under the embedding)
     params = dict(model.named_parameters())
     own = {**params, **dict(model.named_buffers())}
@@ -326,6 +466,10 @@ def load_model_weights(model, path: str) -> None:
                 own[name].copy_(tensor)
 
 
-def load_trainer_state(path: str) -> dict:
-    # weights_only=False: the file holds Python RNG state and plain dicts written by save_checkpoint
-    return torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
+def load_trainer_state(path: str, **load) -> dict:
+    """trainer_state.pt of checkpoint `path` (load: torch.load's options), a read failure named in one line."""
+    file = os.path.join(path, STATE_FILE)
+    try:  # weights_only=False: the file holds Python RNG state and plain dicts written by save_checkpoint
+        return torch.load(file, map_location="cpu", weights_only=False, **load)
+    except Exception as err:
+        raise unreadable(file, err) from err

@@ -277,6 +277,12 @@ def check_run(c, field_names: list[str]) -> None:
         if c.resume_from_checkpoint is None:
             fail("resume_override", c.resume_override, "None on a fresh run (it changes a resumed run's saved options: "
                  "pass --resume)")
+    # (the CLI reads "q_proj," and "" as lists with a None in them: refused here, not by PEFT after the model loads)
+    if not c.lora_target_modules or not all(isinstance(v, str) and v.strip() for v in c.lora_target_modules):
+        fail("lora_target_modules", c.lora_target_modules, "layer names without blank entries (q_proj,v_proj,...) or "
+             "all-linear")
+    if c.lora_modules_to_save is not None and not all(isinstance(v, str) and v.strip() for v in c.lora_modules_to_save):
+        fail("lora_modules_to_save", c.lora_modules_to_save, "None or module names without blank entries (e.g. norm)")
     if c.entropy_coef_min > c.entropy_coef_max:
         fail("entropy_coef_min", c.entropy_coef_min, f"<= entropy_coef_max ({c.entropy_coef_max})")
 
@@ -289,7 +295,8 @@ def validate(c, field_names: list[str]) -> None:
 
 
 def unused_option_warnings(c) -> list[str]:
-    """Options set away from their defaults that this configuration never reads."""
+    """Options set away from their defaults that this configuration never reads, or reads with a cost the
+    user should hear of once."""
     default = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(c)}
     out = []
     if not c.max_staleness and c.rollout_overprovision != default["rollout_overprovision"]:
@@ -303,4 +310,10 @@ def unused_option_warnings(c) -> list[str]:
         if changed:
             out.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without use_peft=True "
                        f"(the shape of a LoRA adapter)")
+    elif c.lora_dropout > 0:
+        out.append(f"lora_dropout={c.lora_dropout} with lora_sync={c.lora_sync!r} (the {c.lora_route} route): the engine "
+                   f"samples the adapter without dropout ({'merged into its weights' if c.lora_route == 'merged' else 'vLLM applies none'}"
+                   f"), as the no-grad passes compute it, while the training forward drops the adapter's inputs: "
+                   f"the importance ratio, its clipping and the IS correction see dropout noise, not only the policy's "
+                   f"change; lora_dropout=0 (the default) trains the policy that is sampled")
     return out

@@ -13,9 +13,12 @@ resumes from step 0 with it). On resume:
   when the checkpoint loads), or named in `resume_override`. An override takes effect (a new
   learning rate or AdamW option reaches the optimizer and scheduler: `apply_optimizer_overrides`)
   and is logged. Options the partial-rollout pool depends on (`IN_FLIGHT`) can never change while
-  groups are in flight.
+  groups are in flight, nor the shape of a checkpoint's LoRA adapter (`ADAPTER_SHAPE`: its tensors
+  would not be the new model's, and a checkpoint loads strictly).
 - `restore` (`GRPOTrainer.train`): the checkpoint's model, optimizer, schedule, RNG and loop state,
   any world size, the global batch checked.
+- `unfinished` (`GRPOTrainer.train`): a checkpoint at max_steps is not the end of the run when final/
+  (or merged/) was not written for it (killed while writing it): the resume writes it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ LAYOUT = ("per_device_train_batch_size", "gradient_accumulation_steps", "distrib
 # groups are in flight (they would continue under other lengths, group sizes or prompts).
 IN_FLIGHT = ("model", "dataset", "task", "task_train_size", "prompt_column", "num_generations", "max_prompt_length",
              "max_completion_length", "vllm_max_model_length", "max_staleness", "rollout_mode", "seed")
+# What a LoRA checkpoint's tensors are shaped by: with another value the model's adapter (or the whole model)
+# is not the saved one, so no override can apply while a checkpoint is resumed (lora_alpha and lora_dropout can:
+# the tensors are the same).
+ADAPTER_SHAPE = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save")
 # The AdamW and schedule options an override pushes into the restored optimizer and scheduler.
 OPTIMIZER_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 
@@ -57,18 +64,24 @@ def saved_config(output_dir: str, checkpoint_path: Optional[str]) -> tuple[Optio
     """(the config the run was trained with, whether partial rollouts have groups in flight): the
     checkpoint's, else the run folder's run_config.json; (None, False) when neither exists."""
     if checkpoint_path is not None:
-        import torch
-
-        from .checkpoint import STATE_FILE
+        from .checkpoint import load_trainer_state
 
         # mmap: checkpoints from before the optimizer moved to torch.distributed.checkpoint hold it here
-        state = torch.load(os.path.join(checkpoint_path, STATE_FILE), map_location="cpu", weights_only=False,
-                           mmap=True)
+        state = load_trainer_state(checkpoint_path, mmap=True)
         return state.get("config"), bool(state.get("state", {}).get("in_flight"))
     path = os.path.join(output_dir, RUN_CONFIG_FILE)
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f), False
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (ValueError, OSError) as err:  # (UnicodeDecodeError is a ValueError)
+            raise ValueError(f"{path} is not the JSON object of options a start writes ({err}); the run has no "
+                             f"checkpoint to take them from: fix or delete that file, then resume with the run's options "
+                             f"on the command line") from None
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} holds {type(saved).__name__}, not the JSON object of options a start writes; fix "
+                             f"or delete that file, then resume with the run's options on the command line")
+        return saved, False
     return None, False
 
 
@@ -100,14 +113,15 @@ def resumed_config(given: dict, output_dir: str, spec: str):
         return GRPOConfig.from_dict({}, **given)
     base = {k: v for k, v in _explicit(_known(saved)).items() if k != "resume_override"}  # overrides: this time's only
     config = GRPOConfig.from_dict(base, **given)
-    check_resume(config, saved, path or os.path.join(output_dir, RUN_CONFIG_FILE), in_flight)
+    check_resume(config, saved, path or os.path.join(output_dir, RUN_CONFIG_FILE), in_flight, checkpoint=path is not None)
     return config
 
 
-def check_resume(config, saved: Optional[dict], source: str, in_flight: bool = False) -> list[str]:
+def check_resume(config, saved: Optional[dict], source: str, in_flight: bool = False, checkpoint: bool = True) -> list[str]:
     """Refuse what a resumed run may not change; return the overridden field names (for the log).
 
-    saved: the saved config (None: nothing to compare). in_flight: the checkpoint carries groups."""
+    saved: the saved config (None: nothing to compare). in_flight: the checkpoint carries groups.
+    checkpoint: `source` is a checkpoint (its tensors fix the adapter's shape), not run_config.json."""
     if saved is None:
         return []
     override = list(config.resume_override or [])
@@ -118,6 +132,13 @@ def check_resume(config, saved: Optional[dict], source: str, in_flight: bool = F
         raise ValueError(f"resume: {source} has groups in flight (partial rollouts), which need the saved "
                          f"{_listing(frozen, theirs, ours)}; no resume_override can change these while groups are "
                          f"in flight (resume without them, or start a fresh run)")
+    shaped = [n for n in changed if checkpoint and n in ADAPTER_SHAPE and (theirs.get("use_peft") or ours.get("use_peft"))]
+    if shaped:
+        held = (f"a LoRA adapter (r={theirs.get('lora_r')} on {theirs.get('lora_target_modules')})"
+                if theirs.get("use_peft") else "a full model, no adapter")
+        raise ValueError(f"resume: {source} holds {held}; {_listing(shaped, theirs, ours)} cannot apply to it (its "
+                         f"tensors would not be this model's): resume with the saved values, or train the new shape "
+                         f"in a fresh run (another --output_dir)")
     refused = [n for n in changed if n not in override]
     if refused:
         raise ValueError(f"resume: options differ from the run's saved config ({source}): "
@@ -185,7 +206,20 @@ def check_run(config, resume_path: Optional[str]) -> list[str]:
         return []
     saved, in_flight = saved_config(config.output_dir, resume_path)
     source = resume_path or os.path.join(config.output_dir, RUN_CONFIG_FILE)
-    return check_resume(config, saved, source, in_flight)
+    return check_resume(config, saved, source, in_flight, checkpoint=resume_path is not None)
+
+
+def unfinished(config, step: int, model) -> list[str]:
+    """What a run resumed at `step` >= max_steps still has to do ([] : nothing, the run had ended): final/
+    (and its merged/) when the run was stopped before writing them for this step (killed meanwhile)."""
+    from . import checkpoint
+    from .models import lora
+
+    if not config.save_final:
+        return []
+    merged = config.save_merged and lora.is_lora(model)
+    final = os.path.join(config.output_dir, "final")
+    return [] if checkpoint.final_written(final, step, merged) else ["final/ with merged/" if merged else "final/"]
 
 
 def resume_command(config, world_size: int) -> str:

@@ -146,7 +146,9 @@ class GRPOTrainer:
                 checkpoint.remove_stale_temp_folders(c.output_dir)
             if self.resume_path is not None:
                 self._resume(self.resume_path)
-                if self.state.step >= c.max_steps:
+                # (at max_steps, a run killed while writing final/ still has that to do: the loop below skips its
+                # steps and writes it)
+                if self.state.step >= c.max_steps and not resume.unfinished(c, self.state.step, self.policy.model):
                     print(f"{self.resume_path} is at step {self.state.step} >= max_steps={c.max_steps}: nothing to "
                           f"train (raise --max_steps to train further)", flush=True)
                     return {}
@@ -302,7 +304,8 @@ class GRPOTrainer:
         Every rank calls it: each writes its shards, rank 0 the rest (checkpoint.py)."""
         c, p = self.config, self.policy
         if final:
-            return checkpoint.save_final_model(path, p.model, p.tokenizer, p.parallel, merged=c.save_merged)
+            return checkpoint.save_final_model(path, p.model, p.tokenizer, p.parallel, merged=c.save_merged,
+                                               step=self.state.step)
         path = checkpoint.save_checkpoint(c.output_dir, self.state.step, model=p.model, tokenizer=p.tokenizer,
                                           optimizer=self.optimizer, scheduler=self.scheduler, parallel=p.parallel,
                                           state=self.state.to_dict(), config=c.to_dict(), total_limit=c.save_total_limit)

@@ -28,6 +28,10 @@ from torch import nn
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# grpo_fast's record of the base an adapter was trained on, beside PEFT's files: {"path": absolute and resolved,
+# "sha256": models.weights_fingerprint of its weights}. PEFT's base_model_name_or_path was the --model text as given:
+# a relative path, which an eval started in another folder resolved to a same-named folder there.
+BASE_RECORD = "base_model.json"
 POLICY, REFERENCE = "default", "ref"  # the trained adapter's name; a resumed-from adapter kept frozen as the reference
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (0.32)
 
@@ -38,19 +42,55 @@ def is_adapter_folder(path) -> bool:
 
 def adapter_base(path: str, lora_base_model: Optional[str]) -> str:
     """The base model of the PEFT adapter folder `path`: lora_base_model when given, else the adapter's
-    `base_model_name_or_path` when it is a local folder (or names the default model), else refused."""
-    if lora_base_model is not None:
-        return lora_base_model
-    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-        base = json.load(f).get("base_model_name_or_path")
+    `base_model_name_or_path` when it is a local folder (or names the default model), else refused.
+    An adapter grpo_fast wrote records its base's weights (`BASE_RECORD`): a base whose weights differ
+    is refused in one line, before anything loads."""
     from .loading import DEFAULT_MODEL
 
-    if base and os.path.isdir(base):
-        return base
-    if base and base.rstrip("/").rsplit("/", 1)[-1] == DEFAULT_MODEL.rsplit("/", 1)[-1]:
-        return "default"  # the default model's own name (its hub id or a path to it elsewhere): its installed copy
-    raise ValueError(f"model={path!r} is a PEFT adapter whose base_model_name_or_path ({base!r}) is not a local folder "
-                     f"(nothing is downloaded); pass the base model's folder with --lora_base_model")
+    if lora_base_model is not None:
+        base = lora_base_model
+    else:
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            named = json.load(f).get("base_model_name_or_path")
+        if named and os.path.isdir(named):
+            base = named
+        elif named and named.rstrip("/").rsplit("/", 1)[-1] == DEFAULT_MODEL.rsplit("/", 1)[-1]:
+            base = "default"  # the default model's own name (its hub id or a path to it elsewhere): its installed copy
+        else:
+            raise ValueError(f"model={path!r} is a PEFT adapter whose base_model_name_or_path ({named!r}) is not a local "
+                             f"folder (nothing is downloaded); pass the base model's folder with --lora_base_model")
+    check_base(path, base)
+    return base
+
+
+def base_record(path: str) -> Optional[dict]:
+    """The adapter folder's BASE_RECORD; None for an adapter without one (PEFT's, TRL's, an earlier version's)."""
+    try:
+        with open(os.path.join(path, BASE_RECORD)) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{os.path.join(path, BASE_RECORD)} is unreadable ({err}): it records the base model the "
+                         f"adapter was trained on; restore it, or delete it to skip the check") from None
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
+
+
+def check_base(path: str, base: str) -> None:
+    """Refuse `base` for the adapter folder `path` when its weights are not those the adapter was trained on."""
+    from .loading import DEFAULT_MODEL, default_model_path, weights_fingerprint
+
+    record = base_record(path)
+    if record is None:
+        return
+    folder = default_model_path() if base in ("default", DEFAULT_MODEL) else base
+    if not os.path.isdir(folder):
+        return  # (not a model folder: loading it names what is wrong)
+    found = weights_fingerprint(folder)
+    if found != record["sha256"]:
+        raise ValueError(f"model={path!r} is a LoRA adapter trained on {record.get('path')!r} (weights sha256 "
+                         f"{record['sha256'][:12]}), but its base {os.path.realpath(folder)!r} holds other weights "
+                         f"(sha256 {found[:12]}): pass the model it was trained on with --lora_base_model")
 
 
 def vllm_rank(r: int) -> int:
@@ -164,7 +204,8 @@ def config_of_folder(config, path: str):
     """The GRPOConfig of a run that trains the adapter folder `path`: its shape (r, alpha, targets, modules to
     save) from the folder, lora_dropout the run's own (dropout is how it is trained, not part of the adapter:
     a TRL adapter's 0.05 would make the trained forward differ from the sampled one)."""
-    return dataclasses.replace(config_with(config, folder_config(path)), lora_dropout=config.lora_dropout)
+    fields = {**_fields(folder_config(path)), "lora_dropout": config.lora_dropout}  # (one replace: one config checked)
+    return dataclasses.replace(config, use_peft=True, **fields)
 
 
 def config_of_model(config, model):
@@ -311,10 +352,27 @@ def summary(model, route: Optional[str]) -> str:
 
 
 def save_adapter(model, folder: str, tokenizer=None) -> None:
-    """adapter_config.json + adapter_model.safetensors (the trained adapter; loadable by peft and vLLM)."""
+    """adapter_config.json + adapter_model.safetensors (the trained adapter; loadable by peft and vLLM), with
+    the base recorded by its absolute path (in adapter_config.json too) and its weights' fingerprint
+    (BASE_RECORD) where the base is a local folder."""
+    from .loading import weights_fingerprint
+
+    base = _base_folder(model)
+    if base is not None:  # (absolute: an adapter read from another working folder still finds its own base)
+        model.peft_config[POLICY].base_model_name_or_path = base
     model.save_pretrained(folder, selected_adapters=[POLICY], safe_serialization=True)
+    if base is not None:
+        with open(os.path.join(folder, BASE_RECORD), "w") as f:
+            json.dump({"path": base, "sha256": weights_fingerprint(base)}, f, indent=1)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+
+
+def _base_folder(model) -> Optional[str]:
+    """The folder the policy's base was loaded from, absolute and resolved (relative paths are the working
+    folder's, the same as when it loaded); None for a model that did not come from a local folder."""
+    name = getattr(model.get_base_model(), "name_or_path", None) or model.peft_config[POLICY].base_model_name_or_path
+    return os.path.realpath(name) if name and os.path.isdir(name) else None
 
 
 def save_merged(model, folder: str, tokenizer=None) -> None:

@@ -7,6 +7,7 @@ would), on its N-th visit:
     after_step   right after the N-th optimizer step (weights changed, nothing saved yet)
     in_save      inside the N-th checkpoint write, after the model files, before the trainer state
     in_metrics   halfway through writing the N-th metrics line (a torn line)
+    in_final     inside the N-th write of final/, once its files are written, before it is renamed into place
     enospc       not a kill: the N-th checkpoint write fails with OSError(ENOSPC), as on a full disk
 Or, to give a signal sent from outside a known place to land in, it sleeps N seconds:
     sleep_in_score   in every scoring of a round (nothing of the run changed yet)
@@ -72,6 +73,15 @@ def install(point: str, n: int) -> None:
             return real_save(obj, path, *args, **kwargs)
 
         checkpoint.torch.save = save
+    elif point == "in_final":
+        real_write, hit = checkpoint.write_atomically, _on_nth(n, _kill)
+
+        def write_atomically(target, write, **kwargs):
+            if os.path.basename(target) == "final":
+                return real_write(target, lambda tmp: (write(tmp), hit()), **kwargs)
+            return real_write(target, write, **kwargs)
+
+        checkpoint.write_atomically = write_atomically
     elif point == "in_metrics":
         real_log, hit = metrics.MetricsLogger.log, _on_nth(n, _torn_line_then_kill)
 

@@ -1,5 +1,6 @@
 """A run killed at any moment (kill -9 at seeded points, inside a checkpoint write, halfway through a
-metrics line) or stopped by SIGTERM, then resumed, ends exactly where the uninterrupted run ends."""
+metrics line, while final/ is written) or stopped by SIGTERM, then resumed, ends exactly where the
+uninterrupted run ends; a resume passes over a damaged newest checkpoint for the previous intact one."""
 
 import json
 import os
@@ -46,10 +47,16 @@ def test_kill9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, tiny_
     code, _, _ = run(args("--resume"), fault="in_metrics:2")
     assert code == -signal.SIGKILL
     assert not (out / "metrics.jsonl").read_text().endswith("\n"), "the metrics file should end in a torn line"
-    # 4. resumed to the end: the torn line is dropped with a warning
+    # 4. the newest checkpoint is damaged since (a truncated shard: a bad disk, a partial copy), then resumed to
+    # the end: it falls back to the previous checkpoint with one warning, and the torn line is dropped with another
+    *previous, newest = sorted((p for p in out.iterdir() if p.name.startswith("checkpoint-")), key=lambda p: int(p.name[11:]))
+    shard = newest / "distributed" / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
     code, _, err = run(args("--resume"))
     assert code == 0, err
     assert "torn last line" in err
+    fallback = [line for line in err.splitlines() if f"{newest.name} is damaged" in line]
+    assert len(fallback) == 1 and "__0_0.distcp" in fallback[0] and f"resuming from {previous[-1]}" in fallback[0], err
     _assert_same_run(str(out), reference)
 
 
@@ -103,12 +110,13 @@ def test_sigint_inside_a_reward_function_abandons_the_round_and_resume_equals_un
     assert _steps(tmp_path / "split") == _steps(tmp_path / "whole")
 
 
-LORA = ("--use_peft", "--lora_r", "4", "--beta", "0.04")
+LORA = ("--use_peft", "--lora_r", "4", "--beta", "0.04", "--save_merged")
 
 
 def test_a_lora_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_one(tmp_path, tiny_path, prompts_file):
-    """kill -9 after a step (before its checkpoint), then SIGTERM while training: the adapter, its AdamW state and
-    the run state resume exactly (checkpoints hold the adapter, not the model)."""
+    """kill -9 after a step (before its checkpoint), then SIGTERM while training, then kill -9 while final/ is
+    written (after the last checkpoint): the adapter, its AdamW state and the run state resume exactly (checkpoints
+    hold the adapter, not the model), and the last resume writes the final/ and merged/ the run had left to write."""
     args = lambda out, *extra: fault_args(tiny_path, prompts_file, out, *LORA, *extra)  # noqa: E731
     reference = tmp_path / "reference"
     code, _, err = run(args(reference))
@@ -124,8 +132,14 @@ def test_a_lora_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_one
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    code, _, err = run(args(out, "--resume"))
+    code, _, _ = run(args(out, "--resume"), fault="in_final:1")
+    assert code == -signal.SIGKILL
+    assert (out / "checkpoint-4").is_dir() and not (out / "final").exists(), "the kill did not hit the final/ write"
+    code, printed, err = run(args(out, "--resume"))  # it said "nothing to train" and never wrote final/
     assert code == 0, err
-    for name, tensor in load_file(reference / "final" / "adapter_model.safetensors").items():
-        assert tensor.equal(load_file(out / "final" / "adapter_model.safetensors")[name]), name
+    assert "nothing to train" not in printed
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        written = load_file(out / "final" / name)
+        for key, tensor in load_file(reference / "final" / name).items():
+            assert tensor.equal(written[key]), (name, key)
     assert _steps(str(out)) == _steps(str(reference)), "the resumed run's metrics differ from the uninterrupted run's"

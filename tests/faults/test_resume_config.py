@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from grpo_fast import models
+from grpo_fast import checkpoint, models
 from grpo_fast.cli import build_parser, config_from_args, main
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
@@ -29,6 +29,13 @@ def run_dir(tmp_path_factory, tiny_path):
     torch.set_num_threads(1)
     GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer).train()
     return out
+
+
+def _edited(path, saved):
+    """trainer_state.pt rewritten by hand: without the manifest that would now call it damaged (its size
+    changed), as a checkpoint of an earlier version."""
+    torch.save(saved, path)
+    (path.parent / checkpoint.MANIFEST).unlink()
 
 
 def _resume_config(out, *argv):
@@ -64,7 +71,7 @@ def test_groups_in_flight_pin_their_options_even_against_an_override(run_dir, tm
     saved = torch.load(path, weights_only=False)
     saved["config"].update(engine="auto", max_staleness=1)
     saved["state"]["in_flight"] = [{"prompt": 0, "members": []}]  # what a partial-rollout checkpoint carries
-    torch.save(saved, path)
+    _edited(path, saved)
     assert _resume_config(out).max_staleness == 1  # taken from the run
     for argv in (["--max_staleness", "0"], ["--max_completion_length", "4"], ["--num_generations", "8"]):
         code = main(["train", "--output_dir", str(out), "--resume", *argv, "--resume_override", argv[0][2:]])
@@ -105,3 +112,47 @@ def test_resume_override_needs_a_resume_and_known_names(tmp_path):
         config(tmp_path, resume_override=["learning_rate"])
     with pytest.raises(ValueError, match="unknown: \\['learning_rat'\\]"):
         config(tmp_path, resume_override=["learning_rat"], resume_from_checkpoint="latest")
+
+
+@pytest.mark.filterwarnings("ignore:lora_r=4 has no effect without use_peft")  # (use_peft false: what it says)
+@pytest.mark.parametrize("argv, shown", [
+    (["--lora_target_modules", "q_proj"], "lora_target_modules: ['all-linear'] -> ['q_proj']"),
+    (["--lora_r", "8"], "lora_r: 4 -> 8"),
+    (["--use_peft", "false"], "use_peft: True -> False"),
+])
+def test_an_override_that_cannot_apply_to_a_saved_adapter_is_refused_in_one_line_before_the_model_loads(
+        run_dir, tmp_path, argv, shown, monkeypatch, capsys):
+    """A LoRA checkpoint (the run's, marked as one: no trainer run needed) resumed with another adapter shape: its
+    tensors would not be the new model's (loaded non-strictly, 24 of 28 were dropped; use_peft and lora_r ended in
+    tracebacks)."""
+    out = tmp_path / "lora"
+    shutil.copytree(run_dir, out)
+    path = out / "checkpoint-1" / "trainer_state.pt"
+    saved = torch.load(path, weights_only=False)
+    saved["config"].update(use_peft=True, lora_r=4, lora_target_modules=["all-linear"])
+    _edited(path, saved)
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    code = main(["train", "--output_dir", str(out), "--resume", *argv, "--resume_override", argv[0][2:]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "holds a LoRA adapter (r=4 on ['all-linear'])" in err and shown in err and "cannot apply" in err, err
+    # the same from Python
+    c = config(out.parent, model=tiny_path_of(saved), output_dir=str(out), loss_type="cispo", entropy_coef=0.3,
+               reward_funcs=[REWARD], resume_from_checkpoint="latest", use_peft=True, lora_r=4,
+               lora_target_modules=["q_proj"], resume_override=["lora_target_modules"])
+    with pytest.raises(ValueError, match=r"holds a LoRA adapter .* cannot apply to it"):
+        GRPOTrainer(c, [target_fraction], rows())
+
+
+def tiny_path_of(saved):
+    return saved["config"]["model"]
+
+
+def test_a_corrupt_run_config_is_named(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run_config.json").write_text('{"loss_type": "cispo",')  # torn
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    assert main(["train", "--output_dir", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out / "run_config.json") in err and "fix or delete" in err, err

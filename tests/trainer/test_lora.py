@@ -237,3 +237,60 @@ def test_a_peft_model_passed_in_is_trained_as_its_adapter(tmp_path, tiny_path):
     assert {n for group in trainer.optimizer.param_groups for p in group["params"]
             for n, q in peft_model.named_parameters() if q is p} == \
         {n for n, _ in peft_model.named_parameters() if ".lora_" in n}
+
+
+def test_an_adapter_finds_its_own_base_from_another_folder_and_refuses_other_weights(tmp_path, tiny_path, monkeypatch):
+    """Trained with a relative --model in one folder, evaluated from another folder that holds a same-named model
+    with other weights (a decoy): the adapter records its base by absolute path and weights' sha256, so the eval
+    uses its own base; a base with other weights (at the recorded path, or named by --lora_base_model) is refused
+    in one line before anything loads."""
+    from grpo_fast import models
+    from tests.tiny_model import build_tiny_model
+
+    (tmp_path / "a").mkdir()
+    os.symlink(tiny_path, tmp_path / "a" / "base")
+    monkeypatch.chdir(tmp_path / "a")
+    model = lora.apply_lora(load_tiny_model("base")[0], config_for_peft(), peft_config=_peft_config())
+    lora.save_adapter(model, str(tmp_path / "a" / "final"))
+    record = json.loads((tmp_path / "a" / "final" / lora.BASE_RECORD).read_text())
+    assert record["path"] == os.path.realpath(tiny_path)
+    decoy = build_tiny_model(tmp_path / "b" / "base", seed=1)  # the same config, other weights
+    monkeypatch.chdir(tmp_path / "b")
+    final = str(tmp_path / "a" / "final")
+    assert lora.adapter_base(final, None) == os.path.realpath(tiny_path), "the adapter's own base, not ./base"
+    evaluator = GRPOTrainer(config(tmp_path / "b", model=final), [target_fraction], rows(), evaluate_only=True)
+    assert evaluator.model_path == os.path.realpath(tiny_path)
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    with pytest.raises(ValueError, match=r"is a LoRA adapter trained on .* \(weights sha256 \w+\), but its base "
+                                         r".*/b/base' holds other weights .*--lora_base_model") as err:
+        GRPOTrainer(config(tmp_path / "b", model=final, lora_base_model=decoy), [target_fraction], rows(),
+                    evaluate_only=True)
+    assert len(str(err.value).splitlines()) == 1
+    os.remove(tmp_path / "a" / "base")  # the recorded path now holds the decoy's weights
+    os.symlink(decoy, tmp_path / "a" / "base")
+    (tmp_path / "a" / "final" / lora.BASE_RECORD).write_text(json.dumps({**record, "path": str(tmp_path / "a" / "base")}))
+    data = json.loads((tmp_path / "a" / "final" / lora.ADAPTER_CONFIG).read_text())
+    (tmp_path / "a" / "final" / lora.ADAPTER_CONFIG).write_text(
+        json.dumps({**data, "base_model_name_or_path": str(tmp_path / "a" / "base")}))
+    with pytest.raises(ValueError, match=r"holds other weights"):
+        lora.adapter_base(final, None)
+
+
+@pytest.mark.parametrize("text", ["", " ", "q_proj,", "q_proj,,v_proj"])
+def test_blank_lora_target_modules_are_refused_in_one_line_before_any_work(text, tmp_path, monkeypatch, capsys):
+    from grpo_fast import models
+    from grpo_fast.cli import main
+
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    assert main(["train", "--use_peft", "--lora_target_modules", text, "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "GRPOConfig.lora_target_modules=" in err and "without blank entries" in err, err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=r"lora_modules_to_save=\['norm', None\] is invalid: expected None or module names"):
+        config_for_peft(lora_modules_to_save=["norm", None])
+
+
+def test_lora_dropout_says_once_what_it_implies():
+    with pytest.warns(UserWarning, match=r"lora_dropout=0.05 with lora_sync='auto' \(the merged route\): the engine "
+                                         r"samples the adapter without dropout \(merged into its weights\)"):
+        config_for_peft(lora_dropout=0.05)
