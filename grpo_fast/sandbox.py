@@ -9,27 +9,40 @@ What a program gets (`bwrap`, a Debian package; checked on bubblewrap 0.8):
   view of the host's processes (it cannot signal the trainer), nothing that outlives it (the PID
   namespace dies with it; bwrap dies with the trainer: `--die-with-parent`);
 - a read-only /usr (the system `python3` from it, or the venv's base interpreter bound at /opt/python when
-  the system has none), /proc and a minimal /dev of its own, and a private tmpfs at /tmp (its working
-  folder, at most `tmp_mb`) that is gone with it. Nothing under the repository, a home folder or a run's
-  output folder is bound: the program's source reaches it through a file descriptor (`--file`);
-- limits set with setrlimit before bwrap starts: address space (`memory_mb`), CPU seconds, file size
-  (`tmp_mb`), processes (`max_processes`, counted per uid: each worker slot runs as a uid of its own,
-  not root, because the kernel exempts uid 0 from RLIMIT_NPROC), and from here: wall time
-  (`timeout`, then the whole tree is killed) and output (`output_bytes` a stream, then killed).
+  the system has none), /proc and a minimal read-only /dev of its own, a read-only root, and two private
+  tmpfs of at most `tmp_mb` each, /tmp (its working folder) and /dev/shm, gone with it: every mount it can
+  write is bounded. Nothing under the repository, a home folder or a run's output folder is bound: the
+  program's source reaches it through a file descriptor (`--file`);
+- a seccomp filter (x86-64 and aarch64) that refuses SysV shared memory and message queues and memfd_create
+  (memory that neither the address-space limit nor a mount's size bounds) and kills a process that switches
+  to another syscall ABI (32-bit, x32);
+- limits set with setrlimit before bwrap starts: address space (`memory_mb`, per process), CPU seconds,
+  file size (`tmp_mb`), open files (`OPEN_FILES`), processes (`max_processes`, counted per uid: each worker
+  slot runs as a uid of its own, not root, because the kernel exempts uid 0 from RLIMIT_NPROC), and from
+  here: wall time (`timeout`, then the whole tree is killed; the time its processes spent waiting for a
+  core is not charged, up to `WALL_BACKSTOP` x timeout in all) and output (`output_bytes` a stream, then
+  killed).
 
-What it does not guarantee: protection from kernel bugs (it shares the host's kernel), a bound on memory
-the program maps without touching it beyond the address-space limit, or the count of processes of a uid
-that something else on the host also uses (the slot uids are `UID_BASE` + the trainer's pid slot).
+Host memory one program can hold is then at most max_processes x memory_mb (address space, each process)
++ 2 x tmp_mb (the two tmpfs), plus kernel buffers (pipes, at most the kernel's per-user pipe quota, 64 MiB by
+default; sockets, bounded by OPEN_FILES per process); a full pool holds `pool_size` times that.
+
+What it does not guarantee: protection from kernel bugs (it shares the host's kernel), or the count of
+processes of a uid that something else on the host also uses (the slot uids are `UID_BASE` + the trainer's
+pid slot).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
 import queue
 import resource
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -42,6 +55,8 @@ REASONS = ("exited", "timeout", "cpu_time", "memory", "process_limit", "output_l
 MAX_WORKERS = 64  # sandbox uids per process (programs at once, over every Sandbox of the process)
 UID_BASE = 200_000  # slot uids: UID_BASE + MAX_WORKERS * (pid % 10_000) + slot (no user owns them; none is root)
 _BWRAP_PROCESSES = 2  # bwrap itself and the shell that is pid 1 of the namespace count against the uid's limit
+OPEN_FILES = 256  # RLIMIT_NOFILE of a sandboxed process: bounds the kernel buffers (sockets) it can hold
+WALL_BACKSTOP = 4  # a program starved of CPU is still killed at WALL_BACKSTOP x timeout of wall time
 SETUP_STEP = "apt-get install bubblewrap (scripts/setup_env.sh does it as root)"
 
 
@@ -55,7 +70,7 @@ class SandboxOptions:
     max_processes: int = 32
     output_bytes: int = 64 * 1024  # per stream
     tmp_mb: int = 64
-    workers: Optional[int] = None  # programs at once; None: min(32, 4 x cores)
+    workers: Optional[int] = None  # programs at once; None: the cores this process may use
     unsafe: bool = False  # no isolation (limits only): only when the user asked for it
 
     @classmethod
@@ -66,7 +81,17 @@ class SandboxOptions:
 
     @property
     def pool_size(self) -> int:
-        return min(self.workers or min(32, 4 * (os.cpu_count() or 1)), MAX_WORKERS)
+        # one program a usable core: code_tests' programs are CPU-bound, and with 4 x cores at once on 2 cores a
+        # correct program of 0.92 s timed out in 7 of 16 (bench_sandbox.py's busy pool: sandbox_cpu.md)
+        return min(self.workers or usable_cores(), MAX_WORKERS)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -88,13 +113,17 @@ def isolation_problem() -> Optional[str]:
     if shutil.which("bwrap") is None:
         return f"bubblewrap (bwrap) is not installed: {SETUP_STEP}"
     uid = _UIDS.get()
+    seccomp = _memfd("seccomp", _SECCOMP) if _SECCOMP else None
     try:
-        done = subprocess.run(_bwrap_args(_interpreter(), 64) + [_interpreter()[0], "-c", "pass"],
-                              preexec_fn=_limits(SandboxOptions(), uid), capture_output=True, timeout=30)
+        done = subprocess.run(_bwrap_args(_interpreter(), 64, seccomp_fd=seccomp) + [_interpreter()[0], "-c", "pass"],
+                              preexec_fn=_limits(SandboxOptions(), uid), capture_output=True, timeout=30,
+                              pass_fds=() if seccomp is None else (seccomp,))
     except (OSError, subprocess.SubprocessError) as err:
         return f"bwrap could not start a program: {err}"
     finally:
         _UIDS.put(uid)
+        if seccomp is not None:
+            os.close(seccomp)
     if done.returncode != 0:
         return f"bwrap could not start a program: {done.stderr.decode(errors='replace').strip()[-300:]}"
     return None
@@ -109,7 +138,8 @@ def _interpreter() -> tuple[str, list[str]]:
 
 
 def _bwrap_args(interpreter: tuple[str, list[str]], tmp_mb: int, status_fd: Optional[int] = None,
-                program_fd: Optional[int] = None) -> list[str]:
+                program_fd: Optional[int] = None, seccomp_fd: Optional[int] = None) -> list[str]:
+    size = str(tmp_mb << 20)
     args = ["bwrap", "--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib64", "sbin"):
         path = f"/{top}"
@@ -117,15 +147,45 @@ def _bwrap_args(interpreter: tuple[str, list[str]], tmp_mb: int, status_fd: Opti
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp",
+    # every mount the program can write has a size: bwrap's root and --dev are tmpfs without one (a program
+    # held 2.1 GB of host memory in /dev/shm), so those two are made read-only once their mount points exist
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             "--size", size, "--tmpfs", "/tmp",
              "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1", "--new-session", "--chdir", "/tmp",
              "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8", *interpreter[1]]
     if status_fd is not None:
         args += ["--json-status-fd", str(status_fd)]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     if program_fd is not None:
         args += ["--file", str(program_fd), "/tmp/main.py"]
-    return args
+    return args + ["--remount-ro", "/"]  # (last: the operations above create their mount points in it)
+
+
+def _seccomp_filter() -> Optional[bytes]:
+    """A classic BPF program for bwrap's --seccomp: EPERM for the calls that make memory no limit here
+    bounds (SysV shm and message queues: the IPC namespace's limits are the kernel's, unbounded; memfd_create:
+    only each file's size is bounded, not their number), and the kill for a syscall of another ABI (a 32-bit
+    or x32 binary the program writes to /tmp would otherwise reach those calls by other numbers). None on an
+    architecture without a table here (then those calls stay open: the module docstring's bound does not hold)."""
+    table = {"x86_64": (0xC000003E, (29, 68, 319)), "aarch64": (0xC00000B7, (194, 186, 279))}  # shmget msgget memfd
+    if platform.machine() not in table:
+        return None
+    audit_arch, numbers = table[platform.machine()]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, kill, deny = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM  # SECCOMP_RET_{ALLOW,KILL_PROCESS,ERRNO}
+    n = len(numbers)
+    program = [(ld, 0, 0, 4),  # seccomp_data.arch
+               (jeq, 1, 0, audit_arch), (ret, 0, 0, kill),
+               (ld, 0, 0, 0),  # seccomp_data.nr
+               (jge, n + 1, 0, 0x40000000),  # x32's numbers (x86-64 only; none on aarch64): to deny
+               *[(jeq, n - i, 0, nr) for i, nr in enumerate(numbers)],  # each: to deny
+               (ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("=HBBI", *op) for op in program)
+
+
+_SECCOMP = _seccomp_filter()
 
 
 def _limits(o: SandboxOptions, uid: Optional[int]):
@@ -137,7 +197,7 @@ def _limits(o: SandboxOptions, uid: Optional[int]):
     def apply():
         os.setsid()  # its own process group: the whole tree is killed at once
         for limit, value in ((resource.RLIMIT_AS, o.memory_mb << 20), (resource.RLIMIT_FSIZE, o.tmp_mb << 20),
-                             (resource.RLIMIT_CORE, 0)):
+                             (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, OPEN_FILES)):
             resource.setrlimit(limit, (value, value))
         # SIGXCPU at the soft limit (the program ends, and says why), SIGKILL a second later
         resource.setrlimit(resource.RLIMIT_CPU, (o.cpu_seconds, o.cpu_seconds + 1))
@@ -244,29 +304,38 @@ class Sandbox:
     def _run(self, program: str, stdin: str, uid: Optional[int]) -> SandboxResult:
         o = self.options
         start = time.perf_counter()
-        fds = [_memfd("main.py", program), _memfd("stdin", stdin)]  # (no host file holds either; stdin never blocks)
-        status_r, status_w = os.pipe()
-        fds += [status_r, status_w]
-        interpreter = _interpreter()
-        if o.unsafe:
-            cmd = [interpreter[0] if not interpreter[1] else sys.executable, "-I", f"/proc/self/fd/{fds[0]}"]
-        else:
-            # pid 1 of the namespace is a shell, not the program: the kernel ignores signals pid 1 has no handler
-            # for (its CPU limit's SIGXCPU and SIGKILL included); bwrap's own init would instead leave two
-            # zombies of the slot uid for the host's init to reap, counted against the next program's processes
-            cmd = _bwrap_args(interpreter, o.tmp_mb, status_w, fds[0]) + [
-                "/bin/sh", "-c", '"$0" -I /tmp/main.py; exit $?', interpreter[0]]
-        proc, started, out, reason = None, [None], [bytearray(), bytearray()], None
-        try:
+        fds, proc, started, out, reason = [], None, [None], [bytearray(), bytearray()], None
+        try:  # (every descriptor made here is closed on every way out: a failed start included)
             try:
+                source, data = program.encode(), stdin.encode()
+            except UnicodeEncodeError as err:  # (a lone surrogate, '\ud800': a str that is not text)
+                return _start_failed(f"the program or its stdin is not UTF-8 text: {err}", start)
+            try:
+                # no host file holds the program or its stdin; stdin never blocks the trainer, whatever it reads
+                fds += [_memfd("main.py", source), _memfd("stdin", data)]
+                if _SECCOMP and not o.unsafe:
+                    fds.append(_memfd("seccomp", _SECCOMP))
+                status_r, status_w = os.pipe()
+                fds += [status_r, status_w]
+                interpreter = _interpreter()
+                if o.unsafe:
+                    cmd = [interpreter[0] if not interpreter[1] else sys.executable, "-I", f"/proc/self/fd/{fds[0]}"]
+                else:
+                    # pid 1 of the namespace is a shell, not the program: the kernel ignores signals pid 1 has no
+                    # handler for (its CPU limit's SIGXCPU and SIGKILL included); bwrap's own init would instead
+                    # leave two zombies of the slot uid for the host's init to reap, counted against the next
+                    # program's processes
+                    seccomp = fds[2] if _SECCOMP else None
+                    cmd = _bwrap_args(interpreter, o.tmp_mb, status_w, fds[0], seccomp) + [
+                        "/bin/sh", "-c", '"$0" -I /tmp/main.py; exit $?', interpreter[0]]
                 proc = subprocess.Popen(cmd, stdin=fds[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        pass_fds=(fds[0], status_w), preexec_fn=_limits(o, uid), close_fds=True)
-            except (OSError, subprocess.SubprocessError) as err:  # (EAGAIN under load, say): this program only
-                return SandboxResult(None, "", f"could not start the sandbox: {err}", "start_failed",
-                                     time.perf_counter() - start)
+                                        pass_fds=[fd for fd in fds if fd not in (fds[1], status_r)],
+                                        preexec_fn=_limits(o, uid), close_fds=True)
+            except (OSError, subprocess.SubprocessError) as err:  # (EAGAIN or EMFILE under load): this program only
+                return _start_failed(f"could not start the sandbox: {err}", start)
             os.close(status_w)
             fds.remove(status_w)
-            reason = self._communicate(proc, status_r, started, out, start)
+            reason = self._communicate(proc, status_r, started, out, _Clock(o.timeout, start, proc.pid))
         finally:
             if proc is not None and (reason is not None or proc.poll() is None):
                 _kill_tree(proc)
@@ -285,8 +354,8 @@ class Sandbox:
         return SandboxResult(code, stdout, stderr, reason or _why(code, stderr), seconds,
                              (started[0] - start) if started[0] is not None else 0.0)
 
-    def _communicate(self, proc, status_fd: int, started: list, out: list, start: float) -> Optional[str]:
-        """Read both streams up to output_bytes each and bwrap's status, watching the wall clock; why it was
+    def _communicate(self, proc, status_fd: int, started: list, out: list, clock: "_Clock") -> Optional[str]:
+        """Read both streams up to output_bytes each and bwrap's status, watching the clock; why it was
         killed ("timeout", "output_limit"), or None when it ended by itself."""
         o, reason = self.options, None
         streams = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 1, status_fd: 2}
@@ -294,7 +363,7 @@ class Sandbox:
         for fd in streams:
             poller.register(fd, select.POLLIN)
         while streams and reason is None:
-            left = o.timeout - (time.perf_counter() - start)
+            left = clock.left()
             if left <= 0:
                 return "timeout"
             for fd, _ in poller.poll(left * 1000):
@@ -312,22 +381,81 @@ class Sandbox:
                 if len(out[k]) > o.output_bytes:
                     del out[k][o.output_bytes:]
                     reason = "output_limit"
-        if reason is None:
-            try:  # (the streams closed: it is ending; a program that closed them and runs on meets the clock)
-                proc.wait(timeout=max(0.0, o.timeout - (time.perf_counter() - start)))
-            except subprocess.TimeoutExpired:
+        while reason is None:  # (the streams closed: it is ending; a program that closed them and runs on meets the clock)
+            left = clock.left()
+            if left <= 0:
                 return "timeout"
+            try:
+                proc.wait(timeout=left)
+                break
+            except subprocess.TimeoutExpired:
+                pass
         return reason
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _memfd(name: str, text: str) -> int:
+def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
-    os.write(fd, text.encode())
-    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def _start_failed(why: str, start: float) -> SandboxResult:
+    return SandboxResult(None, "", why, "start_failed", time.perf_counter() - start)
+
+
+class _Clock:
+    """The time a program is charged against `timeout`: wall time since `start`, less the longest time one of its
+    processes waited for a core (run-queue delay, /proc/PID/task/TID/schedstat). The verdict is then on what the
+    program did (ran, up to its CPU limit, or slept), not on how busy the machine was: 8 CPU-bound programs on
+    2 cores each wait 3/4 of the time. A program starved of CPU still ends at WALL_BACKSTOP x timeout of wall."""
+
+    def __init__(self, timeout: float, start: float, pid: int):
+        self.timeout, self.start, self.pid, self.credit = timeout, start, pid, 0.0
+
+    def left(self) -> float:
+        now = time.perf_counter()
+        if now - self.start - self.credit >= self.timeout:  # (the tree is read only once the clock seems to run out)
+            self.credit = _waited(self.pid)
+        return min(self.start + self.timeout + self.credit, self.start + WALL_BACKSTOP * self.timeout) - now
+
+
+def _waited(root: int) -> float:
+    """Seconds the longest-waiting task of `root`'s process tree (as the host sees it) spent runnable but not
+    running; 0.0 where the kernel does not say (no schedstat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # (the name in parentheses may hold spaces)
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, waited = [root], 0
+    while tree:
+        pid = tree.pop()
+        tree += children.get(pid, [])
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    waited = max(waited, int(f.read().split()[1]))  # ns: on the CPU, waiting for it, slices
+            except (OSError, ValueError, IndexError):
+                pass
+    return waited / 1e9
 
 
 def _kill_tree(proc) -> None:

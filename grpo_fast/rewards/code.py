@@ -10,21 +10,40 @@ The program is the last fenced Python block when it defines `entry_point`, else 
 A completion without code, a syntax error or a limit hit scores 0 and is counted (`code/no_code`,
 `code/syntax_errors`, and the sandbox's `sandbox/*` counters); none of them stops the step.
 
-Success is read from a line the harness prints after the tests, tagged with a fresh random token that it reads
-from stdin before the model's code runs (in a namespace of its own, so rebinding exec, print or len there
-changes nothing the harness uses). A program that ends early with exit status 0, or prints a made-up line,
-does not pass. Not defended: a program that walks up to the harness's frame (sys._getframe) to read the
-token, or a returned object whose __eq__ always says True; the sandbox bounds what a program can do, not
-what it can claim.
+How a result is trusted (`code_harness.py`, the sandbox's main program): the model's program never shares a
+process with the tests. A trusted harness process makes itself non-dumpable, reads a fresh key and the job
+(program, prompt, tests) from stdin and empties stdin, and only then starts the program in a fresh interpreter
+of its own. It runs the tests itself, calling the program's functions through proxies that accept only plain
+data back (None, bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset; a failed call raises
+the builtin exception the program raised, by name), and prints the verdict with an HMAC under the key, which
+the trainer checks. So rebinding builtins (exec, compile, str, len, print, __import__, AssertionError),
+poisoning sys.modules, patching unittest, exiting early (sys.exit, os._exit, atexit), printing a made-up
+verdict, killing the harness, walking frames for the key, reading /proc/1/fd/0 or /tmp/main.py (the harness's
+own text: no test is in it) and an object whose __eq__ always says True all score 0
+(tests/sandbox/test_reward_hacking.py). A name the prompt defines (HumanEval/38's encode_cyclic) is the
+prompt's in the tests, not the program's; a program's function named after a builtin is not bound.
+
+What this costs correct programs (each scores 0): a test that reads an argument the function changed in place,
+one that builds an instance of the program's class or calls a method on it, one that passes a lambda or any
+other non-plain value to the program, one that expects an exception class that is not a builtin (or a
+StopIteration: replayed as RuntimeError, since a test's loop would read it as its end). The program has one
+process less of `max_processes` (the harness's). What stays undefended: kernel bugs (the sandbox shares the
+host's kernel); a program that is right on the tested inputs only (the tests are what they are); with
+--unsafe_code_execution, everything (the program runs as the trainer's user).
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import functools
+import hmac
+import json
 import re
 import secrets
 import threading
+import warnings
+from pathlib import Path
 from typing import Optional
 
 from ..sandbox import Sandbox, SandboxOptions
@@ -61,48 +80,50 @@ def check_asserts(test: str) -> list[str]:
     return []
 
 
-_HARNESS = """\
-def _harness(program, test, entry_point, items, mode):
-    import sys
-    token, write = sys.stdin.readline().strip(), sys.__stdout__.write  # before the model's code runs
-    sys.stdin.close()
-    space = {"__name__": "__main__", "__builtins__": __builtins__}
-    exec(compile(program, "<completion>", "exec"), space)  # the model's code, in a namespace of its own
-    if test:
-        exec(compile(test, "<test>", "exec"), space)
-    passed = 0
-    if mode == "share":
-        space["candidate"] = space.get(entry_point)
-        for source in items:
-            try:
-                exec(compile(source, "<assert>", "exec"), space)
-                passed += 1
-            except BaseException:
-                pass
-    else:
-        if test:
-            space["check"](space[entry_point])
-        for source in items:
-            exec(compile(source, "<assert>", "exec"), space)
-        passed, items = 1, [None]
-    sys.stdout.flush()
-    write("\\n" + token + " " + str(passed) + " " + str(len(items)) + "\\n")
-    sys.__stdout__.flush()
+HARNESS = (Path(__file__).parent / "code_harness.py").read_text(encoding="utf-8")  # the sandbox's main program
 
 
-_harness({args})
-"""
+@functools.lru_cache(maxsize=4096)
+def prompt_code(prompt: str) -> tuple[Optional[str], tuple[str, ...]]:
+    """(the prompt, when it is Python that defines something, else None; the names it leaves for the program to
+    write: functions whose body is a docstring, `pass` or `...`). The harness runs the prompt before the tests,
+    so the helpers the tests call (HumanEval/38's encode_cyclic) are the dataset's, not the program's."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (invalid escapes in prose)
+            tree = ast.parse(prompt)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None, ()
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    stub = lambda n: all(isinstance(s, ast.Pass) or isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                         for s in n.body)  # (a docstring, `pass`, `...`)
+    return (prompt, tuple(n.name for n in defs if stub(n))) if defs else (None, ())
 
 
-def harness(program: str, *, test: Optional[str], entry_point: Optional[str], tests: Optional[list], mode: str) -> str:
-    """The program to run: the model's code and its tests, as data for a harness that runs them in a namespace of
-    their own and prints the result line, tagged with the token it reads from stdin first (so the token is in
-    neither the source nor the model's namespace)."""
+def job(program: str, *, prompt: str, test: Optional[str], entry_point: Optional[str], tests: Optional[list],
+        mode: str) -> dict:
+    """What the harness runs: the program, the prompt's code and its stubs, the test program, and the items (the
+    `tests` list, or in share mode check()'s top-level asserts, each scored on its own)."""
     items = list(tests) if tests else (check_asserts(test) if mode == "share" and test else [])
-    if mode == "share" and not items and test:
-        items = []  # (a check() without top-level asserts: share mode scores it as all does)
-    args = ", ".join(repr(x) for x in (program, test, entry_point, items, mode if items else "all"))
-    return _HARNESS.replace("{args}", args)
+    code, stubs = prompt_code(prompt)
+    return {"program": program, "prompt": code, "stubs": list(stubs), "test": test, "entry_point": entry_point,
+            "items": items, "mode": mode if items else "all"}  # (a check() without top-level asserts: share scores it as all does)
+
+
+def _mac(key: str, line: str) -> str:
+    return hmac.new(key.encode(), line.encode(), "sha256").hexdigest()
+
+
+def verdict(stdout: str, key: str) -> float:
+    """The share of tests passed, from the last line "passed total mac" whose HMAC under `key` holds; 0.0 without
+    one (the harness never got to print it, or something else printed)."""
+    for line in reversed(stdout.splitlines()):
+        parts = line.split()
+        if len(parts) == 3 and all(re.fullmatch(r"[0-9]{1,9}", p) for p in parts[:2]):
+            passed, total = int(parts[0]), int(parts[1])
+            if hmac.compare_digest(parts[2].encode(), _mac(key, f"{passed} {total}").encode()):
+                return passed / total if 0 < total and passed <= total else 0.0
+    return 0.0
 
 
 class CodeTests:
@@ -117,6 +138,15 @@ class CodeTests:
         self.sandbox = sandbox_for(sandbox or SandboxOptions())
         self.counters = self  # (the score stage logs `metrics()` of every reward function's counters)
         self._lock, self._counts = threading.Lock(), {"no_code": 0, "syntax_errors": 0}
+
+    @staticmethod
+    def missing_columns(have) -> str:
+        """What a dataset with the columns `have` lacks for this reward, as the trainer's check of reward columns
+        says it before any work ("" when nothing): test and entry_point, or tests."""
+        if "tests" in have or {"test", "entry_point"} <= set(have):
+            return ""
+        lacking = [c for c in ("test", "entry_point") if c not in have]
+        return f"the columns {lacking} (HumanEval's test program and the function it tests) or ['tests'] (assert statements)"
 
     async def __call__(self, prompts, completions, test=None, entry_point=None, tests=None, **columns) -> list[float]:
         n = len(completions)
@@ -135,15 +165,11 @@ class CodeTests:
             compile(program, "<completion>", "exec")
         except Exception:  # (SyntaxError; RecursionError or MemoryError on a pathological one)
             return self._count("syntax_errors")
-        token = secrets.token_hex(16)
-        result = await self.sandbox.run_async(harness(program, test=test, entry_point=entry_point, tests=tests,
-                                                      mode=self.mode), stdin=token + "\n")
-        for line in reversed(result.stdout.splitlines()):
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == token:
-                passed, total = int(parts[1]), int(parts[2])
-                return passed / total if total else 0.0
-        return 0.0
+        head = prompt[-1].get("content", "") if isinstance(prompt, list) else str(prompt)
+        work = job(program, prompt=head, test=test, entry_point=entry_point, tests=tests, mode=self.mode)
+        key = secrets.token_hex(32)  # (read by the harness from stdin, which it then empties)
+        result = await self.sandbox.run_async(HARNESS, stdin=key + "\n" + json.dumps(work))
+        return verdict(result.stdout, key)
 
     def _count(self, what: str) -> float:
         with self._lock:

@@ -43,14 +43,15 @@ def test_right_wrong_partial_and_broken_programs():
         "    while True:\n        pass\n",  # runs past the limits
         "```python\nimport os\ndef add(a, b):\n    os._exit(0)\n```",  # exits 0 before the tests end: not a pass
         "```python\nexec = print = len = lambda *a, **k: None\ndef add(a, b):\n    return a - b\n```",  # rebinds
-        "```python\nimport sys\nprint('stolen', sys.stdin.read())\ndef add(a, b):\n    return a + b\n```",  # the token?
+        # right, and reads stdin: nothing there (the key never reaches the program's process), scored on its merits
+        "```python\nimport sys\nprint('stolen', sys.stdin.read())\ndef add(a, b):\n    return a + b\n```",
     ]
     values, counts = _score(completions)
-    assert values == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert values == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert counts["code/syntax_errors"] == 1 and counts["code/no_code"] == 1 and counts["sandbox/timeouts"] == 1
     shares, _ = _score(completions, mode="share")
     assert shares[:4] == [1.0, 1.0, 1 / 3, 2 / 3] and shares[4:8] == [0.0] * 4
-    assert shares[8:] == [1 / 3, 0.0], "rebinding exec/print/len in its own namespace fakes nothing; stdin is closed"
+    assert shares[8:] == [1 / 3, 1.0], "rebinding exec/print/len in its own process fakes nothing"
     asserts = ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert add(2, 2) == 5"]  # MBPP-style
     assert _score([completions[0]], mode="share", tests=asserts)[0] == [2 / 3]
     assert _score([completions[0]], mode="all", tests=asserts)[0] == [0.0]
