@@ -80,9 +80,11 @@ def check_reward_columns(reward_funcs, rows: list[dict], where: str) -> None:
         needed += [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in _TRL_ARGUMENTS
                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         missing = [col for col in dict.fromkeys(needed) if col not in have]
-        if missing:
-            raise ValueError(f"reward function {reward_name(f)!r} reads the column(s) {missing}, which {where} does not "
-                             f"have (columns: {sorted(have)}); add them or choose other reward_funcs")
+        either = getattr(f, "missing_columns", None)  # (one set of columns or another: code_tests)
+        text = either(have) if callable(either) else ""
+        if missing or text:
+            raise ValueError(f"reward function {reward_name(f)!r} reads {text or f'the column(s) {missing}'}, which "
+                             f"{where} does not have (columns: {sorted(have)}); add them or choose other reward_funcs")
 
 
 def check_context(config, model_config, where: str) -> None:

@@ -167,3 +167,17 @@ def test_the_python_tool_runs_code_in_the_sandbox_and_is_a_typed_documented_tool
     assert "FileNotFoundError" in failed and "[exited, exit status 1]" in failed
     schema = get_json_schema(python_tool)["function"]
     assert schema["name"] == "python_tool" and schema["parameters"]["required"] == ["code"]
+
+
+def test_code_tests_without_its_columns_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from grpo_fast import models
+
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    reward = get_reward_funcs(["code_tests"], sandbox=FAST)[0]
+    with pytest.raises(ValueError, match=r"^reward function 'code_tests' reads the columns \['test', 'entry_point'\] "
+                                         r"\(HumanEval's test program and the function it tests\) or \['tests'\] \(assert "
+                                         r"statements\), which train_dataset does not have \(columns: \['answer', 'prompt'\]\); "
+                                         r"add them or choose other reward_funcs$"):
+        GRPOTrainer(config(tmp_path, model="unused"), [reward], [{"prompt": f"q{i}", "answer": "1"} for i in range(8)])
+    assert CodeTests.missing_columns({"prompt", "tests"}) == CodeTests.missing_columns({"test", "entry_point"}) == ""
+    assert CodeTests.missing_columns({"prompt", "test"}).startswith("the columns ['entry_point'] ")
