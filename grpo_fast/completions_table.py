@@ -1,10 +1,17 @@
 """`log_completions`: a table of what the model wrote — prompt, completion, each reward, the advantage
 (TRL's columns) — for a generation batch, in the console (a rich table) and in the trackers that show
-tables (wandb, trackio, mlflow). Rank 0 shows every rank's completions."""
+tables (wandb, trackio, mlflow). Rank 0 shows every rank's completions.
+
+Model text is data: it is shown as written, never read as markup (rich's `[bold]`, `[/INST]`,
+`:smile:`), and the characters that would act on the terminal or cannot be encoded (control bytes,
+lone surrogates, bidirectional overrides) are shown as their escapes (`\\x1b`, `\\ud800`, `\\u202e`).
+The trackers get the same escaped text as the console.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 
 from .distributed import gather_objects
 from .metrics import logs_step
@@ -18,9 +25,22 @@ def table_rows(batch, reward_funcs, prompt_column: str) -> tuple[list[str], list
     rows = []
     for i in range(len(batch)):
         rewards = [None if math.isnan(v) else float(v) for v in batch.rewards[i].tolist()]
-        rows.append([_text(batch.rows[i][prompt_column]), batch.completion_texts[i], *rewards,
+        rows.append([shown(_text(batch.rows[i][prompt_column])), shown(batch.completion_texts[i]), *rewards,
                      float(batch.advantages[i])])
     return ["prompt", "completion", *names, "advantage"], rows
+
+
+# C0 and C1 control characters but newline and tab (a table cell keeps its lines), DEL, lone surrogates
+# (stdout's UTF-8 and the trackers' JSON cannot encode them), and the bidirectional embeddings, overrides and
+# isolates (they reorder what the terminal shows around them)
+_UNSHOWABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text: str) -> str:
+    """`text` as a table shows it: every character that would act on the terminal, or that cannot be
+    encoded, replaced by its Python escape (`\\x1b`, `\\r`, `\\ud800`); the rest as written (a backslash in
+    the text stays one backslash: LaTeX answers read as written)."""
+    return _UNSHOWABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def _text(prompt) -> str:
@@ -31,14 +51,16 @@ def _text(prompt) -> str:
 
 
 def render(columns: list[str], rows: list[list], step: int):
-    """The console's table (rich): rewards and the advantage to 3 decimals."""
+    """The console's table (rich): text cells and headers as `Text` (never parsed as markup: a reward
+    name is a function or folder name, which may hold brackets too), rewards and the advantage to 3 decimals."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"completions at step {step}", show_lines=True)
     for name in columns:
-        table.add_column(name, justify="right" if name not in ("prompt", "completion") else "left")
+        table.add_column(Text(shown(name)), justify="right" if name not in ("prompt", "completion") else "left")
     for row in rows:
-        table.add_row(*(v if isinstance(v, str) else "-" if v is None else f"{v:.3f}" for v in row))
+        table.add_row(*(Text(shown(v)) if isinstance(v, str) else "-" if v is None else f"{v:.3f}" for v in row))
     return table
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .trackers import close_all, scalars
+from .trackers import catch_up, close_all, scalars
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,8 @@ class MetricsLogger:
     of `report_to` (grpo_fast/trackers.py).
 
     `history` keeps every logged record in memory for the plot; a resumed run reloads the records
-    already in the file (up to the resumed step) so the plot covers the whole run.
+    already in the file (up to the resumed step) so the plot covers the whole run, and gives each tracker
+    the ones its run lacks (`trackers.catch_up`: a kill -9 loses what a tracker had not written yet).
     """
 
     def __init__(self, output_dir: str, *, resume_step: int = 0, trackers: Sequence = ()):
@@ -154,6 +155,7 @@ class MetricsLogger:
             f.writelines(json.dumps(record) + "\n" for record in self.history)
         os.replace(tmp, self.path)
         self.trackers = list(trackers)  # report_to's (grpo_fast/trackers.py), started by the caller
+        catch_up(self.trackers, self.history)
 
     def _reload(self, resume_step: int) -> list[dict]:
         """The records up to `resume_step`. A torn last line (the process was killed mid-write) is
@@ -308,7 +310,8 @@ def open_logger(config, state, main: bool):
         return OtherRankMetrics()
     from .trackers import open_trackers
 
-    return MetricsLogger(config.output_dir, resume_step=state.step, trackers=open_trackers(config, state.tracker_runs))
+    return MetricsLogger(config.output_dir, resume_step=state.step,
+                         trackers=open_trackers(config, state.tracker_runs, state.step))
 
 
 def progress(config, step: int, main: bool = True) -> "ProgressBar":

@@ -84,8 +84,11 @@ def test_trackio_and_wandb_keep_what_metrics_jsonl_has_and_a_resume_continues_th
     assert [s for s, _ in history] == [1, 2, 3]
     for (step, got), want in zip(history, lines, strict=True):
         _same(got, want, f"wandb step {step}")
-    # the resumed attempt logs step 3 again: wandb drops a step below its last one, and keeps an equal one
-    assert [s for s, _ in _wandb_history(second)] == [3]
+    # the resumed attempt's file holds every step: the ones before its checkpoint replayed from metrics.jsonl (an
+    # offline attempt cannot know what the other files hold; `wandb sync` keeps the first of a step), then step 3
+    assert [s for s, _ in _wandb_history(second)] == [1, 2, 3]
+    for (step, got), want in zip(_wandb_history(second), resumed, strict=True):
+        _same(got, want, f"wandb step {step}, resumed attempt")
 
 
 @pytest.mark.parametrize("value, match", [
@@ -144,3 +147,157 @@ def test_log_completions_shows_each_completion_with_its_rewards(tmp_path, tiny_p
         # (the table prints 3 decimals: half a unit of the last one, whatever the magnitude, plus float noise)
         assert float(cells[4]) == pytest.approx(float(advantages[k]), abs=5e-4, rel=1e-6), (cells, float(advantages[k]))
     assert not os.path.exists(os.path.join(c.output_dir, "tensorboard")), "report_to=none writes no tracker files"
+
+
+# ---- issue 46: model text as data, the trackio run a checkpoint names, credentials before any work -------------
+
+MODEL_TEXT = ("<s>[INST] 2+2? [/INST] [/i] [bold]four[/bold] :smile: \\boxed{4} e\x1b[31mred\x1b[0m bell\x07 nul\x00 "
+              "cr\r del\x7f lone\ud800 rtl\u202eoverride\nsecond line")
+SHOWN = ("<s>[INST] 2+2? [/INST] [/i] [bold]four[/bold] :smile: \\boxed{4} e\\x1b[31mred\\x1b[0m bell\\x07 nul\\x00 "
+         "cr\\r del\\x7f lone\\ud800 rtl\\u202eoverride")  # (its first line: a table cell keeps the newline)
+
+
+def _trackio_logs(project: str) -> dict:
+    """id -> (name, [(step, values)]) of every run in `project`'s local trackio database."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    out = {}
+    for run in SQLiteStorage.get_run_records(project):
+        rows = SQLiteStorage.get_logs(project, run["name"], run_id=run["id"])
+        out[run["id"]] = (run["name"], [(r["step"], {k: v for k, v in r.items() if k not in ("step", "timestamp")})
+                                        for r in rows])
+    return out
+
+
+def test_completions_with_markup_and_control_bytes_are_shown_as_written_in_the_console_and_the_trackers(
+        tmp_path, capsys, monkeypatch):
+    """rich read `[/INST]` and `[/i]` as closing tags (MarkupError: the run died, and died again on resume at the
+    same step), dropped `[bold]` and printed control bytes raw: model text is now shown as written, the bytes that
+    would act on the terminal (or cannot be encoded) as their escapes, in the console and in the trackers' tables."""
+    import torch
+
+    from grpo_fast.completions_table import log_completions
+    from grpo_fast.distributed import ONE_PROCESS
+    from grpo_fast.metrics import MetricsLogger, ProgressBar
+    from grpo_fast.trackers import open_trackers
+    from grpo_fast.train.batch import Rollouts
+
+    monkeypatch.setenv("COLUMNS", "400")  # rich's width when the output is not a terminal
+    project = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}"
+    batch = Rollouts(prompt_ids=[[1], [1]], completion_ids=[[2], [3]], sampling_logp=[torch.zeros(1)] * 2,
+                     finish_reason=["stop"] * 2, completion_texts=[MODEL_TEXT, "plain"],
+                     rows=[{"prompt": MODEL_TEXT}, {"prompt": "[/INST]"}], rewards=torch.tensor([[1.0], [0.0]]),
+                     advantages=torch.tensor([0.5, -0.5]))
+
+    def score_in_brackets(prompts, completions, completion_ids, **columns):  # a header with brackets too
+        return [0.0] * len(prompts)
+
+    score_in_brackets.__name__ = "score[v2]"
+    c = config(tmp_path, log_completions=True, report_to="trackio", project=project)
+    logger = MetricsLogger(c.output_dir, trackers=open_trackers(c, {}))
+    capsys.readouterr()
+    for bar in (ProgressBar(1, enabled=False), ProgressBar(1, enabled=True)):  # print() alone, and the live bar's console
+        log_completions(batch, step=1, config=c, reward_funcs=[score_in_brackets], world=ONE_PROCESS, bar=bar,
+                        metrics_logger=logger)
+        bar.close()
+        out = capsys.readouterr().out
+        cells = [[cell.strip() for cell in line.strip("│").split("│")] for line in out.splitlines() if line.startswith("│")]
+        assert cells[0][:2] == [SHOWN, SHOWN], out  # prompt and completion, as written
+        assert cells[1][:2] == ["second line", "second line"], out
+        assert cells[2][:2] == ["[/INST]", "plain"], out
+        assert "score[v2]" in out and "\x1b" not in out and "\x00" not in out and "😄" not in out, out
+    logger.close()
+    [(_, logs)] = _trackio_logs(project).values()
+    table = [values["completions"] for _, values in logs if "completions" in values]
+    assert len(table) == 2, logs  # (a lone surrogate made trackio drop the whole table)
+    assert [table[0]["_value"][0]["prompt"], table[0]["_value"][0]["completion"]] == [SHOWN + "\nsecond line"] * 2
+
+
+def test_a_resumed_trackio_run_continues_the_run_its_checkpoint_names_not_the_newest_run_of_that_name(tmp_path):
+    """Runs in folders a/r and b/r have the same trackio name (the folder's basename): resuming a/r appended to b/r's
+    run, the newest of that name. A resume now continues the run by the id its checkpoint saved."""
+    from grpo_fast.trackers import close_all, open_trackers
+
+    project = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}"
+    a, b = (config(tmp_path, output_dir=str(tmp_path / folder / "r"), report_to="trackio", project=project)
+            for folder in "ab")
+
+    def attempt(c, runs, steps, base):
+        trackers = open_trackers(c, runs)
+        for step in steps:
+            trackers[0].log(step, {"loss": base + step})
+        close_all(trackers)
+
+    runs_a, runs_b = {}, {}
+    attempt(a, runs_a, [1, 2], 10.0)  # a/r trains 2 steps (its checkpoint keeps runs_a)
+    attempt(b, runs_b, [1, 2, 3], 20.0)  # b/r starts later: the newest trackio run named "r"
+    attempt(a, dict(runs_a), [3], 10.0)  # a/r resumed from its checkpoint
+    logs = sorted([values["loss"] for _, values in rows] for _, rows in _trackio_logs(project).values())
+    assert logs == [[11.0, 12.0, 13.0], [21.0, 22.0, 23.0]], "a/r's step 3 went to its own run, b/r's is untouched"
+    assert [name for name, _ in _trackio_logs(project).values()] == ["r", "r"]
+
+
+def _no_wandb_login(tmp_path, monkeypatch):
+    """An environment where wandb would log online and has no API key anywhere."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # the .netrc wandb reads: no machine in it
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no global settings file
+    monkeypatch.chdir(tmp_path)  # no workspace settings (./wandb/settings)
+
+
+def test_online_wandb_without_a_login_is_refused_in_one_line_before_any_work(tmp_path, tiny_path, monkeypatch, capsys):
+    """It failed after the model loaded, with a 46-line traceback, leaving run_config.json (so the same command was
+    then refused): the login is checked first, and the output folder is never created."""
+    pytest.importorskip("wandb")
+    from grpo_fast.cli import main
+
+    _no_wandb_login(tmp_path, monkeypatch)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    argv = ["train", "--report_to", "tensorboard,wandb", "--output_dir", str(out), "--model", tiny_path, "--engine",
+            "hf", "--dataset", str(data), "--reward_funcs", "tests.trainer.common:target_fraction", "--max_steps", "1",
+            "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
+            "--disable_tqdm"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "report_to='tensorboard,wandb': wandb logs online" in err and "wandb login" in err \
+        and "WANDB_MODE=offline" in err, err
+    assert not out.exists(), "nothing is written before the check (run_config.json made the rerun refused)"
+
+
+def test_tracker_credentials_found_where_wandb_and_trackio_look(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from grpo_fast.trackers import check_credentials
+
+    _no_wandb_login(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match=r"^report_to='wandb': wandb logs online \(to https?://\S+\) but finds no API "):
+        check_credentials("wandb")
+    check_credentials("tensorboard,trackio")  # local: nothing to log in to
+    key = "0123456789abcdef" * 3
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    check_credentials("wandb")
+    monkeypatch.delenv("WANDB_API_KEY")
+    import wandb
+
+    host = __import__("urllib.parse").parse.urlsplit(wandb.Settings().base_url).netloc
+    (tmp_path / "netrc").write_text(f"machine {host}\n  login user\n  password {key}\n")  # what `wandb login` writes
+    check_credentials("wandb")
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_credentials("wandb")
+    monkeypatch.setenv("TRACKIO_SPACE_ID", "someone/a-space")
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    if __import__("huggingface_hub").get_token() is None:  # (this machine holds no Hugging Face login)
+        with pytest.raises(ValueError, match=r"TRACKIO_SPACE_ID='someone/a-space' logs to a Hugging Face Space, which "
+                                             r"needs a Hugging Face login"):
+            check_credentials("trackio")
+    monkeypatch.delenv("TRACKIO_SPACE_ID")
+    monkeypatch.setenv("TRACKIO_SERVER_URL", "http://127.0.0.1:7860/")
+    with pytest.raises(ValueError, match=r"TRACKIO_SERVER_URL='http://127.0.0.1:7860/' needs a write token"):
+        check_credentials("trackio")
+    monkeypatch.setenv("TRACKIO_WRITE_TOKEN", "secret")
+    check_credentials("trackio")
