@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import checkpoint, completions_table, distributed, resume, run_folder
+from . import checkpoint, completions_table, distributed, resume, run_folder, trackers
 from .config import GRPOConfig
 from .metrics import logs_step, open_logger, progress, synced_time, timed
 from .rollout.base import check_engine
@@ -76,6 +76,8 @@ class GRPOTrainer:
             check_engine(engine)
             if c.max_staleness:
                 setup.check_partial_rollouts(engine, c)
+        if not evaluate_only:
+            trackers.check_credentials(c.report_to)  # (before anything is loaded or written)
         self.resume_path = None if evaluate_only else run_folder.check_start(c)
         self.resume_overrides = [] if evaluate_only else resume.check_run(c, self.resume_path)
         agent_parts = setup.agent_parts(c, tools, environment_factory)  # (agents: tools checked, environments built)
@@ -130,6 +132,7 @@ class GRPOTrainer:
     def from_config(cls, config: GRPOConfig, evaluate_only: bool = False) -> "GRPOTrainer":
         """Everything from the config: model, reward functions by name, the dataset or built-in task."""
         if not evaluate_only:
+            trackers.check_credentials(config.report_to)  # a tracker's login too
             run_folder.check_start(config)  # before the dataset is read
         funcs, train_rows, eval_rows, eval_metrics = setup.inputs_from_config(config)
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
