@@ -259,11 +259,12 @@ class ProgressBar:
             self.progress.console.print(f"step {step}/{self.total}  {figures}")
 
     def print(self, message):
-        """A line, or a rich renderable (a table), above the bar (rank 0 only)."""
+        """A line, or a rich renderable (a table), above the bar (rank 0 only). A line is text, never rich
+        markup: the names and paths in it are the user's (an eval metric, an output folder) and may hold brackets."""
         if not self.messages:
             return
         if self.progress is not None:
-            self.progress.console.print(message)
+            self.progress.console.print(message, markup=False, emoji=False)
         elif isinstance(message, str):
             print(message, flush=True)
         else:

@@ -132,9 +132,15 @@ def open_trackers(config, runs: dict, resume_step: int = 0) -> list:
 
 def catch_up(trackers: Sequence, records: list[dict]) -> None:
     """After a resume: each tracker logs the values of `records` (metrics.jsonl up to the resumed step, in
-    order) that its run does not hold, as they were logged. A tracker says what it holds (`held`)."""
-    for tracker in trackers:
-        held = tracker.held(records)
+    order) that its run does not hold, as they were logged. A tracker says what it holds (`held`); one that
+    cannot be read back is left as it is, with a warning (the run's own files hold every step anyway)."""
+    for tracker in trackers if records else ():
+        try:
+            held = tracker.held(records)
+        except Exception as err:
+            logger.warning("%s: could not read back what its run holds (%s): steps a kill lost stay lost there",
+                           type(tracker).__name__, " ".join(str(err).split()))
+            continue
         for record in records:
             values = {k: v for k, v in scalars(record).items() if k not in held.get(record["step"], ())}
             if values:
