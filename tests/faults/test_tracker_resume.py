@@ -29,6 +29,9 @@ def test_kill9_between_checkpoints_then_resume_leaves_every_step_in_every_tracke
     monkeypatch.setenv("WANDB_MODE", "offline")  # (the processes inherit the environment)
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
+    # each process its own wandb service, as from a shell: a wandb run earlier in this pytest process leaves its
+    # service's address in WANDB_SERVICE, and a killed attempt's run then stays "in use" in that shared service
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
     monkeypatch.setenv("COLUMNS", "200")  # rich's width where stdout is not a terminal: no cell cut short
     data = tmp_path / "prompts.jsonl"  # what rich reads as markup, and bytes a terminal acts on
     data.write_text("".join(json.dumps({"prompt": f"[/INST]{i}[/i][bold]\x1b[31m"}) + "\n" for i in range(24)))
