@@ -33,8 +33,8 @@ def test_kill9_between_checkpoints_then_resume_leaves_every_step_in_every_tracke
     # service's address in WANDB_SERVICE, and a killed attempt's run then stays "in use" in that shared service
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
     monkeypatch.setenv("COLUMNS", "200")  # rich's width where stdout is not a terminal: no cell cut short
-    data = tmp_path / "prompts.jsonl"  # what rich reads as markup, and bytes a terminal acts on
-    data.write_text("".join(json.dumps({"prompt": f"[/INST]{i}[/i][bold]\x1b[31m"}) + "\n" for i in range(24)))
+    data = tmp_path / "prompts.jsonl"  # what rich reads as markup, and a byte a terminal acts on (short: 32 tokens)
+    data.write_text("".join(json.dumps({"prompt": f"[/i]{i}[/INST]\x1b"}) + "\n" for i in range(24)))
     project, out = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}", tmp_path / "run"
     args = fault_args(tiny_path, str(data), out, "--save_steps", "2", "--report_to", "tensorboard,wandb,trackio",
                       "--project", project, "--log_completions", "--num_completions_to_print", "2")
@@ -45,7 +45,7 @@ def test_kill9_between_checkpoints_then_resume_leaves_every_step_in_every_tracke
     code, stdout, err = run([*args, "--resume"])
     assert code == 0, err
     table = [line for line in stdout.splitlines() if line.startswith("│")]  # (trackio colours its own lines)
-    assert re.search(r"│ \[/INST\]\d+\[/i\]\[bold\]\\x1b\[31m +│", stdout) and not any("\x1b" in t for t in table), stdout
+    assert re.search(r"│ \[/i\]\d+\[/INST\]\\x1b +│", stdout) and not any("\x1b" in t for t in table), stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
 
