@@ -403,10 +403,10 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, name) for _, name in sorted(found)]
 
 
-def resolve_checkpoint(spec: str, output_dir: str) -> str:
+def resolve_checkpoint(spec: str, output_dir: str, warn: bool = True) -> str:
     """'latest' -> the newest intact checkpoint in output_dir (damaged newer ones passed over with one
-    warning, rank 0, once per process); a folder -> itself, refused when damaged. Errors say what was
-    looked at, in one line."""
+    warning, rank 0, once per process; warn=False: none, for a launcher whose ranks will say it); a folder
+    -> itself, refused when damaged. Errors say what was looked at, in one line."""
     if spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -415,7 +415,7 @@ def resolve_checkpoint(spec: str, output_dir: str) -> str:
         for path in reversed(found):
             problem = damage(path)
             if problem is None:
-                if damaged and os.environ.get("RANK", "0") == "0" and (found[-1], path) not in _warned_fallback:
+                if damaged and warn and os.environ.get("RANK", "0") == "0" and (found[-1], path) not in _warned_fallback:
                     _warned_fallback.add((found[-1], path))
                     logger.warning("%s: resuming from %s, the newest intact checkpoint", "; ".join(damaged), path)
                 return path

@@ -106,8 +106,8 @@ def resumed_config(given: dict, output_dir: str, spec: str):
 
     if spec == "latest" and not list_checkpoints(output_dir):
         path = None  # killed before its first checkpoint: run_config.json, or nothing to read (the trainer says so)
-    else:
-        path = resolve_checkpoint(spec, output_dir)
+    else:  # (a damaged newest checkpoint passed over: the trainer's own check says so, once, on rank 0; here the
+        path = resolve_checkpoint(spec, output_dir, warn=False)  # process may be a launcher of ranks)
     saved, in_flight = saved_config(output_dir, path)
     if saved is None:
         return GRPOConfig.from_dict({}, **given)

@@ -36,7 +36,8 @@ def check_start(config, warn: bool = True) -> Optional[str]:
 
     Raises ValueError naming output_dir, --resume and --overwrite_output_dir when a fresh run would
     write into an earlier run's folder, and FileNotFoundError when there is nothing to resume.
-    warn: say (once per process and folder, rank 0) that a resume starts again from step 0."""
+    warn: say (once per process and folder, rank 0) that a resume starts again from step 0, or passes over
+    a damaged newest checkpoint (checkpoint.resolve_checkpoint)."""
     out = config.output_dir
     if os.environ.get("RANK", "0") == "0":
         remove_stale_temp_folders_unless_locked(out)
@@ -51,7 +52,7 @@ def check_start(config, warn: bool = True) -> Optional[str]:
                            "from step 0 with its saved config; metrics.jsonl restarts there", out)
         return None
     if spec is not None:
-        return resolve_checkpoint(spec, out)
+        return resolve_checkpoint(spec, out, warn=warn)
     existing = _entries(out)
     if existing and not config.overwrite_output_dir:
         shown = ", ".join(existing[:4]) + (", ..." if len(existing) > 4 else "")

@@ -70,6 +70,13 @@ def _sampled(out, world):
 GLOBAL_STATS = ["distributed_strategy=fsdp2", "scale_rewards=batch", "beta=0.05", "num_iterations=2", "judge_rank=hf"]
 # a LoRA adapter under DDP, with the KL reference computed by the policy with its adapter disabled
 LORA = ["use_peft=True", "lora_r=4", "beta=0.05"]
+# the decoder under bf16 autocast, forced whatever this CPU's default (the other runs pin float32); one step: the
+# engine (float32) samples the same starting weights alike, where a second step's samples could differ with the
+# bf16 update's own difference
+BF16 = ["mixed_precision=bf16", "max_steps=1"]
+# docs/design.md, "Precision": what 2 ranks and one process agree on under bf16 autocast, relative (measured on an
+# avx512_bf16 EPYC: 4e-6 in the gradient norm, 4e-2 in the update; float32: 0 and 1e-5)
+BF16_GRADIENT, BF16_UPDATE = 1e-3, 1e-1
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +87,9 @@ def hf_runs(tiny_model_dir, tool_model_dir, tmp_path_factory):
     agents = f"tool_model={tool_model_dir}"
     launches = [
         (1, [("one", "16", "hf"), ("one-global-stats", "16", "hf", *GLOBAL_STATS), ("one-lora", "16", "hf", *LORA),
-             ("one-agents", "16", "hf", agents)]),
+             ("one-agents", "16", "hf", agents), ("one-bf16", "16", "hf", *BF16)]),
         (2, [("ddp", "8", "hf", "distributed_strategy=ddp"), ("fsdp2", "8", "hf", "distributed_strategy=fsdp2"),
+             ("ddp-bf16", "8", "hf", "distributed_strategy=ddp", *BF16),
              ("ddp-lora", "8", "hf", "distributed_strategy=ddp", *LORA), ("ddp-agents", "8", "hf", "distributed_strategy=ddp", agents),
              ("two-global-stats", "8", "hf", *GLOBAL_STATS),  # and 1 -> 2: a one-process checkpoint sharded over two ranks
              ("fsdp2-resumed2", "8", "hf", "distributed_strategy=fsdp2", f"resume_from_checkpoint={root / 'one' / 'checkpoint-1'}")]),
@@ -183,16 +191,19 @@ def _assert_resumed_like(steps, weights, steps1, weights1, initial):
     _assert_same_weights(weights, weights1, initial)
 
 
-def _assert_same_weights(weights, reference, initial, per_tensor=1e-2):
+def _assert_same_weights(weights, reference, initial, per_tensor=1e-2, whole=1e-3):
     """The same update up to float reduction order: per tensor within `per_tensor` (1%) of its largest update
-    (Adam magnifies order effects where gradients are ~0), over the whole model within 1e-3 of the update."""
+    (Adam magnifies order effects where gradients are ~0; None: not checked), over the whole model within `whole`
+    (float32: 1e-3) of the update."""
     diff = update = 0.0
     for name, w in reference.items():
         change = (w - initial[name]).abs().max()
-        assert change > 0 and (weights[name] - w).abs().max() <= per_tensor * change, (name, float((weights[name] - w).abs().max()), float(change))
+        assert change > 0, name
+        if per_tensor is not None:
+            assert (weights[name] - w).abs().max() <= per_tensor * change, (name, float((weights[name] - w).abs().max()), float(change))
         diff += float(((weights[name] - w) ** 2).sum())
         update += float(((w - initial[name]) ** 2).sum())
-    assert diff ** 0.5 <= 1e-3 * update ** 0.5, f"relative update difference {(diff / update) ** 0.5:.2e}"
+    assert diff ** 0.5 <= whole * update ** 0.5, f"relative update difference {(diff / update) ** 0.5:.2e} > {whole:.0e}"
 
 
 def _assert_trained_alike(steps1, weights1, steps2, weights2, initial, per_tensor=1e-2):
@@ -240,6 +251,27 @@ def test_a_lora_adapter_on_two_ranks_trains_like_one_process(hf_runs):
     _assert_trained_alike(steps1, weights1, steps2, weights2, initial, per_tensor=5e-2)
     kl = [s["kl"] for s in steps2 if "loss" in s]  # B starts at 0: the policy is the reference until it trains
     assert kl[0] == 0 and kl[-1] > 0, f"the reference (adapter disabled) must leave the policy once it trains: {kl}"
+
+
+def test_bf16_autocast_on_two_ranks_trains_like_one_process_within_the_stated_tolerance(hf_runs, tiny_model_dir):
+    """The tolerance docs/design.md states for a rank-count change under bf16 autocast (the default decoder precision
+    on CPUs with bf16 hardware), checked with bf16 forced on every CPU kind: the gradient within BF16_GRADIENT, the
+    update within BF16_UPDATE. The update is the loose one: AdamW's first step moves every weight by about +-lr
+    whatever its gradient's size, so a weight whose gradient is within bf16 noise of 0 moves by the sign of that
+    noise (0.06% of the weights here, each 2 lr apart): no per-tensor bound holds, the whole update's does."""
+    one, seen1, steps1, weights1 = hf_runs["one-bf16"]
+    two, seen2, steps2, weights2 = hf_runs["ddp-bf16"]
+    assert seen1 == {"world": 1, "step": 1, "strategy": "none", "autocast": "torch.bfloat16"}
+    assert seen2 == {"world": 2, "step": 1, "strategy": "ddp", "autocast": "torch.bfloat16"}
+    calls = _sampled(one, 1)
+    assert len(calls) >= 2 and _sampled(two, 2)[:-1] == calls[:-1], "2 ranks sample what one process samples (the " \
+        "last call, the final evaluation, is greedy on the bf16-trained weights)"
+    (a,), (b,) = ([s for s in steps if "loss" in s] for steps in (steps1, steps2))
+    assert b["reward"] == pytest.approx(a["reward"], rel=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=BF16_GRADIENT)
+    assert b["loss"] == pytest.approx(a["loss"], rel=BF16_GRADIENT, abs=1e-6)
+    _assert_same_weights(weights2, weights1, load_file(Path(tiny_model_dir) / "model.safetensors"), per_tensor=None,
+                         whole=BF16_UPDATE)
 
 
 def test_global_statistics_and_side_passes_train_like_one_process(tiny_model_dir, hf_runs):

@@ -78,6 +78,8 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
     if judged:  # what this rank's judge saw, in order
         (Path(output_dir) / f"judge-rank{trainer.world.rank}.json").write_text(json.dumps(list(funcs[1].judge.requests)))
     seen = {"world": trainer.world.size, "step": trainer.state.step, "strategy": trainer.parallel.strategy}
+    if trainer.packer.amp_dtype is not None:  # (a bf16 run: the decoder did run under autocast)
+        seen["autocast"] = str(trainer.packer.amp_dtype)
     if kill is not None:  # which torchrun attempt finished the run
         seen["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = trainer.world.rank
