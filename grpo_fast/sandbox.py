@@ -335,7 +335,8 @@ class Sandbox:
                 return _start_failed(f"could not start the sandbox: {err}", start)
             os.close(status_w)
             fds.remove(status_w)
-            reason = self._communicate(proc, status_r, started, out, _Clock(o.timeout, start, proc.pid))
+            # (the clock starts once bwrap is running: forking a large trainer process is the trainer's time)
+            reason = self._communicate(proc, status_r, started, out, _Clock(o.timeout, time.perf_counter(), proc.pid))
         finally:
             if proc is not None and (reason is not None or proc.poll() is None):
                 _kill_tree(proc)
@@ -414,10 +415,12 @@ def _start_failed(why: str, start: float) -> SandboxResult:
 
 
 class _Clock:
-    """The time a program is charged against `timeout`: wall time since `start`, less the longest time one of its
-    processes waited for a core (run-queue delay, /proc/PID/task/TID/schedstat). The verdict is then on what the
-    program did (ran, up to its CPU limit, or slept), not on how busy the machine was: 8 CPU-bound programs on
-    2 cores each wait 3/4 of the time. A program starved of CPU still ends at WALL_BACKSTOP x timeout of wall."""
+    """The time a program is charged against `timeout`: wall time since `start`, less the time its processes waited
+    for a core (run-queue delay, /proc/PID/task/TID/schedstat). The verdict is then on what the program did (ran,
+    up to its CPU limit, or slept), not on how busy the machine was: 8 CPU-bound programs on 2 cores each wait
+    3/4 of the time. Summed over the tree, since its processes mostly run one after another (bwrap, the shell,
+    code_tests' harness, the program); a program whose processes wait side by side is credited more than its
+    wall time, and ends at WALL_BACKSTOP x timeout of wall (or its CPU limit, each process) all the same."""
 
     def __init__(self, timeout: float, start: float, pid: int):
         self.timeout, self.start, self.pid, self.credit = timeout, start, pid, 0.0
@@ -430,8 +433,8 @@ class _Clock:
 
 
 def _waited(root: int) -> float:
-    """Seconds the longest-waiting task of `root`'s process tree (as the host sees it) spent runnable but not
-    running; 0.0 where the kernel does not say (no schedstat)."""
+    """Seconds the live tasks of `root`'s process tree (as the host sees it) spent runnable but not running, summed;
+    0.0 where the kernel does not say (no schedstat)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -452,7 +455,7 @@ def _waited(root: int) -> float:
         for tid in tasks:
             try:
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    waited = max(waited, int(f.read().split()[1]))  # ns: on the CPU, waiting for it, slices
+                    waited += int(f.read().split()[1])  # ns: on the CPU, waiting for it, slices
             except (OSError, ValueError, IndexError):
                 pass
     return waited / 1e9

@@ -181,3 +181,15 @@ def test_code_tests_without_its_columns_is_refused_before_the_model_loads(tmp_pa
         GRPOTrainer(config(tmp_path, model="unused"), [reward], [{"prompt": f"q{i}", "answer": "1"} for i in range(8)])
     assert CodeTests.missing_columns({"prompt", "tests"}) == CodeTests.missing_columns({"test", "entry_point"}) == ""
     assert CodeTests.missing_columns({"prompt", "test"}).startswith("the columns ['entry_point'] ")
+
+
+def test_correct_programs_submitted_at_once_do_not_time_out():
+    """16 correct programs of ~0.3 s of CPU each (0.1 s a test), all at once, on the default pool and a 1 s wall
+    limit: none times out. (Before, 4 x cores ran at once on a wall clock: each got a quarter of a core and about
+    1.4 s of wall time.) The machine's other load is not charged either (sandbox._Clock)."""
+    busy = ("```python\ndef add(a, b):\n    import time\n    end = time.process_time() + 0.1\n"
+            "    while time.process_time() < end:\n        pass\n    return a + b\n```")
+    reward = CodeTests(SandboxOptions(timeout=1.0, cpu_seconds=5, memory_mb=512, max_processes=8, tmp_mb=16))
+    values = asyncio.run(reward([PROMPT] * 16, [busy] * 16, test=[TEST] * 16, entry_point=["add"] * 16))
+    counts = reward.metrics()
+    assert counts["sandbox/timeouts"] == 0 and values == [1.0] * 16, (values, counts)

@@ -154,3 +154,53 @@ def test_parallel_programs_have_their_own_process_budget(box):
         t.join()
     counts = sorted(int(r.stdout) for r in results)
     assert counts[0] == counts[1] >= LIMITS.max_processes - 2, counts
+
+
+def test_every_writable_mount_is_bounded(box):
+    """Files of 12 MiB (under the file-size limit) until the first error, in each place a program could write:
+    the root and /dev are read-only, /dev/shm and /tmp are tmpfs of tmp_mb (a size-less /dev/shm held 2.1 GB)."""
+    fill = ("import errno, os\nfor where in ('/', '/dev', '/dev/shm', '/tmp'):\n    written, error = 0, None\n    try:\n"
+            "        for k in range(8):\n            with open(os.path.join(where, f'fill{k}'), 'wb') as f:\n"
+            "                for _ in range(12):\n                    f.write(b'x' * (1 << 20))\n"
+            "                    written += 1 << 20\n    except OSError as err:\n"
+            "        error = errno.errorcode.get(err.errno)\n    print(where, written >> 20, error)")
+    result = box.run(fill)
+    assert result.ok, result
+    filled = {where: (int(mb), error) for where, mb, error in (line.split() for line in result.stdout.splitlines())}
+    assert filled["/"] == filled["/dev"] == (0, "EROFS"), filled
+    for where in ("/dev/shm", "/tmp"):
+        assert filled[where][1] == "ENOSPC" and filled[where][0] <= LIMITS.tmp_mb, filled
+
+
+def test_text_that_is_not_utf8_is_a_counted_failed_start_and_leaks_no_descriptor(box):
+    """A lone surrogate ('\\ud800') in a program or its stdin cannot be written to the sandbox: a start_failed result
+    (counted), not an exception, and every descriptor made for it closed; so is the python tool's answer."""
+    from grpo_fast.rewards.code import python_tool
+
+    box.metrics()
+    before = sorted(os.listdir("/proc/self/fd"))
+    results = [box.run("print('\ud800')") if k % 2 else box.run("print(input())", stdin="\ud800") for k in range(20)]
+    assert sorted(os.listdir("/proc/self/fd")) == before, "descriptors leaked"
+    assert all(r.reason == "start_failed" and "not UTF-8 text" in r.stderr for r in results), results[:2]
+    assert box.metrics()["sandbox/start_failures"] == 20
+    assert "[start_failed, exit status None]" in python_tool("print('\ud800')")
+
+
+def test_a_start_that_runs_out_of_descriptors_closes_the_ones_it_made(box):
+    """With the descriptor limit a few above what is open, the start fails at each step in turn (the memfds, the
+    status pipe, Popen's own pipes): each a start_failed result, nothing left open."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = sorted(os.listdir("/proc/self/fd"), key=int)
+    free = lambda limit: limit - sum(int(fd) < limit for fd in before)  # (new descriptors take the lowest free numbers)
+    reasons = []
+    try:
+        for extra in range(16):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (next(n for n in range(1, soft) if free(n) == extra), hard))
+            reasons.append(box.run("print(1)").reason)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert sorted(os.listdir("/proc/self/fd"), key=int) == before, f"descriptors leaked with {extra} to spare"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert reasons[0] == "start_failed" and reasons[-1] == "exited" and set(reasons) == {"start_failed", "exited"}, reasons
