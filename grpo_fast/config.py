@@ -81,7 +81,7 @@ class GRPOConfig:
     sandbox_max_processes: int = _f(32, "code_tests: processes one program may run at once (RLIMIT_NPROC under a uid of its own; fork bombs stop there: sandbox/process_limit).", bounds=INTEGER_AT_LEAST_1)
     sandbox_output_bytes: int = _f(65536, "code_tests: bytes kept of each of a program's stdout and stderr; past it the program is killed (sandbox/output_limit).", bounds=INTEGER_AT_LEAST_1)
     sandbox_tmp_mb: int = _f(64, "code_tests: size of a program's private /tmp (a tmpfs, its working folder) and its largest file, in MiB.", bounds=INTEGER_AT_LEAST_1)
-    sandbox_workers: Optional[int] = _f(None, "code_tests: programs run at once, at most 64 (a uid each). None: min(32, 4 x cores) (sandboxed programs mostly wait).", bounds=Bounds(low=1, high=64, integer=True))
+    sandbox_workers: Optional[int] = _f(None, "code_tests: programs run at once, at most 64 (a uid each). None: one per usable core (os.sched_getaffinity; test programs are CPU-bound).", bounds=Bounds(low=1, high=64, integer=True))
     unsafe_code_execution: bool = _f(False, "Run model-written code (code_tests) without isolation, with the limits only, where bubblewrap is unavailable (the run's first line says so). Without it such a run is refused, naming the missing tool.")
     code_reward_mode: str = _f("all", "code_tests: all (1 when every test passes, else 0: eval/accuracy is pass@1) or share (the share of tests that pass: the tests column's asserts, or check()'s top-level asserts, each on its own).", ("all", "share"))
     dtype: str = _f("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
