@@ -355,6 +355,7 @@ def _fsync_dir(folder: str) -> None:
 
 
 def _write_manifest(folder: str, fields: dict) -> None:
+    """MANIFEST with `fields` and the size of every file in `folder` (written last: it lists all the others)."""
     files = {}
     for root, _, names in os.walk(folder):
         for name in names:
