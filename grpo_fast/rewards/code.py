@@ -15,12 +15,12 @@ process with the tests. A trusted harness process makes itself non-dumpable, rea
 (program, prompt, tests) from stdin and empties stdin, and only then starts the program in a fresh interpreter
 of its own. It runs the tests itself, calling the program's functions through proxies that accept only plain
 data back (None, bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset; a failed call raises
-the builtin exception the program raised, by name), and prints the verdict with an HMAC under the key, which
-the trainer checks. So rebinding builtins (exec, compile, str, len, print, __import__, AssertionError),
-poisoning sys.modules, patching unittest, exiting early (sys.exit, os._exit, atexit), printing a made-up
-verdict, killing the harness, walking frames for the key, reading /proc/1/fd/0 or /tmp/main.py (the harness's
-own text: no test is in it) and an object whose __eq__ always says True all score 0
-(tests/sandbox/test_reward_hacking.py). A name the prompt defines (HumanEval/38's encode_cyclic) is the
+the builtin exception the program raised, by name; a module the program imported is the harness's own import
+of it, installed modules only), and prints the verdict with an HMAC under the key, which the trainer checks.
+So rebinding builtins (exec, compile, str, len, print, __import__, AssertionError), poisoning sys.modules,
+patching unittest, exiting early (sys.exit, os._exit, atexit), printing a made-up verdict, killing the
+harness, walking frames for the key, reading /proc/1/fd/0 or /tmp/main.py (the harness's own text: no test is
+in it) and an object whose __eq__ always says True all score 0 (tests/sandbox/test_reward_hacking.py). A name the prompt defines (HumanEval/38's encode_cyclic) is the
 prompt's in the tests, not the program's; a program's function named after a builtin is not bound.
 
 What this costs correct programs (each scores 0): a test that reads an argument the function changed in place,

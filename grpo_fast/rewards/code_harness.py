@@ -20,6 +20,7 @@ object whose __eq__ always says True, or any other object of the program's, cann
 import builtins
 import ctypes
 import hmac
+import importlib
 import json
 import os
 import subprocess
@@ -67,7 +68,7 @@ def decode(data):
         return None
     if tag == "?" and len(args) == 1 and type(args[0]) is bool:
         return args[0]
-    if tag in "ifsb" and len(args) == 1 and type(args[0]) is str:
+    if tag in ("i", "f", "s", "b") and len(args) == 1 and type(args[0]) is str:
         return {"i": lambda s: int(s, 16), "f": float.fromhex, "s": str, "b": bytes.fromhex}[tag](args[0])
     if tag == "c" and len(args) == 2 and all(type(a) is str for a in args):
         return complex(float.fromhex(args[0]), float.fromhex(args[1]))
@@ -111,7 +112,9 @@ def candidate(requests_fd: int, replies_fd: int) -> None:
     names = {}
     for name, value in list(space.items()):
         if isinstance(name, str) and not name.startswith("__"):
-            if callable(value):
+            if type(value).__name__ == "module":
+                names[name] = ["m", getattr(value, "__name__", "")]
+            elif callable(value):
                 names[name] = ["f"]
             else:
                 try:
@@ -221,16 +224,22 @@ class Remote:
 
 
 def bind(space: dict, process, entry_point, stubs) -> None:
-    """The program's top-level names the tests may read: the entry point and the prompt's stubs always; others
-    only where neither the prompt (run here first: its helpers, such as HumanEval/38's encode_cyclic, are the
-    dataset's, not the program's redefinitions) nor the builtins (a program's own `abs` or `len` would answer
-    for the test's) have the name."""
+    """The program's top-level names the tests may read (its functions as proxies, its plain data as values, the
+    modules it imported as the harness's own import of them): the entry point and the prompt's stubs always;
+    others only where neither the prompt (run here first: its helpers, such as HumanEval/38's encode_cyclic, are
+    the dataset's, not the program's redefinitions) nor the builtins (a program's own `abs` or `len` would
+    answer for the test's) have the name."""
     taken = (set(space) - set(stubs)) | set(vars(builtins))
     for name, kind in (process.names or {}).items():
         if type(name) is not str or name.startswith("__") or name in taken or type(kind) is not list or not kind:
             continue
         if kind == ["f"]:
             space[name] = Remote(process, name)
+        elif kind[0] == "m" and len(kind) == 2 and type(kind[1]) is str:
+            try:  # the harness's own import of that module (MBPP's tests read `math` from the program's imports)
+                space[name] = importlib.import_module(kind[1])
+            except (Exception, SystemExit):  # (only installed modules: -I keeps /tmp off the path)
+                pass
         elif kind[0] == "d" and len(kind) == 2:
             try:
                 space[name] = decode(kind[1])

@@ -193,3 +193,11 @@ def test_correct_programs_submitted_at_once_do_not_time_out():
     values = asyncio.run(reward([PROMPT] * 16, [busy] * 16, test=[TEST] * 16, entry_point=["add"] * 16))
     counts = reward.metrics()
     assert counts["sandbox/timeouts"] == 0 and values == [1.0] * 16, (values, counts)
+
+
+def test_tests_that_read_the_programs_imports():
+    """MBPP's tests read modules the program imported (`math.isclose`): the harness imports the same module itself."""
+    program = "```python\nimport math\ndef volume(r):\n    return 4 / 3 * math.pi * r ** 3\n```"
+    tests = ["assert math.isclose(volume(1), 4.18879, rel_tol=1e-4)", "assert math.isclose(volume(2), 33.5103, rel_tol=1e-4)"]
+    for mode in ("all", "share"):
+        assert asyncio.run(CodeTests(FAST, code_reward_mode=mode)(["Write volume(r)."], [program], tests=[tests])) == [1.0]
