@@ -97,6 +97,9 @@ COMBINATIONS = (
                 lambda c: bool(c.tools or c.environment_factory),
                 lambda c: f"with tools={c.tools!r} / environment_factory={c.environment_factory!r}: only multi_turn "
                           f"trajectories call tools"),
+    Combination("tool_isolation", _equals("thread"), "'thread'", lambda c: bool(c.environment_factory),
+                "with environment_factory: an environment's methods act on its instance in the trainer (reset and "
+                "get_reward read its state), so they cannot run in a worker process"),
     # partial rollouts: vLLM's request loop, parallel groups
     Combination("engine", lambda v: v in ("vllm", "auto"), "'vllm' or 'auto'", lambda c: c.max_staleness > 0, _partial),
     Combination("rollout_mode", _modes_with(lambda m: m.supports_partial_rollouts),
@@ -249,6 +252,9 @@ def check_run(c, field_names: list[str]) -> None:
         fail("early_exit_text", c.early_exit_text, "a non-blank text (it tells the model to answer now)")
     if c.thought_end is not None and not c.thought_end.strip():
         fail("thought_end", c.thought_end, "None (the task's own) or a non-blank text")
+    if c.tools is not None and not all(isinstance(t, str) and t.strip() for t in c.tools):
+        fail("tools", c.tools, "tool names, none empty: built-in names (calculator) or module:function entries (in "
+             "Python, pass the functions themselves: GRPOTrainer(tools=[...]))")
     if c.partial_credit_judge is not None and not c.partial_credit_judge.strip():
         fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
     from . import trackers

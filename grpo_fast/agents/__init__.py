@@ -2,7 +2,9 @@
 `multi_turn`, switched on by `GRPOTrainer(tools=...)` or `--tools`).
 
 - `tools.py`: tools checked (`as_tools`: type hints, an `Args:` docstring, unique names) and run
-  concurrently, each bounded by `tool_timeout` (`ToolRunner`);
+  concurrently, each bounded by `tool_timeout` (`ToolRunner`), at most `max_tool_calls_per_turn` a turn;
+- `isolation.py`: a result as text (cut where the tool ran), and tools in worker processes
+  (`tool_isolation='process'`: a crash costs one call);
 - `builtin.py`: the built-in tools by name (`calculator`) and `--tools` entries resolved;
 - `chat.py`: the chat template that shows the tools (grpo_fast's ChatML one where the model has none),
   the calls parsed with `tokenizer.parse_response`, the token ids between turns;
@@ -19,10 +21,10 @@ from typing import Callable, Optional, Sequence
 from .tools import Tool, as_tools  # noqa: F401 (the public names)
 
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency",
-                "tools/truncated_frequency", "tools/turns_mean", "tools/time_waiting")
+                "tools/truncated_frequency", "tools/turns_mean", "tools/time_waiting", "tools/reset_failure_frequency")
 # the counters `Agent.rollouts` leaves in its Rollouts' stats (what TOOL_METRICS are computed from)
 TOOL_COUNTERS = ("tools/calls", "tools/failures", "tools/malformed", "tools/truncated", "tools/turns",
-                 "tools/trajectories", "tools/waiting_seconds")
+                 "tools/trajectories", "tools/waiting_seconds", "tools/reset_failures")
 
 
 @dataclass(frozen=True)
@@ -47,14 +49,17 @@ class Agent:
     def trajectory(self, prompt_ids: list[int], row: dict, seed: int):
         """A trajectory not started; with environments, its own instance reset with its row, the prompt
         extended by what reset returned."""
+        from .chat import slot
         from .loop import Trajectory
 
         t = Trajectory(prompt_ids=list(prompt_ids), seed=seed)
         if self.environments is not None:
             h = self.environments.acquire(row)
-            t.environment, t.tools = h.instance, h.tools
-            t.prompt_ids = self.chat.render(self._messages(row, h.observation), generation_prompt=True,
-                                            schemas=self.environments.schemas(h.name))
+            t.environment, t.tools, t.reset_failed = h.instance, h.tools, h.failed is not None
+            observation = [h.observation] if h.observation else []  # (untrusted: its special strings stay text)
+            t.prompt_ids = self.chat.render(self._messages(row, slot(0) if observation else None),
+                                            generation_prompt=True, schemas=self.environments.schemas(h.name),
+                                            untrusted=observation)
         return t
 
     def restore(self, t, row: dict, loop) -> bool:
@@ -65,7 +70,11 @@ class Agent:
         if self.environments is None or t.environment is not None:
             return True
         fresh = self.trajectory(t.prompt_ids, row, t.seed)
-        if fresh.prompt_ids == t.prompt_ids and loop.replay(t.messages, fresh.tools):
+        if t.reset_failed and fresh.prompt_ids == t.prompt_ids:  # (failed before: stays failed, as it trained)
+            self.environments.failed[id(fresh.environment)] = fresh.environment
+            t.environment, t.tools = fresh.environment, fresh.tools
+            return True
+        if not fresh.reset_failed and fresh.prompt_ids == t.prompt_ids and loop.replay(t.messages, fresh.tools):
             t.environment, t.tools = fresh.environment, fresh.tools
             return True
         self.environments.release([fresh.environment])
@@ -99,7 +108,8 @@ class Agent:
                  "tools/malformed": sum(t.malformed for t in trajectories),
                  "tools/truncated": sum(t.truncated for t in trajectories),
                  "tools/turns": sum(t.turns for t in trajectories), "tools/trajectories": len(trajectories),
-                 "tools/waiting_seconds": waiting_seconds}
+                 "tools/waiting_seconds": waiting_seconds,
+                 "tools/reset_failures": sum(t.reset_failed for t in trajectories)}
         return Rollouts(
             prompt_ids=[t.prompt_ids for t in trajectories],
             completion_ids=[t.ids for t in trajectories],
@@ -142,7 +152,8 @@ def tool_metrics(stats: dict, world=None) -> dict:
             "tools/malformed_frequency": counted["tools/malformed"] / turns_with_markup if turns_with_markup else 0.0,
             "tools/truncated_frequency": counted["tools/truncated"] / calls if calls else 0.0,
             "tools/turns_mean": counted["tools/turns"] / n,
-            "tools/time_waiting": counted["tools/waiting_seconds"]}
+            "tools/time_waiting": counted["tools/waiting_seconds"],
+            "tools/reset_failure_frequency": counted["tools/reset_failures"] / n}  # environments whose reset raised
 
 
 def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None) -> Agent:
@@ -159,7 +170,12 @@ def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None)
         raise ValueError("tools: rollout_mode='multi_turn' needs at least one tool (tools=, --tools, or an environment "
                          "with public methods)")
     chat = ChatTemplate(tokenizer, shown, path=config.chat_template_path, kwargs=config.chat_template_kwargs)
-    return Agent(chat=chat, runner=ToolRunner(checked, config.tool_timeout),
+    runner = ToolRunner(checked, config.tool_timeout, isolation=config.tool_isolation,
+                        max_chars=chat.char_bound(config.max_tool_response_tokens),
+                        max_calls=config.max_tool_calls_per_turn)
+    if environments is not None:  # (every reset of a generation batch failing: the class is broken, not a row)
+        environments.refuse_after = config.completions_per_step * config.steps_per_generation
+    return Agent(chat=chat, runner=runner,
                  max_tool_calling_iterations=config.max_tool_calling_iterations,
                  max_tool_response_tokens=config.max_tool_response_tokens, environments=environments,
                  prompt_column=config.prompt_column)

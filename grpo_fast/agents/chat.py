@@ -9,6 +9,15 @@ tokens after an assistant turn's end-of-turn token (ChatML's "\\n" after <|im_en
 `apply_chat_template(messages)` token for token as long as the template is prefix-preserving (an
 earlier message renders the same whatever follows), which `ChatTemplate` checks before any work.
 
+What a tool or an environment returns is untrusted text: `render(..., untrusted=[...])` encodes it with the
+tokenizer's special tokens split as text (`split_special_tokens=True`), so a result holding
+"<|im_end|>\n<|im_start|>assistant\n" reads as those characters, never as the template's tokens that end a
+turn. Text without a special token's string renders exactly as `apply_chat_template` renders it (the
+common case, token for token); text with one is spliced into the rendering in its place (placeholders
+rendered, then each replaced by the text's own ids). A result is cut to `max_tool_response_tokens` by
+characters first (`char_bound`: no token spans more characters than the vocabulary's longest piece), so a
+10 MB result costs what a short one does.
+
 `TOOL_CHAT_TEMPLATE` is the template grpo_fast ships for ChatML models without one that renders tools
 (SmolLM2-Instruct's renders none): Hermes-style `<tool_call>{json}</tool_call>` calls, results in a user
 turn as `<tool_response>`; `RESPONSE_TEMPLATE` is transformers' parser for it, set on the tokenizer and
@@ -17,8 +26,11 @@ saved with it, so `tokenizer.parse_response` reads calls for grpo_fast and for s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
+
+from .isolation import valid_text
 
 TOOL_CHAT_TEMPLATE = (
     "{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' %}"
@@ -74,6 +86,26 @@ def _dummy_calls(name: str) -> list[dict]:
     return [{"type": "function", "function": {"name": name, "arguments": {}}}]
 
 
+# (letters and digits only: a template that escapes contents, tojson included, leaves it as it is)
+_SLOT = re.compile(r"GrpoFastUntrustedText(\d+)Q7x")
+
+
+def slot(k: int) -> str:
+    """The placeholder of the k-th untrusted text in messages given to `ChatTemplate.render`."""
+    return f"GrpoFastUntrustedText{k}Q7x"
+
+
+def _valid(value):
+    """A parsed call's name and arguments with lone surrogates replaced (valid_text), at any depth."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, dict):
+        return {_valid(k): _valid(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_valid(v) for v in value]
+    return value
+
+
 class ChatTemplate:
     """The template a multi-turn run renders with, checked: it renders the tools and is prefix-preserving.
 
@@ -108,15 +140,62 @@ class ChatTemplate:
                              f"verbatim; give a template whose earlier messages render the same whatever follows")
         self.source = source
         self.end_of_turn = tokenizer.eos_token_id
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.specials = sorted({*tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)},
+                               key=len, reverse=True)
+        self.longest_piece = max((len(p) for p in tokenizer.get_vocab()), default=1)
 
-    def render(self, messages: list[dict], *, generation_prompt: bool, schemas: Optional[list] = None) -> list[int]:
+    def char_bound(self, max_tokens: int) -> int:
+        """Characters of a text that hold more than `max_tokens` tokens whenever the whole text has more: no token
+        covers more characters than the vocabulary's longest piece (a byte-level piece: one character per byte)."""
+        return (max_tokens + 1) * self.longest_piece
+
+    def encode_untrusted(self, text: str) -> list[int]:
+        """Ids of text a tool or environment returned: its special tokens' strings split as text."""
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def cut(self, text: str, max_tokens: int) -> tuple[str, bool]:
+        """(text cut to `max_tokens` tokens as `render` encodes it, whether it was cut): by characters first."""
+        bound = self.char_bound(max_tokens)
+        cut = len(text) > bound
+        text = valid_text(text[:bound])
+        ids = self.encode_untrusted(text)
+        if len(ids) <= max_tokens:
+            return text, cut
+        return self.tokenizer.decode(ids[:max_tokens]), True
+
+    def render(self, messages: list[dict], *, generation_prompt: bool, schemas: Optional[list] = None,
+               untrusted: Sequence[str] = ()) -> list[int]:
         """Token ids of `messages` with the tools shown (`schemas`: a trajectory's own, an environment's; None: the
-        run's)."""
+        run's). untrusted: texts a tool or an environment returned, the k-th standing in the messages as `slot(k)`;
+        their special tokens' strings never become special tokens."""
         schemas = self.schemas if schemas is None else schemas
-        ids = self.tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=True,
-                                                 add_generation_prompt=generation_prompt, return_dict=False,
-                                                 **self.kwargs)
-        return list(ids)
+        untrusted = [valid_text(t) for t in untrusted]
+        options = dict(tools=schemas or None, add_generation_prompt=generation_prompt, **self.kwargs)
+        filled = _fill(messages, untrusted)
+        if not any(s in text for text in untrusted for s in self.specials):
+            return list(self.tokenizer.apply_chat_template(filled, tokenize=True, return_dict=False, **options))
+        # parts: template text, a slot's index, template text, ...
+        parts = _SLOT.split(self.tokenizer.apply_chat_template(messages, tokenize=False, **options))
+        if sorted(int(i) for i in parts[1::2]) != list(range(len(untrusted))) or \
+                "".join(untrusted[int(p)] if k % 2 else p for k, p in enumerate(parts)) \
+                != self.tokenizer.apply_chat_template(filled, tokenize=False, **options):
+            # (a template that changes these texts as it renders them: their special strings broken up instead)
+            return list(self.tokenizer.apply_chat_template(_fill(messages, [self._defused(t) for t in untrusted]),
+                                                           tokenize=True, return_dict=False, **options))
+        ids = []
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids += self.encode_untrusted(untrusted[int(part)])
+            elif part:
+                ids += self.tokenizer.encode(part, add_special_tokens=False)
+        return ids
+
+    def _defused(self, text: str) -> str:
+        """text with a zero-width space inside each special token's string (so that it no longer matches)."""
+        for s in self.specials:
+            text = text.replace(s, s[:1] + "\u200b" + s[1:])
+        return text
 
     def _renders_tools(self) -> bool:
         if not self.schemas or not self.tokenizer.chat_template:
@@ -142,11 +221,13 @@ class ChatTemplate:
 
     def between_turns(self, tool_messages: list[dict]) -> list[int]:
         """The ids after a sampled turn's end-of-turn token up to the next turn's first sampled token: the
-        template's tail after that token, the tool messages, the generation prompt (all masked out of the loss)."""
+        template's tail after that token, the tool messages (their contents untrusted), the generation prompt
+        (all masked out of the loss)."""
         head = [{"role": "user", "content": "dummy"},
                 {"role": "assistant", "content": "", "tool_calls": _dummy_calls(tool_messages[0]["name"])}]
         a = self.render(head, generation_prompt=False)
-        b = self.render([*head, *tool_messages], generation_prompt=True)
+        b = self.render([*head, *(dict(m, content=slot(k)) for k, m in enumerate(tool_messages))],
+                        generation_prompt=True, untrusted=[m["content"] for m in tool_messages])
         ends = [i for i, t in enumerate(a) if t == self.end_of_turn]
         start = ends[-1] + 1 if ends else len(a)
         return b[start:]
@@ -166,7 +247,19 @@ class ChatTemplate:
             f = call.get("function", call) if isinstance(call, dict) else None
             if not isinstance(f, dict) or not isinstance(f.get("name"), str):
                 return text, calls, True
-            calls.append({"name": f["name"], "arguments": f.get("arguments", {})})
+            calls.append({"name": valid_text(f["name"]), "arguments": _valid(f.get("arguments", {}))})
         if not calls and CALL_OPEN in self.tokenizer.decode(turn_ids):
             return text, [], True
         return (message.get("content") or "") if calls else text, calls, False
+
+
+def _fill(messages: list[dict], texts: Sequence[str]) -> list[dict]:
+    """messages with each slot(k) in a string content replaced by texts[k]."""
+    if not texts:
+        return messages
+
+    def fill(content):
+        return _SLOT.sub(lambda m: texts[int(m.group(1))] if int(m.group(1)) < len(texts) else m.group(0), content) \
+            if isinstance(content, str) else content
+
+    return [dict(m, content=fill(m.get("content"))) if "content" in m else m for m in messages]

@@ -9,7 +9,13 @@ receive `environments=[...]`, one instance per completion. A dict `{name: factor
 environment by its `environment` column.
 
 Environment code is user code: it is built once at start (so a class without `reset`, or with a method the
-model cannot be shown, is refused before any work); its tools run bounded like any tool.
+model cannot be shown, is refused before any work); its tools run bounded like any tool. A reset that raises
+fails that trajectory alone (TRL's would end the run): the trajectory samples nothing (loop.py's
+`end_failed`), its environment's own reward is None (missing, as TRL reads None), and it is counted in
+`tools/reset_failure_frequency`; the instance stays in the pool (its next reset is a fresh start). Only when
+resets fail as many times in a row as a generation batch has trajectories (`refuse_after`: every one of a
+batch) is the run refused, in one line naming the class. A reset that returns neither a string nor None is
+a bug of the class, refused at once in one line naming the class and what was expected.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Handed(NamedTuple):
     tools: dict
     name: Optional[str]
     observation: Optional[str]
+    failed: Optional[str] = None  # why its reset failed ("TypeError: ..."); None: it was reset
 
 
 class Environments:
@@ -52,6 +59,9 @@ class Environments:
         self.last_call: list = []  # the instances of the last synchronous call (`Agent.rollouts`), given back at the next
         self.schema_lists: dict = {}  # name -> the JSON schemas its trajectories' template shows
         self.reward_classes: list = []
+        self.failed: dict = {}  # id -> instance whose last reset raised (its own reward is None until reset again)
+        self.failures_in_a_row = 0  # resets that raised since the last one that did not
+        self.refuse_after = 64  # that many in a row refuse the run (build_agent: a generation batch's trajectories)
         for name, make in self.factories.items():
             label = getattr(make, "__name__", repr(make))
             if not callable(make):
@@ -81,9 +91,24 @@ class Environments:
             instance = self.factories[name]()
             self.pools[name].append(instance)
         self.lent.append((name, instance))
-        observation = instance.reset(**({key: v for key, v in row.items() if key != "environment"} if self.keyed
-                                        else dict(row)))
+        label = type(instance).__name__
         tools = {t.name: t for t in [*self.standalone, *environment_tools(instance)]}
+        try:
+            observation = instance.reset(**({key: v for key, v in row.items() if key != "environment"} if self.keyed
+                                            else dict(row)))
+        except Exception as err:  # noqa: BLE001 (a failed trajectory, counted; not the run's end)
+            why = " ".join(f"{type(err).__name__}: {err}".split())
+            self.failed[id(instance)] = instance
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= self.refuse_after:
+                raise RuntimeError(f"environment_factory: every reset of {label} failed ({self.failures_in_a_row} in a "
+                                   f"row, a generation batch's worth); the last raised {why}") from None
+            return Handed(instance, tools, name, None, failed=why)
+        if observation is not None and not isinstance(observation, str):
+            raise TypeError(f"environment_factory: {label}.reset returned {type(observation).__name__} "
+                            f"{_short(observation)}; expected a str (appended to the prompt's last message) or None")
+        self.failed.pop(id(instance), None)
+        self.failures_in_a_row = 0
         return Handed(instance, tools, name, observation)
 
     def release(self, instances: list) -> None:
@@ -104,8 +129,13 @@ class Environments:
         funcs = []
         for cls in self.reward_classes:
             def reward(prompts=None, completions=None, environments=None, _cls=cls, **columns):
-                return [e.get_reward() if type(e) is _cls else None for e in environments]
+                return [e.get_reward() if type(e) is _cls and id(e) not in self.failed else None for e in environments]
 
             reward.__name__ = cls.__name__
             funcs.append(reward)
         return funcs
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -10,6 +10,12 @@ A turn ends the trajectory when it has no call, ends by length, or calls again a
 tool results too) or the engine's `max_model_len` ends it before the result is appended (TRL's roll-back).
 A turn whose call markup does not parse is answered with an error result (`malformed`).
 
+Nothing a tool returns ends the run: whatever fails between a call and the tokens of its result (the tool
+raised, its result's str() raised, its text cannot be tokenized or rendered) is a counted failed call
+answered with an error result (`_tool_message`, `results_in`). A result is rendered as untrusted text
+(chat.py): its special tokens' strings stay text. A trajectory whose environment's reset raised
+(`reset_failed`, environments.py) samples nothing: its completion is one masked end-of-turn token.
+
 Two drivers, one bookkeeping:
 - an engine with a request loop (vLLM: `generate_until`) never waits for a tool (`stream`): a trajectory's
   calls start the moment its turn finishes, and its next turn joins the running batch as soon as they
@@ -59,6 +65,7 @@ class Trajectory:
     turn_start: int = 0  # where its current turn starts in `ids` (tokens after it: a turn a round stopped)
     awaiting: Optional[list] = None  # the calls of its last turn whose results are not in yet ([]: malformed)
     environment: Optional[object] = None  # its environment instance (environment_factory), reset with its row
+    reset_failed: bool = False  # its environment's reset raised: nothing is sampled (`AgentLoop.end_failed`)
 
     COUNTERS = ("turns", "rounds", "calls", "failures", "malformed", "truncated")
     LIVE = ("pending", "tools", "environment")  # handles on running calls and user objects: shared by copies
@@ -89,14 +96,16 @@ class Trajectory:
         return {"prompt_ids": self.prompt_ids, "seed": self.seed, "ids": self.ids, "mask": self.mask, "ver": self.ver,
                 "logp": [None if math.isnan(x) else x for x in self.logp], "messages": self.messages,
                 "finish": self.finish, "finish_reason": self.finish_reason, "turn_start": self.turn_start,
-                "awaiting": self.awaiting, **{k: getattr(self, k) for k in self.COUNTERS}}
+                "awaiting": self.awaiting, "reset_failed": self.reset_failed,
+                **{k: getattr(self, k) for k in self.COUNTERS}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Trajectory":
         return cls(prompt_ids=list(d["prompt_ids"]), seed=int(d["seed"]), ids=list(d["ids"]), mask=list(d["mask"]),
                    logp=[math.nan if x is None else float(x) for x in d["logp"]], ver=list(d["ver"]),
                    messages=list(d["messages"]), finish_reason=d["finish_reason"], done=d["finish"] is not None,
-                   turn_start=int(d["turn_start"]), awaiting=d["awaiting"], **{k: int(d[k]) for k in cls.COUNTERS})
+                   turn_start=int(d["turn_start"]), awaiting=d["awaiting"], reset_failed=bool(d.get("reset_failed")),
+                   **{k: int(d[k]) for k in cls.COUNTERS})
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,13 @@ class AgentLoop:
         t.awaiting = list(calls)
         self.start_calls(t)
 
+    def end_failed(self, t: Trajectory) -> None:
+        """A trajectory whose environment failed to reset ends before its first turn: one masked end-of-turn token
+        (a completion is never empty), an empty answer; nothing of it trains."""
+        self._append(t, [self.chat.end_of_turn], [], False)
+        t.messages.append({"role": "assistant", "content": ""})
+        t.finish_reason, t.done = "stop", True
+
     def start_calls(self, t: Trajectory) -> None:
         """Run the calls its last turn made (again, after a resume: their threads are not in a checkpoint)."""
         t.pending = self.runner.start(t.awaiting, t.tools) if t.awaiting else None
@@ -172,14 +188,25 @@ class AgentLoop:
     def results_in(self, t: Trajectory) -> bool:
         """The finished calls' results appended (masked); whether it goes on (its next turn: `request(t)`)."""
         if t.pending is None:  # a malformed turn: one error result (counted as malformed, not as a failed call)
-            messages = [{"role": "tool", "name": "invalid_call", "content": MALFORMED}]
+            messages, failed = [{"role": "tool", "name": "invalid_call", "content": MALFORMED}], [False]
         else:
-            results = t.pending.results(self.runner.timeout)
-            t.failures += sum(r.failed for r in results)
-            messages = [{"role": "tool", "name": r.name, "content": self._cut(r.content, t)} for r in results]
+            pairs = [self._tool_message(t, r) for r in t.pending.results(self.runner.timeout)]
+            messages, failed = [m for m, _ in pairs], [f for _, f in pairs]
         t.pending, t.awaiting = None, None
         t.rounds += 1
-        between = self.chat.between_turns(messages)
+        try:
+            between = self.chat.between_turns(messages)
+        except Exception as err:  # noqa: BLE001 (the template cannot render what came back: each an error result)
+            text = f"error: the result could not be rendered by the chat template ({type(err).__name__})"
+            messages = [dict(m, content=text) for m in messages]
+            failed = [True] * len(messages)
+            try:
+                between = self.chat.between_turns(messages)
+            except Exception:  # noqa: BLE001 (not even an error result renders: the trajectory ends here)
+                t.failures += sum(failed)
+                t.done = True
+                return False
+        t.failures += sum(failed)
         if len(t.ids) + len(between) >= self.o.max_completion_length \
                 or len(t.running_ids) + len(between) >= self.engine.max_model_len:
             t.done = True  # (rolled back: the results would leave no room for a turn)
@@ -201,16 +228,21 @@ class AgentLoop:
                 continue
             running = self.runner.start(calls, tools)
             running.wait()
-            if [self._cut(r.content, scratch) for r in running.results(self.runner.timeout)] != recorded:
+            if [self._tool_message(scratch, r)[0]["content"] for r in running.results(self.runner.timeout)] != recorded:
                 return False
         return True
 
-    def _cut(self, content: str, t: Trajectory) -> str:
-        ids = self.tokenizer.encode(content, add_special_tokens=False)
-        if len(ids) <= self.o.max_tool_response_tokens:
-            return content
-        t.truncated += 1
-        return self.tokenizer.decode(ids[: self.o.max_tool_response_tokens])
+    def _tool_message(self, t: Trajectory, r) -> tuple[dict, bool]:
+        """(the tool message of result `r`, whether the call failed): its content cut to max_tool_response_tokens
+        (counted in t.truncated); a name the model made up is shown as invalid_call (its text is the model's)."""
+        name = r.name if r.name in (self.runner.tools if t.tools is None else t.tools) else "invalid_call"
+        try:
+            content, cut = self.chat.cut(r.content, self.o.max_tool_response_tokens)
+        except Exception as err:  # noqa: BLE001 (a text the tokenizer does not take: the call's failure)
+            return {"role": "tool", "name": name,
+                    "content": f"error: the result of {name!r} could not be tokenized ({type(err).__name__})"}, True
+        t.truncated += cut
+        return {"role": "tool", "name": name, "content": content}, r.failed
 
     # ---- drivers -------------------------------------------------------------------------------
 
@@ -224,7 +256,10 @@ class AgentLoop:
         return trajectories
 
     def _run_lockstep(self, trajectories: list[Trajectory]) -> None:
-        requests = {i: self.request(t) for i, t in enumerate(trajectories)}
+        for t in trajectories:
+            if t.reset_failed and not t.done:
+                self.end_failed(t)
+        requests = {i: self.request(t) for i, t in enumerate(trajectories) if not t.done}
         while requests:
             order = list(requests)
             groups = self.engine.generate([requests[i].prompt_ids for i in order], n=1,
@@ -260,6 +295,9 @@ class AgentLoop:
         def start(new: list[Trajectory]) -> list[Continuation]:
             out = []
             for t in new:
+                if t.reset_failed and not t.done:
+                    self.end_failed(t)
+                    on_done(t, counts["steps"])
                 if t.done:
                     continue
                 if t.awaiting is not None:  # (carried over with its calls running, or resumed: they run again)

@@ -4,11 +4,21 @@ A tool is a plain Python function, sync or `async def`, with a type hint on ever
 Google-style docstring with an `Args:` entry for each (transformers' `get_json_schema` turns it into
 the JSON schema the chat template shows the model), as TRL's `GRPOTrainer(tools=...)` takes them.
 
-Tool code is user code: it may raise, hang or never return. `ToolRunner.start` runs each call in a
-daemon thread of its own (sync tools) or on one event loop in a daemon thread (async tools) and
+Tool code is user code: it may raise, hang, never return, or return something whose `str()` raises.
+`ToolRunner.start` runs each call in a daemon thread of its own (sync tools) or on one event loop in a
+daemon thread (async tools), or with `tool_isolation='process'` in a worker process (isolation.py), and
 returns at once; the caller polls `Calls.ready()` between engine steps. A call past its deadline is
 abandoned into an error result: its thread holds no worker of anyone else's and, being a daemon,
-does not delay the end of the process (a pool's executor would join it at exit).
+does not delay the end of the process (a pool's executor would join it at exit). The result becomes text
+where the tool ran (`result_text`: str(), cut to a character bound, lone surrogates replaced), so
+whatever goes wrong there is that call's failure. A turn runs at most `max_calls` calls; the rest are
+answered with an error without running (a turn of 500 calls would start 500 threads).
+
+A sync tool's thread waits, after handing its result over, for the child processes the tool started and
+left: they would otherwise stay zombies of the trainer. Only that thread's own
+children are waited for (Linux lists a process's children per thread that started them), never those of
+the sandbox, the engine or another tool. A tool that keeps a child running across calls and polls it later
+then finds it already reaped (`Popen.poll` reads 0).
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
+
+from .isolation import ToolFailed, WorkerPool, children_of_this_thread, result_text, wait_for
 
 
 @dataclass(frozen=True)
@@ -86,14 +98,21 @@ class Result:
 class _Call:
     name: str
     done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
+    result: Any = None  # its text (result_text)
     error: Optional[BaseException] = None
     future: Any = None  # an async call's, cancelled when abandoned
 
 
-def _content(value) -> str:
-    """A tool's return value as the tool message's text (TRL: str(result))."""
-    return value if isinstance(value, str) else str(value)
+def _error_text(err: BaseException) -> str:
+    """The error result of a call that raised `err` (whose own str() may raise too)."""
+    if isinstance(err, ToolFailed):
+        return f"error: {err}"
+    try:
+        return result_text(f"error: {type(err).__name__}: {err}")
+    except Exception:  # noqa: BLE001
+        return f"error: {type(err).__name__}"
+
+
 
 
 class Calls:
@@ -124,19 +143,39 @@ class Calls:
                 out.append(Result(c.name, f"error: tool {c.name!r} did not return within tool_timeout={timeout:g} s",
                                   failed=True, timed_out=True))
             elif c.error is not None:
-                out.append(Result(c.name, f"error: {type(c.error).__name__}: {c.error}", failed=True))
+                out.append(Result(c.name, _error_text(c.error), failed=True))
             else:
-                out.append(Result(c.name, _content(c.result)))
+                out.append(Result(c.name, c.result))
         return out
 
 
-class ToolRunner:
-    """Runs parsed calls (`{"name": ..., "arguments": {...}}`) of the given tools, each bounded by `timeout` seconds."""
+ISOLATIONS = ("thread", "process")
 
-    def __init__(self, tools: Sequence[Tool], timeout: float):
+
+class ToolRunner:
+    """Runs parsed calls (`{"name": ..., "arguments": {...}}`) of the given tools, each bounded by `timeout` seconds.
+
+    isolation: "thread" (in this process) or "process" (the given tools in worker processes; a trajectory's
+    environment methods, which act on an instance in this process, still run in threads); max_chars: results
+    cut to this many characters where the tool ran; max_calls: most calls run per turn (None: all)."""
+
+    def __init__(self, tools: Sequence[Tool], timeout: float, *, isolation: str = "thread",
+                 max_chars: Optional[int] = None, max_calls: Optional[int] = None):
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"tool_isolation={isolation!r} is invalid: expected one of {list(ISOLATIONS)}")
         self.tools = {t.name: t for t in tools}
         self.timeout = float(timeout)
+        self.max_chars, self.max_calls, self.isolation = max_chars, max_calls, isolation
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._isolated = {id(t) for t in tools} if isolation == "process" else set()
+        for t in tools if isolation == "process" else ():
+            _check_sendable(t)
+        self.workers = WorkerPool() if isolation == "process" else None
+
+    def close(self) -> None:
+        """End the idle worker processes (tool_isolation='process'); a later call starts new ones."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:  # one loop for every async tool, in a daemon thread (never joined)
@@ -149,9 +188,13 @@ class ToolRunner:
         bound methods), else the runner's."""
         tools = self.tools if tools is None else tools
         running, immediate = [], []
-        for call in calls:
+        for k, call in enumerate(calls):
             name, args = call.get("name"), call.get("arguments", {})
             tool = tools.get(name) if isinstance(name, str) else None
+            if self.max_calls is not None and k >= self.max_calls:
+                immediate.append(Result(str(name), f"error: call {k + 1} of {len(calls)} in one turn was not run: at "
+                                                   f"most max_tool_calls_per_turn={self.max_calls} run", failed=True))
+                continue
             if tool is None:
                 immediate.append(Result(str(name), f"error: no tool named {name!r}; the tools are {sorted(tools)}",
                                         failed=True))
@@ -171,10 +214,23 @@ class ToolRunner:
             c.result, c.error = result, error
             c.done.set()
 
-        if tool.is_async:
+        if id(tool) in self._isolated:
+            deadline = time.monotonic() + self.timeout
+
+            def run():
+                try:
+                    text = self.workers.call(tool.fn, args, self.max_chars, deadline)
+                except BaseException as err:  # noqa: BLE001 (raised, or its worker died)
+                    finish(error=err)
+                    return
+                if text is not None:  # (None: past its deadline, its worker killed: `results` says so)
+                    finish(text)
+
+            threading.Thread(target=run, name=f"grpo_fast-tool-{tool.name}", daemon=True).start()
+        elif tool.is_async:
             async def run():
                 try:
-                    finish(await tool.fn(**args))
+                    finish(result_text(await tool.fn(**args), self.max_chars))
                 except BaseException as err:  # noqa: BLE001 (a tool's failure is its result)
                     finish(error=err)
 
@@ -182,9 +238,25 @@ class ToolRunner:
         else:
             def run():
                 try:
-                    finish(tool.fn(**args))
+                    finish(result_text(tool.fn(**args), self.max_chars))
                 except BaseException as err:  # noqa: BLE001
                     finish(error=err)
+                wait_for(children_of_this_thread())  # (after the result is handed over: the tool's leftovers)
 
             threading.Thread(target=run, name=f"grpo_fast-tool-{tool.name}", daemon=True).start()
         return c
+
+
+def _check_sendable(tool: Tool) -> None:
+    """tool_isolation='process': the function must reach a worker by reference (a module-level function of an
+    importable module); refused before any work, naming it."""
+    import pickle
+
+    where = getattr(tool.fn, "__module__", None)
+    try:
+        if where == "__main__":
+            raise pickle.PicklingError("it is defined in the script being run (__main__), which a worker cannot import")
+        pickle.dumps(tool.fn)
+    except Exception as err:  # noqa: BLE001 (pickle raises several kinds)
+        raise ValueError(f"tool_isolation='process': tool {tool.name!r} cannot be sent to a worker process ({err}); "
+                         f"give a function defined at the top level of an importable module") from None

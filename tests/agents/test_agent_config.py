@@ -19,6 +19,12 @@ def test_tools_switch_on_multi_turn():
     (dict(tools=["calculator"], max_staleness=1, engine="hf"), "engine='hf' is invalid: expected 'vllm' or 'auto' with max_staleness=1"),
     (dict(tools=["calculator"], tool_timeout=0), "tool_timeout"),
     (dict(tools=["calculator"], max_tool_response_tokens=0), "max_tool_response_tokens"),
+    (dict(tools=[None]), r"tools=\[None\] is invalid: expected tool names, none empty"),
+    (dict(tools=["calculator", " "]), r"tools=\['calculator', ' '\] is invalid: expected tool names, none empty"),
+    (dict(tools=["calculator"], max_tool_calls_per_turn=0), "max_tool_calls_per_turn"),
+    (dict(tools=["calculator"], tool_isolation="container"), r"tool_isolation='container' is invalid: expected one of"),
+    (dict(environment_factory="tests.agents.test_environments:Counter", tool_isolation="process"),
+     "tool_isolation='process' is invalid: expected 'thread' with environment_factory"),
 ])
 def test_what_cannot_go_with_tools_is_refused(fields, words):
     with pytest.raises(ValueError, match=words):
@@ -48,3 +54,14 @@ def test_environment_factory_by_name_from_the_command_line():
     bad = config_from_args(build_parser().parse_args(["train", "--environment_factory", "tests.agents.nope:Env"]))
     with pytest.raises(ValueError, match="environment_factory: cannot load 'tests.agents.nope:Env'"):
         setup.agent_parts(bad)
+
+
+def test_empty_tools_on_the_command_line_is_one_line(capsys):
+    """`--tools ""` (an empty entry) is refused in one line naming the option, before any work (it was a TypeError
+    deep in the tools' resolution)."""
+    from grpo_fast.cli import main
+
+    assert main(["train", "--tools", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("grpo-fast train: GRPOConfig.tools=[None] is invalid: expected tool "
+                                                   "names, none empty"), err
