@@ -60,7 +60,7 @@ class Environments:
         self.schema_lists: dict = {}  # name -> the JSON schemas its trajectories' template shows
         self.reward_classes: list = []
         self.failed: dict = {}  # id -> instance whose last reset raised (its own reward is None until reset again)
-        self.failures_in_a_row = 0  # resets that raised since the last one that did not
+        self.failures_in_a_row: dict = {}  # name -> its resets that raised since the last one that did not
         self.refuse_after = 64  # that many in a row refuse the run (build_agent: a generation batch's trajectories)
         for name, make in self.factories.items():
             label = getattr(make, "__name__", repr(make))
@@ -97,18 +97,18 @@ class Environments:
             observation = instance.reset(**({key: v for key, v in row.items() if key != "environment"} if self.keyed
                                             else dict(row)))
         except Exception as err:  # noqa: BLE001 (a failed trajectory, counted; not the run's end)
-            why = " ".join(f"{type(err).__name__}: {err}".split())
+            why = _why(err)
             self.failed[id(instance)] = instance
-            self.failures_in_a_row += 1
-            if self.failures_in_a_row >= self.refuse_after:
-                raise RuntimeError(f"environment_factory: every reset of {label} failed ({self.failures_in_a_row} in a "
-                                   f"row, a generation batch's worth); the last raised {why}") from None
+            self.failures_in_a_row[name] = in_a_row = self.failures_in_a_row.get(name, 0) + 1
+            if in_a_row >= self.refuse_after:
+                raise RuntimeError(f"environment_factory: every reset of {label} failed ({in_a_row} in a row, a "
+                                   f"generation batch's worth); the last raised {why}") from None
             return Handed(instance, tools, name, None, failed=why)
         if observation is not None and not isinstance(observation, str):
             raise TypeError(f"environment_factory: {label}.reset returned {type(observation).__name__} "
                             f"{_short(observation)}; expected a str (appended to the prompt's last message) or None")
         self.failed.pop(id(instance), None)
-        self.failures_in_a_row = 0
+        self.failures_in_a_row[name] = 0
         return Handed(instance, tools, name, observation)
 
     def release(self, instances: list) -> None:
@@ -136,6 +136,20 @@ class Environments:
         return funcs
 
 
+def _why(err: BaseException) -> str:
+    """`err` on one line (its str() may raise, or hold lone surrogates that stderr cannot print)."""
+    from .isolation import valid_text
+
+    try:
+        return valid_text(" ".join(f"{type(err).__name__}: {err}".split()))
+    except Exception:  # noqa: BLE001
+        return type(err).__name__
+
+
 def _short(value) -> str:
-    text = repr(value)
+    """repr(value), at most 60 characters (a repr that raises: nothing)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001
+        return ""
     return text if len(text) <= 60 else text[:57] + "..."

@@ -15,10 +15,11 @@ whatever goes wrong there is that call's failure. A turn runs at most `max_calls
 answered with an error without running (a turn of 500 calls would start 500 threads).
 
 A sync tool's thread waits, after handing its result over, for the child processes the tool started and
-left: they would otherwise stay zombies of the trainer. Only that thread's own
-children are waited for (Linux lists a process's children per thread that started them), never those of
-the sandbox, the engine or another tool. A tool that keeps a child running across calls and polls it later
-then finds it already reaped (`Popen.poll` reads 0).
+left: they would otherwise stay zombies of the trainer. Only that thread's own children are waited for
+(Linux lists a process's children per thread that started them), never those of the sandbox, the engine
+or another tool. A tool that keeps a child running across calls and polls it later then finds it already
+reaped (`Popen.poll` reads 0). (Async tools share the event loop's thread: asyncio waits for the processes
+it starts itself.)
 """
 
 from __future__ import annotations
@@ -111,8 +112,6 @@ def _error_text(err: BaseException) -> str:
         return result_text(f"error: {type(err).__name__}: {err}")
     except Exception:  # noqa: BLE001
         return f"error: {type(err).__name__}"
-
-
 
 
 class Calls:
