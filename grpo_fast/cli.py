@@ -10,8 +10,8 @@
 Every GRPOConfig field is an option (`--<field> VALUE`); `grpo-fast train --help` lists them with
 their help text. Precedence: defaults < --config file < command-line options.
 
-`grpo-fast train` (one process) trains in a child process and exits with its status (`supervise`), so that
-a run that ended without finishing never exits 0 (a tool's os._exit(0) would otherwise read as success).
+`grpo-fast train` (one process) trains in a child process and exits with its status (`launcher.supervise`), so
+that a run that ended without finishing never exits 0 (a tool's os._exit(0) would otherwise read as success).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 import typing
 from typing import Optional
 
+from . import launcher
 from .config import GRPOConfig, field_types, read_yaml
 
 
@@ -231,18 +231,17 @@ def main(argv=None) -> int:
         _reject_unknown(parser, unknown)
     if args.command == "bench":
         return cmd_bench(args.args)
-    if (argv is None and args.command == "train" and args.nproc_per_node == 1 and "WORLD_SIZE" not in os.environ
-            and SUPERVISOR_ENV not in os.environ and os.environ.get("GRPO_FAST_SUPERVISE", "1") != "0"):
-        return supervise([sys.executable, "-m", "grpo_fast.cli", *sys.argv[1:]])
-    finished = _supervised_child()
+    if argv is None and args.command == "train" and args.nproc_per_node == 1 and launcher.wants_supervisor():
+        return launcher.supervise([sys.executable, "-m", "grpo_fast.cli", *sys.argv[1:]])
+    finished = launcher.supervised_child()
     try:
         code = _command(args, argv)
     except SystemExit:  # (user code's sys.exit(): not how the command ends, so not a finished run)
         raise
     except BaseException:  # (a program error: its traceback is printed, the exit status is 1)
-        _say_finished(finished)
+        launcher.say_finished(finished)
         raise
-    _say_finished(finished)
+    launcher.say_finished(finished)
     return code
 
 
@@ -250,9 +249,7 @@ def _command(args: argparse.Namespace, argv) -> int:
     """The command in this process; its exit code."""
     if args.command == "train":
         if "WORLD_SIZE" in os.environ:  # a rank under torchrun: it ends with its launcher, kill -9 included
-            from .launcher import die_with_launcher
-
-            die_with_launcher()
+            launcher.die_with_launcher()
         _remove_stale_temp_folders(args)  # before any refusal below
     if args.command == "train" and args.nproc_per_node != 1 and "WORLD_SIZE" not in os.environ:
         return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv), args)
@@ -334,135 +331,6 @@ def _stop_outside_training(signum, frame):
     raise Interrupted(signum)
 
 
-# ---- a run that ends without finishing never exits 0 ---------------------------------------------------
-#
-# os._exit(0) in a tool or a reward function, or a native crash, ends the training process without running a
-# line more of it (no atexit, no finally): only a process outside it can tell a run that finished from one that
-# stopped. So `grpo-fast train` is a small supervisor: it starts `python -m grpo_fast.cli <the same arguments>`
-# (SUPERVISOR_ENV tells it that it is the child), waits, and exits with the child's status, unless the child
-# exited 0 without writing the "finished" byte on a pipe when its command returned (then 1) or was killed by
-# a signal (then 128 + the signal, as a shell reports it); each with one line. `main(argv)` called from Python,
-# the ranks under torchrun (whose launcher watches them) and GRPO_FAST_SUPERVISE=0 (a debugger) train in the
-# calling process.
-#
-# Signals: the child gets each SIGINT / SIGTERM once. Ctrl-C at a terminal, Slurm and systemd (every process
-# of the job), and `kill -TERM -<group>` signal both processes; `docker stop`, Kubernetes and `kill <pid>` the
-# supervisor alone. The child reports each signal it receives on the same pipe (signal.set_wakeup_fd: a byte,
-# written by the interpreter's C handler the moment it arrives); the supervisor forwards a signal of its own
-# only when the child has reported no such signal within a second. (A second signal aborts a run without
-# saving, so forwarding every signal would turn a cgroup-wide SIGTERM into an abort.) A kill -9 of the
-# supervisor ends the child too (PR_SET_PDEATHSIG), as a kill -9 of the torchrun launcher ends its ranks.
-
-SUPERVISOR_ENV = "GRPO_FAST_SUPERVISOR"  # "<supervisor pid>:<pipe fd>", in the child's environment
-_FINISHED = b"F"  # (no signal has this number: the byte a child writes when its command returned)
-_SAME_SIGNAL = 1.0  # seconds within which the child's report and the supervisor's signal are one signal
-
-
-def supervise(cmd: list[str]) -> int:
-    """Run `cmd` (a `grpo_fast.cli` child) to its end, forwarding SIGINT/SIGTERM it did not get itself; its exit
-    status, but never 0 for a child that did not say it finished."""
-    from collections import Counter
-
-    read_end, write_end = os.pipe()
-    for fd in (read_end, write_end):
-        os.set_blocking(fd, False)  # (set_wakeup_fd needs it; the reader polls)
-    got: list = []  # (signal, when) the supervisor received and has not settled yet
-
-    def note(signum, frame):
-        got.append((signum, time.monotonic()))
-
-    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        try:
-            child = subprocess.Popen(cmd, env={**os.environ, SUPERVISOR_ENV: f"{os.getpid()}:{write_end}"},
-                                     pass_fds=(write_end,))
-        finally:
-            os.close(write_end)
-        reported: list = []  # (signal, when) the child reported receiving, not matched to one of ours
-        owed: Counter = Counter()  # signals we forwarded whose report has not come back yet
-        finished = False
-        while True:
-            code = child.poll()
-            now = time.monotonic()
-            for byte in _read_all(read_end):
-                if byte == _FINISHED[0]:
-                    finished = True
-                elif owed[byte]:
-                    owed[byte] -= 1
-                else:
-                    reported.append((byte, now))
-            for mine in list(got):
-                theirs = next((r for r in reported if r[0] == mine[0] and abs(r[1] - mine[1]) <= _SAME_SIGNAL), None)
-                if theirs is not None:  # the child got this one itself
-                    reported.remove(theirs)
-                    got.remove(mine)
-                elif now - mine[1] > _SAME_SIGNAL:
-                    got.remove(mine)
-                    if code is None:
-                        child.send_signal(mine[0])
-                        owed[mine[0]] += 1
-            reported = [r for r in reported if now - r[1] <= _SAME_SIGNAL]  # (older: sent to the child alone)
-            if code is not None:
-                break
-            select.select([read_end], [], [], 0.05)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        os.close(read_end)
-    if finished:
-        return code if code >= 0 else 128 - code
-    if code < 0:
-        try:
-            how, status = f"was killed by {signal.Signals(-code).name}", 128 - code
-        except ValueError:
-            how, status = f"was killed by signal {-code}", 128 - code
-    else:
-        how, status = f"exited with status {code}", code or 1
-    print(f"grpo-fast train: the training process (pid {child.pid}) {how} before the run finished (a native crash "
-          f"or os._exit in user code ends it at once: --tool_isolation process runs tools in worker processes); "
-          f"--resume continues from its latest checkpoint", file=sys.stderr, flush=True)
-    return status
-
-
-def _read_all(fd: int) -> bytes:
-    out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except BlockingIOError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
-
-
-def _supervised_child():
-    """In the child of `supervise`: the pipe's fd (signals reported on it from now on), after arranging to end
-    with the supervisor; None elsewhere."""
-    value = os.environ.pop(SUPERVISOR_ENV, None)  # (popped: a `grpo-fast train` a tool runs is not our child)
-    if value is None:
-        return None
-    parent, fd = (int(x) for x in value.split(":"))
-    os.set_inheritable(fd, False)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: end with the supervisor
-    if os.getppid() != parent:  # (it ended before the line above)
-        os._exit(1)
-    if threading.current_thread() is threading.main_thread():
-        signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
-    return fd
-
-
-def _say_finished(fd) -> None:
-    if fd is not None:
-        try:
-            os.write(fd, _FINISHED)
-        except OSError:
-            pass
-
-
 def _remove_stale_temp_folders(args: argparse.Namespace) -> None:
     """The temporary folders killed checkpoint writes left in output_dir (run_folder.py), removed at
     every start before anything can refuse it (the output_dir as config_from_args will read it)."""
@@ -495,7 +363,6 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
         return 2
     from . import run_folder
     from .distributed import check_config
-    from .launcher import run_torchrun
 
     try:
         run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)
@@ -513,7 +380,7 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
             raise
         print(f"grpo-fast train: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 1
-    return run_torchrun(nproc, argv, debug=args.debug)
+    return launcher.run_torchrun(nproc, argv, debug=args.debug)
 
 
 def _one_line(err: BaseException) -> str:
