@@ -351,8 +351,8 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
     """`grpo-fast train --nproc_per_node N ...` as `torchrun --standalone --nproc_per_node N -m
     grpo_fast.cli train ...` (the same arguments; each rank then sees WORLD_SIZE and trains), with the
     agent in this process (launcher.py). What would stop every rank alike is checked here first and
-    said once, with the code one process gives: options (2), the output folder, many-rank limits, the
-    model folder (1)."""
+    said once, with the code one process gives: options (2), a tracker's login, the output folder, many-rank
+    limits, the model folder (1)."""
     if nproc < 1:
         print(f"grpo-fast train: --nproc_per_node must be >= 1, got {nproc}", file=sys.stderr)
         return 2
@@ -361,10 +361,11 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"grpo-fast train: {err}", file=sys.stderr)
         return 2
-    from . import run_folder
+    from . import run_folder, trackers
     from .distributed import check_config
 
     try:
+        trackers.check_credentials(config.report_to)  # (once here, not once a rank)
         run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)
         if nproc > 1:
             check_config(config, nproc)

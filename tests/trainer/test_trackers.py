@@ -261,11 +261,12 @@ def test_online_wandb_without_a_login_is_refused_in_one_line_before_any_work(tmp
             "hf", "--dataset", str(data), "--reward_funcs", "tests.trainer.common:target_fraction", "--max_steps", "1",
             "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
             "--disable_tqdm"]
-    assert main(argv) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "report_to='tensorboard,wandb': wandb logs online" in err and "wandb login" in err \
-        and "WANDB_MODE=offline" in err, err
-    assert not out.exists(), "nothing is written before the check (run_config.json made the rerun refused)"
+    for ranks in ([], ["--nproc_per_node", "2"]):  # (one process; the launcher, before torchrun starts a rank)
+        assert main(argv + ranks) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "report_to='tensorboard,wandb': wandb logs online" in err \
+            and "wandb login" in err and "WANDB_MODE=offline" in err, err
+        assert not out.exists(), "nothing is written before the check (run_config.json made the rerun refused)"
 
 
 def test_tracker_credentials_found_where_wandb_and_trackio_look(tmp_path, monkeypatch):
