@@ -80,6 +80,9 @@ RESPONSE_TEMPLATE = {
 }
 
 CALL_OPEN = "<tool_call>"  # a turn holding it but no parsed call is malformed (shipped template)
+# a call whose arguments nest deeper is malformed: what a model writes is later copied and rendered by recursive
+# code (deepcopy, the template's tojson), which a few hundred levels of brackets would take past Python's limit
+MAX_ARGUMENT_NESTING = 32
 
 
 def _dummy_calls(name: str) -> list[dict]:
@@ -93,6 +96,17 @@ _SLOT = re.compile(r"GrpoFastUntrustedText(\d+)Q7x")
 def slot(k: int) -> str:
     """The placeholder of the k-th untrusted text in messages given to `ChatTemplate.render`."""
     return f"GrpoFastUntrustedText{k}Q7x"
+
+
+def _nesting(value) -> int:
+    """How deep lists and dicts nest in `value` (iteratively: the model wrote it, to any depth)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def _valid(value):
@@ -143,6 +157,12 @@ class ChatTemplate:
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.specials = sorted({*tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)},
                                key=len, reverse=True)
+        # added tokens not marked special (Qwen's <tool_call>, </tool_response>, <think>) are matched as whole
+        # tokens even with split_special_tokens: their strings in untrusted text are broken up instead. Only markup
+        # (<...>): some tokenizers add plain runs of spaces as tokens, which are text, not template.
+        self.markup = sorted({t.content for t in added.values() if not t.special and len(t.content) > 2
+                              and t.content.startswith("<") and t.content.endswith(">")} - set(self.specials),
+                             key=len, reverse=True)
         self.longest_piece = max((len(p) for p in tokenizer.get_vocab()), default=1)
 
     def char_bound(self, max_tokens: int) -> int:
@@ -151,8 +171,9 @@ class ChatTemplate:
         return (max_tokens + 1) * self.longest_piece
 
     def encode_untrusted(self, text: str) -> list[int]:
-        """Ids of text a tool or environment returned: its special tokens' strings split as text."""
-        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        """Ids of text a tool or environment returned: its special tokens' strings split as text, an added markup
+        token's string broken up (`markup`)."""
+        return self.tokenizer.encode(_broken_up(text, self.markup), add_special_tokens=False, split_special_tokens=True)
 
     def cut(self, text: str, max_tokens: int) -> tuple[str, bool]:
         """(text cut to `max_tokens` tokens as `render` encodes it, whether it was cut): by characters first."""
@@ -173,7 +194,7 @@ class ChatTemplate:
         untrusted = [valid_text(t) for t in untrusted]
         options = dict(tools=schemas or None, add_generation_prompt=generation_prompt, **self.kwargs)
         filled = _fill(messages, untrusted)
-        if not any(s in text for text in untrusted for s in self.specials):
+        if not any(s in text for text in untrusted for s in (*self.specials, *self.markup)):
             return list(self.tokenizer.apply_chat_template(filled, tokenize=True, return_dict=False, **options))
         # parts: template text, a slot's index, template text, ...
         parts = _SLOT.split(self.tokenizer.apply_chat_template(messages, tokenize=False, **options))
@@ -192,10 +213,8 @@ class ChatTemplate:
         return ids
 
     def _defused(self, text: str) -> str:
-        """text with a zero-width space inside each special token's string (so that it no longer matches)."""
-        for s in self.specials:
-            text = text.replace(s, s[:1] + "\u200b" + s[1:])
-        return text
+        """text with each special or added markup token's string broken up (so that it no longer matches)."""
+        return _broken_up(text, (*self.specials, *self.markup))
 
     def _renders_tools(self) -> bool:
         if not self.schemas or not self.tokenizer.chat_template:
@@ -234,8 +253,8 @@ class ChatTemplate:
 
     def parse(self, turn_ids: list[int], prefix_ids: list[int]) -> tuple[str, list[dict], bool]:
         """(content, calls as {"name", "arguments"}, malformed) of one sampled turn: the parser's message text
-        without the call markup, and its calls. Malformed: call markup that does not parse, or a call without a
-        name (the content is then the turn's whole text)."""
+        without the call markup, and its calls. Malformed: call markup that does not parse, a call without a
+        name, or arguments nested deeper than MAX_ARGUMENT_NESTING (the content is then the turn's whole text)."""
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
         prefix = self.tokenizer.decode(prefix_ids[-32:])  # (the parser looks back to the assistant header only)
         try:
@@ -247,10 +266,20 @@ class ChatTemplate:
             f = call.get("function", call) if isinstance(call, dict) else None
             if not isinstance(f, dict) or not isinstance(f.get("name"), str):
                 return text, calls, True
+            if _nesting(f.get("arguments", {})) > MAX_ARGUMENT_NESTING:
+                return text, [], True
             calls.append({"name": valid_text(f["name"]), "arguments": _valid(f.get("arguments", {}))})
         if not calls and CALL_OPEN in self.tokenizer.decode(turn_ids):
             return text, [], True
         return (message.get("content") or "") if calls else text, calls, False
+
+
+def _broken_up(text: str, strings: Sequence[str]) -> str:
+    """text with a zero-width space after the first character of each of `strings` in it."""
+    for s in strings:
+        if s in text:
+            text = text.replace(s, s[:1] + "\u200b" + s[1:])
+    return text
 
 
 def _fill(messages: list[dict], texts: Sequence[str]) -> list[dict]:

@@ -5,7 +5,7 @@ tokenizer); a sampled turn is kept verbatim; templates that cannot serve are ref
 import pytest
 
 from grpo_fast.agents.builtin import calculator
-from grpo_fast.agents.chat import TOOL_CHAT_TEMPLATE, ChatTemplate
+from grpo_fast.agents.chat import MAX_ARGUMENT_NESTING, TOOL_CHAT_TEMPLATE, ChatTemplate
 from grpo_fast.agents.tools import as_tools
 from tests.agents.tool_model import TOOLS, build_chatml_tokenizer
 
@@ -107,6 +107,12 @@ def test_malformed_markup_is_flagged():
     assert chat.parse(tokenizer.encode("<tool_call>{not json</tool_call>", add_special_tokens=False) + end, prompt) \
         == ("<tool_call>{not json</tool_call>", [], True)
     assert chat.parse(tokenizer.encode("3", add_special_tokens=False) + end, prompt) == ("3", [], False)
+    # brackets nested past Python's recursion limit (JSON parses them; repairing or copying them recursed out of
+    # the loop, ending the run): a malformed call; within MAX_ARGUMENT_NESTING, an ordinary one
+    for depth, expected in ((600, True), (MAX_ARGUMENT_NESTING - 1, False)):
+        text = '<tool_call>{"name": "add", "arguments": {"a": ' + "[" * depth + "]" * depth + ', "b": 2}}</tool_call>'
+        _, calls, malformed = chat.parse(tokenizer.encode(text, add_special_tokens=False) + end, prompt)
+        assert malformed is expected and len(calls) == (0 if expected else 1), depth
 
 
 def test_templates_that_cannot_serve_are_refused(tmp_path):
