@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     if args.command == "bench":
         return cmd_bench(args.args)
     if argv is None and args.command == "train" and args.nproc_per_node == 1 and launcher.wants_supervisor():
-        return launcher.supervise([sys.executable, "-m", "grpo_fast.cli", *sys.argv[1:]])
+        return launcher.supervise([*launcher.this_command(), *sys.argv[1:]])
     finished = launcher.supervised_child()
     try:
         code = _command(args, argv)

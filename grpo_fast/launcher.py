@@ -100,7 +100,7 @@ def _failure_code(failures: dict, nproc: int) -> int:
 #
 # os._exit(0) in a tool or a reward function, or a native crash, ends the training process without running a
 # line more of it (no atexit, no finally): only a process outside it can tell a run that finished from one that
-# stopped. So `grpo-fast train` is a small supervisor: it starts `python -m grpo_fast.cli <the same arguments>`
+# stopped. So `grpo-fast train` is a small supervisor: it starts itself again (`this_command`, the same arguments)
 # (SUPERVISOR_ENV tells it that it is the child), waits, and exits with the child's status, unless the child
 # exited 0 without writing the "finished" byte on a pipe when its command returned (then 1) or was killed by
 # a signal (then 128 + the signal, as a shell reports it); each with one line. `main(argv)` called from Python,
@@ -126,6 +126,16 @@ def wants_supervisor() -> bool:
     torchrun (its launcher watches it), not in the child itself, not with GRPO_FAST_SUPERVISE=0."""
     return ("WORLD_SIZE" not in os.environ and SUPERVISOR_ENV not in os.environ
             and os.environ.get(NO_SUPERVISOR_ENV, "1") != "0")
+
+
+def this_command() -> list[str]:
+    """How this process was started, for its supervised child, so that the child imports what it would: the
+    `grpo-fast` script itself (its folder first on sys.path, as here: `python -m` would put the working folder
+    first, where a wandb.py or trl.py would shadow the package), or `python -m grpo_fast.cli` when run so."""
+    script = sys.argv[0]
+    if os.path.basename(script) == "cli.py" or not os.path.isfile(script):
+        return [sys.executable, "-m", "grpo_fast.cli"]
+    return [sys.executable, script]
 
 
 def supervise(cmd: list[str]) -> int:
