@@ -206,7 +206,15 @@ def check_run(config, resume_path: Optional[str]) -> list[str]:
         return []
     saved, in_flight = saved_config(config.output_dir, resume_path)
     source = resume_path or os.path.join(config.output_dir, RUN_CONFIG_FILE)
-    return check_resume(config, saved, source, in_flight, checkpoint=resume_path is not None)
+    overrides = check_resume(config, saved, source, in_flight, checkpoint=resume_path is not None)
+    if resume_path is not None and config.use_peft:
+        from .models import lora
+
+        # (a relative --model, resumed from another working folder, could name a same-named folder there: the
+        # checkpoint's adapter records the weights of the base it was trained on)
+        if not lora.is_adapter_folder(config.model):  # (a run started from an adapter: its base checked on load)
+            lora.check_base(resume_path, config.model or "default")
+    return overrides
 
 
 def unfinished(config, step: int, model) -> list[str]:

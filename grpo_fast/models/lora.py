@@ -20,6 +20,7 @@ import json
 import os
 import re
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -59,7 +60,7 @@ def adapter_base(path: str, lora_base_model: Optional[str]) -> str:
         else:
             raise ValueError(f"model={path!r} is a PEFT adapter whose base_model_name_or_path ({named!r}) is not a local "
                              f"folder (nothing is downloaded); pass the base model's folder with --lora_base_model")
-    check_base(path, base)
+    check_base(path, base, named=lora_base_model is not None)
     return base
 
 
@@ -76,8 +77,10 @@ def base_record(path: str) -> Optional[dict]:
     return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
 
 
-def check_base(path: str, base: str) -> None:
-    """Refuse `base` for the adapter folder `path` when its weights are not those the adapter was trained on."""
+def check_base(path: str, base: str, named: bool = False) -> None:
+    """Refuse `base` for the adapter folder `path` when its weights are not those the adapter was trained on;
+    named (the user gave it with --lora_base_model): say so once instead, since the same weights saved otherwise
+    (other shards, a conversion) have other bytes, and the user has already chosen."""
     from .loading import DEFAULT_MODEL, default_model_path, weights_fingerprint
 
     record = base_record(path)
@@ -87,10 +90,15 @@ def check_base(path: str, base: str) -> None:
     if not os.path.isdir(folder):
         return  # (not a model folder: loading it names what is wrong)
     found = weights_fingerprint(folder)
-    if found != record["sha256"]:
+    if found != record["sha256"] and named:
+        warnings.warn(f"lora_base_model={base!r}: its weights' files (sha256 {found[:12]}) are not those the adapter "
+                      f"{path!r} was trained on ({record.get('path')!r}, sha256 {record['sha256'][:12]}); using it as "
+                      f"named (the same weights saved otherwise differ in bytes too)", stacklevel=2)
+    elif found != record["sha256"]:
         raise ValueError(f"model={path!r} is a LoRA adapter trained on {record.get('path')!r} (weights sha256 "
                          f"{record['sha256'][:12]}), but its base {os.path.realpath(folder)!r} holds other weights "
-                         f"(sha256 {found[:12]}): pass the model it was trained on with --lora_base_model")
+                         f"(sha256 {found[:12]}): pass the model it was trained on (--model; --lora_base_model when --model is the "
+                         f"adapter, which uses a base it names whatever its weights)")
 
 
 def vllm_rank(r: int) -> int:

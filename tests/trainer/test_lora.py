@@ -242,8 +242,9 @@ def test_a_peft_model_passed_in_is_trained_as_its_adapter(tmp_path, tiny_path):
 def test_an_adapter_finds_its_own_base_from_another_folder_and_refuses_other_weights(tmp_path, tiny_path, monkeypatch):
     """Trained with a relative --model in one folder, evaluated from another folder that holds a same-named model
     with other weights (a decoy): the adapter records its base by absolute path and weights' sha256, so the eval
-    uses its own base; a base with other weights (at the recorded path, or named by --lora_base_model) is refused
-    in one line before anything loads."""
+    uses its own base; a base with other weights at the recorded path is refused in one line before anything
+    loads, and so is a resume of a LoRA checkpoint on it; one named by --lora_base_model is used with a warning
+    (the same weights resharded or converted have other bytes: the user chose it)."""
     from grpo_fast import models
     from tests.tiny_model import build_tiny_model
 
@@ -252,6 +253,8 @@ def test_an_adapter_finds_its_own_base_from_another_folder_and_refuses_other_wei
     monkeypatch.chdir(tmp_path / "a")
     model = lora.apply_lora(load_tiny_model("base")[0], config_for_peft(), peft_config=_peft_config())
     lora.save_adapter(model, str(tmp_path / "a" / "final"))
+    run = tmp_path / "a" / "run"
+    lora.save_adapter(model, str(run / "checkpoint-1"))  # (a LoRA checkpoint's adapter, as training writes it)
     record = json.loads((tmp_path / "a" / "final" / lora.BASE_RECORD).read_text())
     assert record["path"] == os.path.realpath(tiny_path)
     decoy = build_tiny_model(tmp_path / "b" / "base", seed=1)  # the same config, other weights
@@ -260,11 +263,17 @@ def test_an_adapter_finds_its_own_base_from_another_folder_and_refuses_other_wei
     assert lora.adapter_base(final, None) == os.path.realpath(tiny_path), "the adapter's own base, not ./base"
     evaluator = GRPOTrainer(config(tmp_path / "b", model=final), [target_fraction], rows(), evaluate_only=True)
     assert evaluator.model_path == os.path.realpath(tiny_path)
+    with pytest.warns(UserWarning, match=r"lora_base_model=.*/b/base'.* are not those the adapter"):
+        assert lora.adapter_base(final, decoy) == decoy
+    # a resume of a LoRA checkpoint whose --model (relative, from another folder) names the decoy
+    from grpo_fast import resume
+
+    resumed = config(run, model="base", use_peft=True, resume_from_checkpoint="latest")
+    monkeypatch.setattr(resume, "saved_config", lambda *a: (resumed.to_dict(), False))
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("the model was loaded before the check"))
     with pytest.raises(ValueError, match=r"is a LoRA adapter trained on .* \(weights sha256 \w+\), but its base "
-                                         r".*/b/base' holds other weights .*--lora_base_model") as err:
-        GRPOTrainer(config(tmp_path / "b", model=final, lora_base_model=decoy), [target_fraction], rows(),
-                    evaluate_only=True)
+                                         r".*/b/base' holds other weights") as err:
+        resume.check_run(resumed, str(run / "checkpoint-1"))
     assert len(str(err.value).splitlines()) == 1
     os.remove(tmp_path / "a" / "base")  # the recorded path now holds the decoy's weights
     os.symlink(decoy, tmp_path / "a" / "base")
