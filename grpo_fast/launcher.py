@@ -79,6 +79,16 @@ def run_torchrun(nproc: int, argv: list[str], debug: bool = False) -> int:
     return 0
 
 
+def how_it_ended(code: int) -> str:
+    """A child's end in words, from its exit code (negative: the signal that killed it, as subprocess gives it)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 def _failure_code(failures: dict, nproc: int) -> int:
     """The job's exit code when ranks failed (torchrun lists those that failed before it stopped the
     rest). A rank that exited with a code said why in its own line, and a survivor names a rank that
@@ -87,11 +97,8 @@ def _failure_code(failures: dict, nproc: int) -> int:
     if len(failures) < nproc or any(code > 0 for code in codes):
         return next((code for code in codes if code > 0), 1)
     rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    try:
-        how = f"was killed by {signal.Signals(-failure.exitcode).name}"
-    except ValueError:
-        how = f"exited with {failure.exitcode}"
-    print(f"grpo-fast train: rank {rank} (pid {failure.pid}) {how}, and torchrun stopped the other ranks",
+    print(f"grpo-fast train: rank {rank} (pid {failure.pid}) {how_it_ended(failure.exitcode)}, and torchrun stopped "
+          f"the other ranks",
           file=sys.stderr, flush=True)
     return 1
 
@@ -191,13 +198,7 @@ def supervise(cmd: list[str]) -> int:
         os.close(read_end)
     if finished:
         return code if code >= 0 else 128 - code
-    if code < 0:
-        try:
-            how, status = f"was killed by {signal.Signals(-code).name}", 128 - code
-        except ValueError:
-            how, status = f"was killed by signal {-code}", 128 - code
-    else:
-        how, status = f"exited with status {code}", code or 1
+    how, status = how_it_ended(code), (128 - code if code < 0 else code or 1)
     print(f"grpo-fast train: the training process (pid {child.pid}) {how} before the run finished (a native crash "
           f"or os._exit in user code ends it at once: --tool_isolation process runs tools in worker processes); "
           f"--resume continues from its latest checkpoint", file=sys.stderr, flush=True)

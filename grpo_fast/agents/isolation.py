@@ -143,15 +143,6 @@ class _Worker:
         self.conn.close()
 
 
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
 class WorkerPool:
     """Worker processes, started on demand (at most MAX_WORKERS), each running one call at a time."""
 
@@ -176,7 +167,10 @@ class WorkerPool:
             status, text = worker.conn.recv()
         except (EOFError, OSError):  # the worker died during the call
             self._drop(worker)
-            raise ToolFailed(f"the tool's worker process {_how(worker.proc.returncode)} during the call (a new "
+            # (imported here, in the trainer: a worker runs the standard library only)
+            from grpo_fast.launcher import how_it_ended
+
+            raise ToolFailed(f"the tool's worker process {how_it_ended(worker.proc.returncode)} during the call (a new "
                              f"worker runs the next call)") from None
         self._give(worker)
         if status != "ok":
