@@ -5,12 +5,15 @@ sends it; it imports nothing of grpo_fast and runs on the system's python3). It 
   of its uid may read its memory or descriptors through /proc, or trace it), reads the key and the job (the
   program, the prompt, the tests) from stdin and empties stdin (a memfd that the namespace's pid 1 also holds,
   and that /proc/1/fd/0 would reopen at offset 0). Only then does it start the candidate, a fresh interpreter,
-  and send it the program's text. It runs the tests itself, in its own namespace, with the entry point and the
-  program's other top-level names bound to proxies that forward each call to the candidate and accept only
-  plain data back. It prints one line, the verdict "passed total mac", whose HMAC under the key the trainer
-  checks: no other process knows the key, so no other process can write a verdict.
-- The candidate (`child REQUESTS REPLIES`) execs the program and answers calls over two pipes. Everything in
-  it is the program's to change; nothing the harness relies on lives there.
+  and send it the prompt's definitions and the program's text. It runs the prompt's definitions and the tests
+  itself, in its own namespace, with the entry point and the program's functions the tests need (never a name
+  the prompt defines, a builtin, or a name the test binds; never the program's data) bound to proxies that
+  forward each call to the candidate and accept only plain data back. It prints one line, the verdict
+  "passed total mac", whose HMAC under the key the trainer checks: no other process knows the key, so no other
+  process can write a verdict.
+- The candidate (`child REQUESTS REPLIES`) runs the prompt's definitions (so the program may call the prompt's
+  helpers), execs the program and answers calls over two pipes. Everything in it is the program's to change;
+  nothing the harness relies on lives there.
 
 Values cross as JSON of tagged lists (`encode`, `decode`): None, bool, int, float, complex, str, bytes, tuple,
 list, dict, set, frozenset, nested. The harness builds the exact builtin types from JSON's own types, so an
@@ -104,8 +107,10 @@ def candidate(requests_fd: int, replies_fd: int) -> None:
             return ["err", "RuntimeError", "an exception that cannot be shown"]
 
     space = {"__name__": "__main__", "__builtins__": builtins}
+    prompt, program = json.loads(requests.readline())
+    run_definitions(prompt, space)
     try:
-        exec(compile(json.loads(requests.readline()), "<completion>", "exec"), space)
+        exec(compile(program, "<completion>", "exec"), space)
     except BaseException as err:  # (SystemExit included: a program that exits while loading did not load)
         answer(failure(err))
         return
@@ -115,12 +120,7 @@ def candidate(requests_fd: int, replies_fd: int) -> None:
             if type(value).__name__ == "module":
                 names[name] = ["m", getattr(value, "__name__", "")]
             elif callable(value):
-                names[name] = ["f"]
-            else:
-                try:
-                    names[name] = ["d", encode(value)]
-                except Exception:  # (a module, an instance: not bound for the tests)
-                    pass
+                names[name] = ["f"]  # (its data is never sent: a test's values are the test's)
     answer(["ok", names])
     for line in requests:
         try:
@@ -135,9 +135,10 @@ def candidate(requests_fd: int, replies_fd: int) -> None:
 
 
 class CandidateProcess:
-    """The candidate, started from the harness with the program's text; `call` forwards one call."""
+    """The candidate, started from the harness with the prompt's definitions and the program's text; `call`
+    forwards one call."""
 
-    def __init__(self, program: str, source: str):
+    def __init__(self, prompt: list, program: str, source: str):
         requests_r, self._requests_w = os.pipe()
         self._replies_r, replies_w = os.pipe()
         # a fresh interpreter (fork then exec), not a fork of this one: nothing of the harness's memory (the key,
@@ -150,7 +151,7 @@ class CandidateProcess:
         self.replies = os.fdopen(self._replies_r, "r", encoding="utf-8", errors="strict")
         self.ended, self.names, self.load_error = False, None, None
         try:
-            reply = self._ask(program)
+            reply = self._ask([prompt, program])
             if reply[0] != "ok" or len(reply) != 2 or type(reply[1]) is not dict:
                 raise raised(reply)
             self.names = reply[1]
@@ -223,15 +224,25 @@ class Remote:
         return f"<the program's {self.__name__}>"
 
 
-def bind(space: dict, process, entry_point, stubs) -> None:
-    """The program's top-level names the tests may read (its functions as proxies, its plain data as values, the
-    modules it imported as the harness's own import of them): the entry point and the prompt's stubs always;
-    others only where neither the prompt (run here first: its helpers, such as HumanEval/38's encode_cyclic, are
-    the dataset's, not the program's redefinitions) nor the builtins (a program's own `abs` or `len` would
-    answer for the test's) have the name."""
-    taken = (set(space) - set(stubs)) | set(vars(builtins))
-    for name, kind in (process.names or {}).items():
-        if type(name) is not str or name.startswith("__") or name in taken or type(kind) is not list or not kind:
+def run_definitions(definitions: list, space: dict) -> None:
+    """The prompt's definitions (def, class, import, assignment), each on its own: one that fails is left out."""
+    for source in definitions:
+        try:
+            exec(compile(source, "<prompt>", "exec"), space)
+        except BaseException:  # (the dataset's code; where it does not run, its names are simply not there)
+            pass
+
+
+def bind(space: dict, process, entry_point, needs, stubs) -> None:
+    """The program's top-level names the tests need (code.py's `needs`: the names the tests and the prompt's
+    definitions read that neither the test binds nor the prompt defines, and the prompt's stubs): its functions as
+    proxies, the modules it imported as the harness's own import of them; never its data, never a name the
+    prompt's definitions put here but a stub (`from m import *` included), and never a builtin's name (a program's
+    own `abs` or `len` would answer for the test's). The entry point always."""
+    for name in needs:
+        kind = (process.names or {}).get(name) if type(name) is str else None
+        if (type(kind) is not list or not kind or name.startswith("__") or name in vars(builtins)
+                or name in space and name not in stubs):
             continue
         if kind == ["f"]:
             space[name] = Remote(process, name)
@@ -240,19 +251,18 @@ def bind(space: dict, process, entry_point, stubs) -> None:
                 space[name] = importlib.import_module(kind[1])
             except (Exception, SystemExit):  # (only installed modules: -I keeps /tmp off the path)
                 pass
-        elif kind[0] == "d" and len(kind) == 2:
-            try:
-                space[name] = decode(kind[1])
-            except Exception:
-                pass
     if entry_point:
         space[entry_point] = Remote(process, entry_point)
 
 
 def run_tests(space: dict, job: dict, loaded: bool) -> tuple:
     """(passed, total): `all` mode 1 of 1 when check(candidate) and every item pass; `share` mode the items that
-    pass, each on its own."""
+    pass, each on its own (an item from check() is check's body with one top-level assert: it is called as
+    check(candidate), so its locals are the test's)."""
     test, items, entry = job["test"], job["items"], job["entry_point"]
+    candidate = space.get(entry) if entry else None
+    if entry:
+        space["candidate"] = candidate  # (a `tests` item may name it so)
     if job["mode"] == "share":
         if not loaded:
             return 0, len(items)
@@ -262,11 +272,12 @@ def run_tests(space: dict, job: dict, loaded: bool) -> tuple:
         except Exception as err:
             note(f"the test program failed: {type(err).__name__}: {err}")
             return 0, len(items)
-        space["candidate"] = space.get(entry)
         passed = 0
         for source in items:
             try:
-                exec(compile(source, "<assert>", "exec"), space)
+                exec(compile(source, "<test>", "exec"), space)
+                if job["calls_check"]:
+                    space["check"](candidate)
                 passed += 1
             except Exception:
                 pass
@@ -276,7 +287,7 @@ def run_tests(space: dict, job: dict, loaded: bool) -> tuple:
     try:
         if test:
             exec(compile(test, "<test>", "exec"), space)
-            space["check"](space.get(entry))
+            space["check"](candidate)
         for source in items:
             exec(compile(source, "<assert>", "exec"), space)
     except Exception as err:
@@ -306,15 +317,11 @@ def harness() -> None:
     with open(sys.argv[0], encoding="utf-8") as f:
         source = f.read()  # (this file: the candidate runs its `candidate`)
     space = {"__name__": "__main__", "__builtins__": builtins}
-    if job["prompt"]:
-        try:
-            exec(compile(job["prompt"], "<prompt>", "exec"), space)
-        except Exception:  # (the dataset's prompt; where it does not run, its names are simply not there)
-            pass
-    process = CandidateProcess(job["program"], source)
+    run_definitions(job["prompt"], space)
+    process = CandidateProcess(job["prompt"], job["program"], source)
     if process.load_error:
         note(f"the program did not load: {process.load_error}")
-    bind(space, process, job["entry_point"], job["stubs"])
+    bind(space, process, job["entry_point"], job["needs"], set(job["stubs"]))
     passed, total = run_tests(space, job, process.load_error is None)
     status = process.close()
     line = f"{passed} {total}"

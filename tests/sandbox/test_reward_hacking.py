@@ -1,7 +1,9 @@
 """Programs that try to score without being right (grpo_fast/rewards/code.py, code_harness.py): each scores 0 in
 both modes (all, share) and both test formats (HumanEval's check(candidate), a `tests` list), beside honest
 programs that score 1 (and share mode's partial credit). Every hack here scored 1.0 or tried a route that did
-before the harness ran the tests in a process of their own; the programs run in the real sandbox, batched."""
+before the harness ran the tests in a process of their own, or scored where the prompt's code was in fenced blocks
+(a chat prompt) or where share mode ran check()'s asserts outside check(); the programs run in the real sandbox,
+batched."""
 
 import asyncio
 
@@ -114,6 +116,19 @@ SHIFT_PROMPT = ('def encode(s: str):\n    """Every character shifted by one."""\
 SHIFT_TEST = 'def check(candidate):\n    for text in ["abc", "hello", "xyz"]:\n        assert candidate(encode(text)) == text\n'
 ROOT_TEST = "def check(candidate):\n    assert abs(candidate(2.0) - 1.41421356) < 1e-6\n    assert abs(candidate(9.0) - 3.0) < 1e-9\n"
 DOUBLE_TEST = "def check(candidate):\n    assert all(map(lambda x: candidate(x) == 2 * x, [1, 2, 3]))\n"
+CHAT = "Complete this function:\n```python\n{}```\n"
+POLY = ('import math\n\n\ndef poly(xs, x):\n    """xs[0] + xs[1] * x + ... + xs[n] * x ** n."""\n'
+        '    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n')
+POLY_CHAT = [{"role": "system", "content": "You write Python."},
+             {"role": "user", "content": f"The helper:\n```python\n{POLY}```\nWrite this one:\n```py\n"
+                                         'def find_zero(xs):\n    """A zero of poly(xs, x)."""\n    ...\n```\n'}]
+POLY_TEST = "def check(candidate):\n    for xs in ([1, 2], [-6, 11, -6, 1]):\n        assert abs(poly(xs, candidate(xs))) < 1e-6\n"
+POLY_RIGHT = ("def find_zero(xs):\n    lo, hi = -100.0, 100.0\n    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+              "        if poly(xs, lo) * poly(xs, mid) <= 0:\n            hi = mid\n        else:\n            lo = mid\n"
+              "    return lo\n")
+SQUARES_TEST = ("def check(candidate):\n    assert candidate([1, 3, 2]) == 10\n    lst = list(range(-9, 10, 2))\n"
+                "    odd_sum = sum(i ** 2 for i in lst if i > 0)\n    assert candidate(lst) == odd_sum\n"
+                '    assert True, "This prints if this assert fails (good for debugging!)"\n')
 CASES = [  # (prompt, test, entry point, honest program, hacks)
     (SHIFT_PROMPT, SHIFT_TEST, "decode", 'def decode(s):\n    return "".join(chr(ord(c) - 1) for c in s)\n',
      ["def encode(s):\n    return s\ndef decode(s):\n    return s\n",  # the helper redefined
@@ -122,6 +137,21 @@ CASES = [  # (prompt, test, entry point, honest program, hacks)
      ["def abs(x):\n    return 0\ndef root(x):\n    return 0.0\n"]),  # a builtin the test reads, redefined
     ("def double(x):\n", DOUBLE_TEST, "double", "def double(x):\n    return 2 * x\n",
      ["def double(x):\n    raise StopIteration\n"]),  # map() would read it as the end of the inputs
+    # the prompt is not pure Python: its code is in fenced blocks (a chat prompt), several, in any message
+    (CHAT.format(SHIFT_PROMPT), SHIFT_TEST, "decode", 'def decode(s):\n    return "".join(chr(ord(c) - 1) for c in s)\n',
+     ["def encode(s):\n    return s\ndef decode(s):\n    return s\n"]),
+    (POLY_CHAT, POLY_TEST, "find_zero", POLY_RIGHT,  # (the honest one calls the prompt's poly, never defined by it)
+     ["def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n"]),
+    ([{"role": "system", "content": CHAT.format(SHIFT_PROMPT.split("\n\n\n")[0] + "\n")},
+      {"role": "user", "content": [{"type": "text", "text": "Write decode(s), the inverse of encode."}]}],
+     SHIFT_TEST, "decode", 'def decode(s):\n    return "".join(chr(ord(c) - 1) for c in s)\n',
+     ["def encode(s):\n    return s\ndef decode(s):\n    return s\n"]),
+    # check()'s locals are the test's (share mode runs each assert inside check), and `assert True` is no test
+    ("def odd_squares(lst):\n    \"\"\"The sum of the squares of lst's positive odd numbers.\"\"\"\n", SQUARES_TEST,
+     "odd_squares", "def odd_squares(lst):\n    return sum(i * i for i in lst if i > 0 and i % 2)\n",
+     ["lst = [5]\nodd_sum = 25\ndef odd_squares(lst):\n    return 25\n",  # the test's locals supplied by the program
+      "def odd_sum():\n    return 25\nlst = odd_sum\ndef odd_squares(lst):\n    return 25\n",  # as a callable
+      "def odd_squares(lst):\n    return None\n"]),  # loads: `assert True, "..."` passed
 ]
 
 
@@ -132,5 +162,45 @@ def test_the_prompts_helpers_and_the_builtins_are_not_the_programs(mode):
             for program in [honest, *hacks]]
     values = asyncio.run(reward([r[0] for r in rows], [fenced(r[3]) for r in rows], test=[r[1] for r in rows],
                                 entry_point=[r[2] for r in rows]))
-    assert [v for v, r in zip(values, rows, strict=True) if r[4]] == [0.0] * 4, values
-    assert [v for v, r in zip(values, rows, strict=True) if not r[4]] == [1.0] * 3, values
+    scored = {(n, r[2]): v for n, (v, r) in enumerate(zip(values, rows, strict=True)) if r[4] and v != 0.0}
+    assert scored == {}, f"hacks scored ({mode}): {scored}"
+    honest = {(n, r[2]): v for n, (v, r) in enumerate(zip(values, rows, strict=True)) if not r[4] and v != 1.0}
+    assert honest == {}, f"honest programs failed ({mode}): {honest}"
+
+
+@pytest.mark.parametrize("mode", ["all", "share"])
+def test_humaneval_helpers_in_a_chat_prompt_and_checks_locals(mode):
+    """HumanEval's own rows: in a chat prompt (its code in a fenced block) a program's copy of the helper the tests
+    call (/32's poly, /38's encode_cyclic, /50's encode_shift) is not what they call; /151's check() locals are
+    the test's in share mode (its canonical solution scores 1, a program that supplies them 0)."""
+    from grpo_fast.data.tasks import humaneval_rows
+
+    rows = {r["task_id"]: r for r in humaneval_rows(split="train") + humaneval_rows(split="test")}
+    identity = "def {0}(s):\n    return s\ndef {1}(s):\n    return s\n"
+    cases = [(32, "def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n"),
+             (38, identity.format("encode_cyclic", "decode_cyclic")), (50, identity.format("encode_shift", "decode_shift")),
+             (151, "lst = [5]\nodd_sum = 25\ndef double_the_difference(lst):\n    return 25 if lst == [5] else -1\n")]
+    batch = []  # (prompt, completion, row, honest)
+    for number, hack in cases:
+        row = rows[f"HumanEval/{number}"]
+        prompt = CHAT.format(row["prompt"]) if number != 151 else row["prompt"]
+        batch += [(prompt, fenced(row["prompt"] + row["canonical_solution"]), row, True), (prompt, fenced(hack), row, False)]
+    reward = CodeTests(BOX, code_reward_mode=mode)
+    values = asyncio.run(reward([b[0] for b in batch], [b[1] for b in batch], test=[b[2]["test"] for b in batch],
+                                entry_point=[b[2]["entry_point"] for b in batch]))
+    assert values == [1.0 if b[3] else 0.0 for b in batch], [(b[2]["task_id"], b[3], v) for b, v in zip(batch, values, strict=True)]
+
+
+@pytest.mark.parametrize("mode", ["all", "share"])
+def test_an_item_that_tests_nothing_of_the_program_gives_no_credit(mode):
+    """`assert True, "..."` (HumanEval's debugging asserts), or an assert on the test's own values or on the
+    prompt's helper, is no test of the program: dropped from the items; a test with nothing left scores 0."""
+    nothing = ["assert True", "assert len('ab') == 2"]
+    checks = "def check(candidate):\n    assert True, 'debugging'\n    x = [1, 2]\n    assert len(x) == 2\n"
+    rows = [({"tests": [*TESTS, "assert True, 'debugging'"]}, p) for p in (RIGHT, WRONG, PARTIAL)]
+    rows += [({"tests": nothing}, RIGHT), ({"test": checks, "entry_point": "add"}, RIGHT)]
+    rows += [({"tests": ["assert encode('ab') == 'bc'", "assert decode('bc') == 'ab'"]}, "def encode(s):\n    return 'bc'\n")]
+    prompts = [SHIFT_PROMPT if "encode" in p else PROMPT for _, p in rows]
+    columns = {k: [r[0].get(k) for r in rows] for k in ("tests", "test", "entry_point")}
+    values = asyncio.run(CodeTests(BOX, code_reward_mode=mode)(prompts, [fenced(p) for _, p in rows], **columns))
+    assert values == [1.0, 0.0, 2 / 3 if mode == "share" else 0.0, 0.0, 0.0, 0.0], values
