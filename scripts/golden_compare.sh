@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { echo "usage: $0 BASE [CASE ...]" >&2; exit 2; }
 base=$1; shift
-cases=("$@"); [[ ${#cases[@]} -gt 0 ]] || cases=(hf_beta_mu2 vllm vllm_partial early_exit)
+cases=("$@"); [[ ${#cases[@]} -gt 0 ]] || cases=(hf_beta_mu2 vllm vllm_partial early_exit multi_answer lora multi_turn agents_partial)
 py=${PYTHON:-$PWD/.venv/bin/python}
 tmp=$(mktemp -d)
 trap 'git worktree remove --force "$tmp/base" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
