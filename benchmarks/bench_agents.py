@@ -109,21 +109,21 @@ class _LockStep:
         self.on = on
 
     def __enter__(self):
-        from grpo_fast.agents.loop import AgentLoop
+        from grpo_fast.generation.agents.loop import AgentLoop
 
         self.run = AgentLoop.run
         if self.on:
             AgentLoop.run = lambda loop, trajectories, lockstep=False: self.run(loop, trajectories, lockstep=True)
 
     def __exit__(self, *exc):
-        from grpo_fast.agents.loop import AgentLoop
+        from grpo_fast.generation.agents.loop import AgentLoop
 
         AgentLoop.run = self.run
 
 
 def _batch_turns():
     """Wall seconds of every engine.generate call (a lock-step batch turn) while in effect."""
-    from grpo_fast.rollout.vllm_engine import VLLMEngine
+    from grpo_fast.generation.engines.vllm_engine import VLLMEngine
 
     seen, real = [], VLLMEngine.generate
 
@@ -141,7 +141,7 @@ def run_ours(engine, model_dir: str, rows: list[dict], args, lockstep: bool, out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_fast.config import GRPOConfig
-    from grpo_fast.rollout.vllm_engine import VLLMEngine
+    from grpo_fast.generation.engines.vllm_engine import VLLMEngine
     from grpo_fast.trainer import GRPOTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -221,7 +221,7 @@ def run_trl(model_dir: str, rows: list[dict], args, out: Path) -> dict:
 
 
 def measure(args) -> dict:
-    from grpo_fast.rollout import make_engine
+    from grpo_fast.generation.engines import make_engine
     from tests.agents.tool_model import build_tool_model
 
     model_dir = build_tool_model(tempfile.mkdtemp(prefix="bench_agents_"), max_muls=5, conversations=CONVERSATIONS,

@@ -124,7 +124,7 @@ def update_seconds(engine, policy, repeats: int, layerwise: bool = False) -> tup
 
 def fresh_engine_seconds(policy, tokenizer, prompts, engine_kwargs) -> tuple[float, float, float]:
     """(save checkpoint, build engine, build + first token) seconds of replacing the engine by a new one."""
-    from grpo_fast.rollout import VLLMEngine
+    from grpo_fast.generation.engines import VLLMEngine
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -157,8 +157,8 @@ def main():
 
     import torch
 
+    from grpo_fast.generation.engines import HFEngine, VLLMEngine
     from grpo_fast.models import load_policy, resolve_model_path
-    from grpo_fast.rollout import HFEngine, VLLMEngine
 
     env = harness.environment()  # load average before
     threads = [threads_snapshot("before engine start")]
@@ -195,7 +195,7 @@ def main():
     gemm = None
     if cpu:  # the alternative to re-packing: plain F.linear, so an update is the copy alone
         use_plain_gemm_(engine)
-        from grpo_fast.rollout.vllm_engine import _named_tensors
+        from grpo_fast.generation.engines.vllm_engine import _named_tensors
 
         load_s = harness.timeit(lambda: engine.model.load_weights(engine._prepare(_named_tensors(policy))),
                                 repeats=args.repeats).median_s

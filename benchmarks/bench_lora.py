@@ -359,10 +359,10 @@ def child_memory(name: str, args) -> dict:
 
     from grpo_fast import distributed, ops  # noqa: F401
     from grpo_fast.config import GRPOConfig
+    from grpo_fast.generation.batch import Rollouts
     from grpo_fast.models import lora
     from grpo_fast.rewards import get_reward_funcs  # noqa: F401
     from grpo_fast.train import advantages, logprobs, setup, step
-    from grpo_fast.train.batch import Rollouts
     from grpo_fast.train.forward import Packer
     from grpo_fast.train.state import TrainState
 
@@ -605,8 +605,8 @@ def model_7b_markdown() -> str:
 
 
 def child_a(name: str, args) -> dict:
-    from grpo_fast.checkpoint import list_checkpoints
     from grpo_fast.config import GRPOConfig
+    from grpo_fast.run.checkpoint import list_checkpoints
     from grpo_fast.trainer import GRPOTrainer
 
     use_peft, seed = a_columns(args.seeds)[name]

@@ -30,8 +30,8 @@ def measure(args) -> dict:
     import torch
     from peft import LoraConfig
 
+    from grpo_fast.generation.engines import make_engine
     from grpo_fast.models import load_policy, lora, resolve_model_path
-    from grpo_fast.rollout import make_engine
     from grpo_fast.train import setup
 
     path = resolve_model_path("default")

@@ -4,7 +4,7 @@
     python benchmarks/bench_sandbox.py --programs 50 --steps 10 --skip-train
 
 (a) Start-up: the same trivial program (`pass`) run N times bare (`python3 -I -c pass`), under bubblewrap
-with the sandbox's limits (grpo_fast.sandbox), and the sandbox's own start-up (until bwrap had the
+with the sandbox's limits (grpo_fast.rewards.sandbox), and the sandbox's own start-up (until bwrap had the
 program's process running, from its --json-status-fd). (b) Throughput: 32 programs that sleep 0.5 s on a
 pool of 8. (d) A busy pool: 32 CPU-bound programs of 0.3 to 0.9 s of CPU submitted at once, on 4 x cores
 workers charged wall time in full (the pool and clock before issue 46), on 4 x cores workers with the clock
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-from grpo_fast.sandbox import Sandbox, SandboxOptions  # noqa: E402 (after the path)
+from grpo_fast.rewards.sandbox import Sandbox, SandboxOptions  # noqa: E402 (after the path)
 
 
 def startup(n: int) -> dict:
@@ -69,7 +69,7 @@ def busy_program(cpu_s: float) -> str:
 
 def busy_pool(timeout: float = 2.5) -> dict:
     """32 programs of 0.3 to 0.9 s of CPU at once under three pools; wall time for all, timeouts at `timeout` s."""
-    import grpo_fast.sandbox as sandbox
+    import grpo_fast.rewards.sandbox as sandbox
 
     cores = sandbox.usable_cores()
     cpu = [0.3 + 0.6 * k / 31 for k in range(32)]

@@ -30,7 +30,7 @@ import harness  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 def main() -> None:
 
     from grpo_fast.config import GRPOConfig
-    from grpo_fast.rollout import VLLMEngine
+    from grpo_fast.generation.engines import VLLMEngine
     from grpo_fast.train.sync import PROBE_TOKENS, probe_gap
     from grpo_fast.trainer import GRPOTrainer
 

@@ -128,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     file_values = read_yaml(args.config) if args.config else {}
     spec = given.get("resume_from_checkpoint", file_values.get("resume_from_checkpoint"))
     if args.command == "train" and spec is not None:
-        from .resume import resumed_config
+        from .run.resume import resumed_config
 
         output_dir = given.get("output_dir", file_values.get("output_dir", GRPOConfig.output_dir))
         return resumed_config({**file_values, **given}, output_dir, spec)
@@ -334,7 +334,7 @@ def _stop_outside_training(signum, frame):
 def _remove_stale_temp_folders(args: argparse.Namespace) -> None:
     """The temporary folders killed checkpoint writes left in output_dir (run_folder.py), removed at
     every start before anything can refuse it (the output_dir as config_from_args will read it)."""
-    from .run_folder import remove_stale_temp_folders_unless_locked
+    from .run.folder import remove_stale_temp_folders_unless_locked
 
     if os.environ.get("RANK", "0") != "0":
         return  # (rank 0 does it)
@@ -361,8 +361,9 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"grpo-fast train: {err}", file=sys.stderr)
         return 2
-    from . import run_folder, trackers
     from .distributed import check_config
+    from .reporting import trackers
+    from .run import folder as run_folder
 
     try:
         trackers.check_credentials(config.report_to)  # (once here, not once a rank)

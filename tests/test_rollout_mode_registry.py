@@ -1,4 +1,4 @@
-"""A rollout mode is one registered object (`grpo_fast.modes`). This file defines a new one, in the test
+"""A rollout mode is one registered object (`grpo_fast.generation.modes`). This file defines a new one, in the test
 alone (one class, one `register` call), and the config accepts it, its checks refuse what it cannot
 run in the same words as the built-in modes', and the trainer trains a step with it; an unknown mode
 raises naming the known ones."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_fast.modes import ROLLOUT_MODES, RolloutMode, register, rollout_mode, unregister
+from grpo_fast.generation.modes import ROLLOUT_MODES, RolloutMode, register, rollout_mode, unregister
 
 
 class LeaveOneOut(RolloutMode):
@@ -19,8 +19,8 @@ class LeaveOneOut(RolloutMode):
     summary = "num_generations completions per prompt, baseline the mean of the others"
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
-        from grpo_fast.rollout.base import prompt_seeds
-        from grpo_fast.train.batch import from_engine
+        from grpo_fast.generation.batch import from_engine
+        from grpo_fast.generation.engines.base import prompt_seeds
 
         groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
                                  sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first))

@@ -34,7 +34,7 @@ from torch._C import DispatchKey
 
 from .. import objective
 from ..objective import DEFAULT_OPTIONS, LossOptions
-from . import backends, registry
+from . import backends, torch_library
 from .linear_logprobs import Rows, check_targets, fake_grads, masked_linear_logprobs, validate_linear
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
@@ -147,7 +147,7 @@ def _loss_backward(ctx, grad_loss, *_):
     return (*scaled, *[None] * (len(_ARG_NAMES) - 3))
 
 
-_loss_op = registry.define("fused_linear_grpo_loss", SCHEMA, _loss_forward, fake=_loss_fake, backward=_loss_backward,
+_loss_op = torch_library.define("fused_linear_grpo_loss", SCHEMA, _loss_forward, fake=_loss_fake, backward=_loss_backward,
                            setup_context=_setup_context)
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, registry
+from . import backends, torch_library
 
 
 def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> str:
@@ -163,12 +163,12 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None, None)
 
 
-registry.define("linear_logprobs_backward",
+torch_library.define("linear_logprobs_backward",
                 "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, Tensor lse, "
                 "Tensor grad_logp, float temperature, str backend, bool[] needs, Tensor? entropy, "
                 "Tensor? grad_entropy) -> (Tensor, Tensor, Tensor)",
                 _linear_logprobs_backward, fake=_linear_logprobs_backward_fake)
-registry.define("linear_logprobs",
+torch_library.define("linear_logprobs",
                 "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, float temperature, "
                 "str backend, bool entropy_grad) -> (Tensor, Tensor, Tensor)",
                 _linear_logprobs, fake=_linear_logprobs_fake, backward=_backward, setup_context=_setup_context)

@@ -4,7 +4,7 @@ Light to import: math-verify loads on the first math reward call.
 """
 
 from .extract import completion_text, final_answer
-from .registry import BUILTIN_REWARDS, get_reward_funcs, reward_name
+from .names import BUILTIN_REWARDS, get_reward_funcs, reward_name
 from .steps import chain_steps
 from .verifiable import (
     LeadReward,

@@ -64,7 +64,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ..sandbox import Sandbox, SandboxOptions
+from .sandbox import Sandbox, SandboxOptions
 
 MODES = ("all", "share")
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S)

@@ -113,8 +113,8 @@ class Judge:
 
         from transformers import AutoTokenizer
 
+        from ..generation.engines import ENGINES, engine_kind
         from ..models.loading import resolve_model_path
-        from ..rollout import ENGINES, engine_kind
 
         if options.engine not in ENGINES:
             raise ValueError(f"judge_engine must be one of {list(ENGINES)}, got {options.engine!r}")
@@ -126,7 +126,7 @@ class Judge:
         context = int(config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings") or 2048)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if engine_kind(options.engine, loadable_from_disk=True) == "vllm":
-            from ..rollout import make_engine
+            from ..generation.engines import make_engine
 
             context = min(context, 8192)  # (the KV cache of a judge beside the policy's engine)
             engine = make_engine("vllm", model_path=path, dtype=options.dtype, max_model_len=context, seed=options.seed,
@@ -135,7 +135,7 @@ class Judge:
             import torch
             from transformers import AutoModelForCausalLM
 
-            from ..rollout.hf_engine import HFEngine
+            from ..generation.engines.hf_engine import HFEngine
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -153,7 +153,7 @@ class Judge:
     def ask(self, texts: list[str], pattern: str, parse: Callable[[str], Optional[object]]) -> list[Optional[object]]:
         """One answer per text, parsed by `parse` (None: unparsable); decoded under `pattern` when
         structured output is on; unparsable ones asked again up to max_retries times."""
-        from ..rollout.base import SamplingOptions, hashed_seed
+        from ..generation.engines.base import SamplingOptions, hashed_seed
 
         o = self.options
         start = time.perf_counter()

@@ -3,7 +3,7 @@
 
 "Correct" is the first reward function's value > 0 (the verifier's; missing counts as wrong).
 
-The modes live in `grpo_fast.modes` (one file each); this module holds what they share.
+The modes live in `grpo_fast.generation.modes` (one file each); this module holds what they share.
 
     rollout_mode=parallel      group advantages of the (weighted) rewards, after SGPO's partial
                                credit (groups with no correct answer: the first reward becomes
@@ -31,8 +31,8 @@ import torch
 
 from .. import objective
 from ..distributed import ONE_PROCESS, World, gather_rows
-from ..modes import rollout_mode
-from .batch import Rollouts
+from ..generation.batch import Rollouts
+from ..generation.modes import rollout_mode
 from .score import score
 
 
@@ -74,7 +74,7 @@ def correct(rewards: torch.Tensor) -> torch.Tensor:
 def advantages(batch: Rollouts, c: AdvantageOptions, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
                conversational: bool = False, world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
     """(advantages [n] float32, stats) of a scored batch, as its rollout mode computes them
-    (`grpo_fast.modes`); `judge` is the partial-credit judge. Under torchrun, `batch` is this rank's
+    (`grpo_fast.generation.modes`); `judge` is the partial-credit judge. Under torchrun, `batch` is this rank's
     share of the generation batch (whole groups, the same size on every rank). Sets
     `batch.trained_rewards`: the scored rewards as the mode reshaped them (module docstring)."""
     return rollout_mode(c.rollout_mode).advantages(batch, c, judge, prompt_column=prompt_column,

@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 
 from .. import distributed
-from ..rewards.registry import reward_name
-from ..rollout.base import GREEDY
+from ..generation.batch import from_engine
+from ..generation.engines.base import GREEDY
+from ..rewards.names import reward_name
 from . import setup
 from .advantages import correct
-from .batch import from_engine
 from .score import conversational, score, weighted_mean
 
 
@@ -69,7 +69,7 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
     for name, column in zip(eval_metrics, extra.T, strict=True):
         out[f"eval/{name}"] = torch.nan_to_num(column, nan=0.0).mean().item()
     if agent is not None:  # (every rank: the counters are summed over the ranks)
-        from ..agents import TOOL_COUNTERS, tool_metrics
+        from ..generation.agents import TOOL_COUNTERS, tool_metrics
 
         stats = batch.stats if batch is not None else dict.fromkeys(TOOL_COUNTERS, 0)
         out.update({f"eval/{k}": v for k, v in tool_metrics(stats, world).items() if k != "tools/time_waiting"})

@@ -4,7 +4,7 @@ which scores as it samples and draws more prompts until enough groups carry a si
 
 Seeds come from the run seed and counters kept in `TrainState` (`cursor`, `epoch`,
 `generation_calls`), so a resumed run draws the same prompts with the same sampling seeds.
-How a group is sampled is its rollout mode's (`grpo_fast.modes`, one registered object per mode:
+How a group is sampled is its rollout mode's (`grpo_fast.generation.modes`, one registered object per mode:
 `sample` asks it); `partial_rollouts.py` runs rounds that never wait for their longest completion.
 """
 
@@ -17,15 +17,15 @@ from typing import Callable, Optional
 
 import torch
 
-from ..agents import rounds as agent_rounds
-from ..agents import tool_metrics
 from ..distributed import World
-from ..metrics import timed
-from ..modes import rollout_mode
-from ..rewards.registry import reward_name
-from ..rollout.base import SamplingOptions, hashed_seed, prompt_seeds
-from . import partial_rollouts
-from .batch import Rollouts, from_engine
+from ..generation import rounds as partial_rollouts
+from ..generation.agents import rounds as agent_rounds
+from ..generation.agents import tool_metrics
+from ..generation.batch import Rollouts, from_engine
+from ..generation.engines.base import SamplingOptions, hashed_seed, prompt_seeds
+from ..generation.modes import rollout_mode
+from ..reporting.metrics import timed
+from ..rewards.names import reward_name
 from .score import GroupScorer, Scores, conversational, counter_metrics, score, zero_std_groups
 
 # Seeds derived from the run seed: seed * P + counter, with P a prime larger than any counter a run
@@ -43,7 +43,7 @@ class TrainData:
     prompt_ids: list
     reward_funcs: list
     judge: Optional[Callable] = None  # SGPO's partial-credit judge (the advantages stage's)
-    agent: Optional[object] = None  # multi_turn: the tools, chat template and tool runner (grpo_fast/agents)
+    agent: Optional[object] = None  # multi_turn: the tools, chat template and tool runner (grpo_fast/generation/agents)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-from ..metrics import Pooled
-from .batch import Rollouts
+from ..generation.batch import Rollouts
+from ..reporting.metrics import Pooled
 from .forward import completion_logprobs
 from .setup import default_is_correction
 

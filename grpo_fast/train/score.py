@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..rewards.registry import reward_name
-from .batch import Rollouts
+from ..generation.batch import Rollouts
+from ..rewards.names import reward_name
 
 
 def conversational(prompt) -> bool:
@@ -281,7 +281,7 @@ def reward_metrics(batch: Rollouts, reward_funcs: Sequence[Callable], options) -
     (`batch.trained_rewards`: partial credit, early_exit's serial reward), `rewards/<func>/*` of each
     function's values as scored. Means and stds over values are `Pooled`: on many ranks they are of
     all ranks' values (metrics.py). options: the advantages stage's (`advantages.AdvantageOptions`)."""
-    from ..metrics import Pooled
+    from ..reporting.metrics import Pooled
 
     G = options.group_size
     trained = batch.rewards if batch.trained_rewards is None else batch.trained_rewards

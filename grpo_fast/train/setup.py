@@ -18,8 +18,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..modes import rollout_mode
-from ..rewards.registry import reward_name
+from ..generation.modes import rollout_mode
+from ..rewards.names import reward_name
 
 # ---- inputs ----------------------------------------------------------------------------------
 
@@ -161,7 +161,7 @@ def inputs_from_config(config) -> tuple[list, list[dict], list[dict] | None, Opt
 def reward_options(config) -> dict:
     """The options the built-in reward factories take from the config (lead's, math_length's, the judges')."""
     from ..rewards.judge import JudgeOptions
-    from ..sandbox import SandboxOptions
+    from ..rewards.sandbox import SandboxOptions
 
     return dict(max_completion_length=config.max_completion_length, lead_alpha=config.lead_alpha,
                 lead_wrong_reward=config.lead_wrong_reward,
@@ -199,9 +199,9 @@ def agent_parts(config, tools: Optional[Sequence] = None, environment_factory=No
     module:Class; each built once); None where the rollout mode calls no tools."""
     if not rollout_mode(config.rollout_mode).takes_agent:
         return None
-    from ..agents import as_tools
-    from ..agents.builtin import resolve_tool
-    from ..agents.environments import Environments
+    from ..generation.agents import as_tools
+    from ..generation.agents.builtin import resolve_tool
+    from ..generation.agents.environments import Environments
 
     checked = as_tools(list(tools) if tools is not None else [resolve_tool(name) for name in config.tools or []])
     if environment_factory is None and config.environment_factory:
@@ -213,7 +213,7 @@ def build_agent(config, parts, tokenizer):
     """The multi_turn run's Agent (its chat template checked against the tokenizer); None without one."""
     if parts is None:
         return None
-    from ..agents import build_agent as build
+    from ..generation.agents import build_agent as build
 
     tools, environments = parts
     return build(tools, tokenizer, config, environments)
@@ -386,8 +386,8 @@ def check_partial_rollouts(engine, config) -> None:
 
 def build_engine(config, model, tokenizer, model_path):
     """The rollout engine of config.engine (`rollout.engine_kind`: "auto" is vLLM when installed)."""
+    from ..generation.engines import engine_kind, make_engine
     from ..models import lora
-    from ..rollout import engine_kind, make_engine
 
     if engine_kind(config.engine, loadable_from_disk=True) == "hf":  # a model passed in is written to disk below
         return make_engine("hf", model=model, tokenizer=tokenizer, max_model_len=config.vllm_max_model_length)
@@ -535,8 +535,8 @@ class Options:
 
     @classmethod
     def from_config(cls, config) -> "Options":
+        from ..generation.engines.base import SamplingOptions
         from ..objective import LossOptions
-        from ..rollout.base import SamplingOptions
         from .advantages import AdvantageOptions
 
         return cls(loss=LossOptions.from_config(config), advantages=AdvantageOptions.from_config(config),

@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from .partial_rollouts import Group
+from ..generation.rounds import Group
 
 
 @dataclass
@@ -28,7 +28,7 @@ class TrainState:
     last_entropy: float = math.inf  # the bonus tokens' entropy at the last optimizer step (adaptive gate)
     global_batch: int = 0  # completions per optimizer step over all ranks (a resumed run must keep it)
     policy_version: int = 0  # weight syncs into the engine so far (partial rollouts: the version of each token)
-    in_flight: list = field(default_factory=list)  # partial rollouts: the `Group`s carried over (train/partial_rollouts.py)
+    in_flight: list = field(default_factory=list)  # partial rollouts: the `Group`s carried over (generation/rounds.py)
     tracker_runs: dict = field(default_factory=dict)  # report_to: tracker -> its run's id, continued on resume
 
     def to_dict(self) -> dict:

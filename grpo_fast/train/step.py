@@ -34,11 +34,11 @@ import torch
 
 from .. import objective
 from ..distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
+from ..generation.batch import Rollouts
 from ..loss_types import loss_type
 from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
-from .batch import Rollouts
 from .forward import Packer, completion_hidden, policy_parts
 
 __all__ = ["LossOptions", "optimizer_step", "step_metrics", "step_slices", "train_step", "trainable_mask",
@@ -318,7 +318,7 @@ def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, ti
     """The logged line of one optimizer step: TRL's reward metrics of its slice `part`, the round's
     `stats`, the step's loss metrics (token means pooled over ranks by tokens), its time parts and throughput.
     options: the run's (`setup.Options`: the loss's and the advantages')."""
-    from ..metrics import Pooled
+    from ..reporting.metrics import Pooled
     from .score import COUNTER_PREFIXES, reward_metrics
 
     m = reward_metrics(part, reward_funcs, options.advantages)

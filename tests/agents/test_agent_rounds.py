@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_fast.agents import build_agent, rounds
-from grpo_fast.agents.environments import Environments
-from grpo_fast.agents.loop import Trajectory
-from grpo_fast.agents.tools import Calls
-from grpo_fast.rollout import vllm_available
-from grpo_fast.rollout.base import SamplingOptions, hashed_seed
-from grpo_fast.train import partial_rollouts, setup
+from grpo_fast.generation import rounds as partial_rollouts
+from grpo_fast.generation.agents import build_agent, rounds
+from grpo_fast.generation.agents.environments import Environments
+from grpo_fast.generation.agents.loop import Trajectory
+from grpo_fast.generation.agents.tools import Calls
+from grpo_fast.generation.engines import vllm_available
+from grpo_fast.generation.engines.base import SamplingOptions, hashed_seed
+from grpo_fast.train import setup
 from grpo_fast.trainer import GRPOTrainer
 from tests.agents.test_environments import Counter
 from tests.agents.test_multi_turn import _assert_bookkeeping, _config

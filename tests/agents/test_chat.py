@@ -4,9 +4,9 @@ tokenizer); a sampled turn is kept verbatim; templates that cannot serve are ref
 
 import pytest
 
-from grpo_fast.agents.builtin import calculator
-from grpo_fast.agents.chat import MAX_ARGUMENT_NESTING, TOOL_CHAT_TEMPLATE, ChatTemplate
-from grpo_fast.agents.tools import as_tools
+from grpo_fast.generation.agents.builtin import calculator
+from grpo_fast.generation.agents.chat import MAX_ARGUMENT_NESTING, TOOL_CHAT_TEMPLATE, ChatTemplate
+from grpo_fast.generation.agents.tools import as_tools
 from tests.agents.tool_model import TOOLS, build_chatml_tokenizer
 
 

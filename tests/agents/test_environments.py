@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from grpo_fast.agents import build_agent, tool_metrics
-from grpo_fast.agents.environments import Environments
 from grpo_fast.config import GRPOConfig
-from grpo_fast.rollout.base import SamplingOptions
+from grpo_fast.generation.agents import build_agent, tool_metrics
+from grpo_fast.generation.agents.environments import Environments
+from grpo_fast.generation.engines.base import SamplingOptions
 from grpo_fast.trainer import GRPOTrainer
 from tests.agents.tool_model import tool_prompts
 

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from grpo_fast.agents import build_agent
-from grpo_fast.agents.loop import MALFORMED, AgentLoop, LoopOptions, Trajectory
 from grpo_fast.config import GRPOConfig
-from grpo_fast.rollout import vllm_available
-from grpo_fast.rollout.base import SamplingOptions, hashed_seed
-from grpo_fast.train.batch import Rollouts
+from grpo_fast.generation.agents import build_agent
+from grpo_fast.generation.agents.loop import MALFORMED, AgentLoop, LoopOptions, Trajectory
+from grpo_fast.generation.batch import Rollouts
+from grpo_fast.generation.engines import vllm_available
+from grpo_fast.generation.engines.base import SamplingOptions, hashed_seed
 from grpo_fast.train.logprobs import sampling_stats
 from grpo_fast.train.step import LossOptions, train_step
 from grpo_fast.trainer import GRPOTrainer

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from grpo_fast.agents.chat import ChatTemplate
-from grpo_fast.agents.loop import AgentLoop, LoopOptions, Trajectory
-from grpo_fast.agents.tools import ToolRunner, as_tools
-from grpo_fast.rollout.base import SamplingOptions, hashed_seed
+from grpo_fast.generation.agents.chat import ChatTemplate
+from grpo_fast.generation.agents.loop import AgentLoop, LoopOptions, Trajectory
+from grpo_fast.generation.agents.tools import ToolRunner, as_tools
+from grpo_fast.generation.engines.base import SamplingOptions, hashed_seed
 from tests.agents import crashing_tools, tool_model
 from tests.agents.crashing_tools import echo, exit_quietly, forks, hang, segfault
 from tests.agents.tool_model import build_chatml_tokenizer

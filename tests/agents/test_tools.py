@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from grpo_fast.agents.builtin import calculator, resolve_tool
-from grpo_fast.agents.tools import ToolRunner, as_tools
+from grpo_fast.generation.agents.builtin import calculator, resolve_tool
+from grpo_fast.generation.agents.tools import ToolRunner, as_tools
 
 
 def good(x: int) -> int:

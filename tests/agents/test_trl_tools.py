@@ -63,9 +63,9 @@ def test_stock_trl_builds_with_the_shipped_tokenizer(tmp_path):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from grpo_fast.agents.builtin import calculator
-    from grpo_fast.agents.chat import TOOL_CHAT_TEMPLATE, ChatTemplate
-    from grpo_fast.agents.tools import as_tools
+    from grpo_fast.generation.agents.builtin import calculator
+    from grpo_fast.generation.agents.chat import TOOL_CHAT_TEMPLATE, ChatTemplate
+    from grpo_fast.generation.agents.tools import as_tools
     from grpo_fast.models.loading import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())

@@ -81,7 +81,7 @@ def build_chatml_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from grpo_fast.agents.chat import RESPONSE_TEMPLATE
+    from grpo_fast.generation.agents.chat import RESPONSE_TEMPLATE
     from tests.tiny_model import PAD
 
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: ord(c))

@@ -1,4 +1,4 @@
-"""How metrics combine over ranks (grpo_fast/metrics.py: `reduction`, `Pooled`, `combine`), without
+"""How metrics combine over ranks (grpo_fast/reporting/metrics.py: `reduction`, `Pooled`, `combine`), without
 launching ranks: a batch split into two rank shares, each share's metrics computed as its rank does,
 combined as rank 0 combines the gathered dicts, against one process's metrics of the whole batch."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from grpo_fast.metrics import Pooled, combine, reduction
-from grpo_fast.train.batch import Rollouts
+from grpo_fast.generation.batch import Rollouts
+from grpo_fast.reporting.metrics import Pooled, combine, reduction
 from grpo_fast.train.score import reward_metrics
 from tests.trainer.common import config
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from grpo_fast.metrics import reduction
+from grpo_fast.reporting.metrics import reduction
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,7 +222,7 @@ def _assert_trained_alike(steps1, weights1, steps2, weights2, initial, per_tenso
 
 def _assert_same_counts_extremes_and_stds(a: dict, b: dict):
     """A step's counts (summed over ranks), extremes (max / min over ranks) and stds (pooled from every
-    rank's values) as one process logs them (grpo_fast/metrics.py declares each metric's reduction)."""
+    rank's values) as one process logs them (grpo_fast/reporting/metrics.py declares each metric's reduction)."""
     if "loss" not in a:
         return
     names = [n for n in a if n == "rollout/generated_tokens" or n.endswith("/std") or reduction(n) in ("max", "min")]

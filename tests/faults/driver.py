@@ -52,7 +52,9 @@ def _torn_line_then_kill(logger, step):
 
 
 def install(point: str, n: int) -> None:
-    from grpo_fast import checkpoint, metrics, trainer
+    from grpo_fast import trainer
+    from grpo_fast.reporting import metrics
+    from grpo_fast.run import checkpoint
     from grpo_fast.train import generate
 
     if point == "after_step":

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from grpo_fast import checkpoint
 from grpo_fast.config import GRPOConfig
 from grpo_fast.models import lora
+from grpo_fast.run import checkpoint
 from tests.tiny_model import load_tiny_model
 
 
@@ -47,7 +47,7 @@ def test_a_truncated_file_in_the_newest_checkpoint_falls_back_to_the_previous_wi
     out, (first, second) = two_checkpoints
     shard = os.path.join(second, checkpoint.DCP_FOLDER, "__0_0.distcp")
     os.truncate(shard, os.path.getsize(shard) // 2)
-    with caplog.at_level(logging.WARNING, logger="grpo_fast.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="grpo_fast.run.checkpoint"):
         assert checkpoint.resolve_checkpoint("latest", str(out)) == first
         assert checkpoint.resolve_checkpoint("latest", str(out)) == first  # (the CLI and the trainer both resolve it)
     warned = [r.getMessage() for r in caplog.records]

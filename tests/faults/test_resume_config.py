@@ -9,8 +9,9 @@ import shutil
 import pytest
 import torch
 
-from grpo_fast import checkpoint, models
+from grpo_fast import models
 from grpo_fast.cli import build_parser, config_from_args, main
+from grpo_fast.run import checkpoint
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 

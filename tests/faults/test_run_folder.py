@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from grpo_fast import checkpoint
-from grpo_fast.run_folder import RunLock
+from grpo_fast.run import checkpoint
+from grpo_fast.run.folder import RunLock
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 
@@ -72,7 +72,7 @@ def test_second_run_into_a_locked_folder_is_refused(tmp_path, tiny):
 
 def test_the_lock_dies_with_its_process(tmp_path):
     out = str(tmp_path / "run")
-    code = f"from grpo_fast.run_folder import RunLock; import time; RunLock({out!r}).__enter__(); print('locked', flush=True); time.sleep(60)"
+    code = f"from grpo_fast.run.folder import RunLock; import time; RunLock({out!r}).__enter__(); print('locked', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     with pytest.raises(RuntimeError, match="in use by another run"):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fast.rollout import vllm_available
+from grpo_fast.generation.engines import vllm_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")]
 

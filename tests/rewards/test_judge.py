@@ -8,9 +8,9 @@ import math
 import pytest
 
 from grpo_fast.config import GRPOConfig
+from grpo_fast.generation.engines import vllm_available
 from grpo_fast.rewards import get_reward_funcs
 from grpo_fast.rewards.judge import DEFAULT_RANK_PROMPT, JudgeOptions, JudgeRank, JudgeScore, judge_for
-from grpo_fast.rollout import vllm_available
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 from tests.trainer.conftest import one_thread  # noqa: F401 (autouse: one thread, as the trainer tests)

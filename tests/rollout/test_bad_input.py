@@ -3,7 +3,7 @@ the vLLM engine shares the validation, see test_vllm_engine.py)."""
 
 import pytest
 
-from grpo_fast.rollout import make_engine
+from grpo_fast.generation.engines import make_engine
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The engine contract and the vLLM compatibility module: an engine lacking a contract member is refused by
-name before any work; only rollout/vllm_compat.py reaches vLLM's internals; a vLLM outside the tested range
+name before any work; only generation/engines/vllm_compat.py reaches vLLM's internals; a vLLM outside the tested range
 is refused in one line (or, with GRPO_FAST_ALLOW_UNTESTED_VLLM=1, warned about)."""
 
 import ast
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fast.rollout import vllm_compat
-from grpo_fast.rollout.base import ENGINE_CONTRACT, check_engine
+from grpo_fast.generation.engines import vllm_compat
+from grpo_fast.generation.engines.base import ENGINE_CONTRACT, check_engine
 
 PACKAGE = Path(__file__).resolve().parents[2] / "grpo_fast"
-COMPAT = PACKAGE / "rollout" / "vllm_compat.py"
+COMPAT = PACKAGE / "generation" / "engines" / "vllm_compat.py"
 # vLLM's public API: what any module may import
 PUBLIC = {"vllm": {"LLM", "SamplingParams"}, "vllm.inputs": {"TokensPrompt", "TextPrompt"},
           "vllm.lora.request": {"LoRARequest"}}
@@ -41,7 +41,7 @@ def test_only_the_compat_module_reaches_vllm_internals():
         bad = _vllm_imports(path) + [f".{a}" for a in INTERNAL_ATTRIBUTES if f".{a}" in text]
         if bad:
             offenders[str(path.relative_to(PACKAGE))] = bad
-    assert not offenders, f"vLLM internals outside rollout/vllm_compat.py: {offenders}"
+    assert not offenders, f"vLLM internals outside generation/engines/vllm_compat.py: {offenders}"
     assert _vllm_imports(COMPAT), "the compat module is where the internals are (the scan must see them)"
 
 

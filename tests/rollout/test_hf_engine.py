@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo_fast.rollout import Completion, make_engine
-from grpo_fast.rollout.hf_engine import HFEngine
+from grpo_fast.generation.engines import Completion, make_engine
+from grpo_fast.generation.engines.hf_engine import HFEngine
 from tests.helpers import assert_close, scaled
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]

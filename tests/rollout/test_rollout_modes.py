@@ -1,4 +1,4 @@
-"""The GRPO variants' rollout modes (grpo_fast/train/rollout_modes.py) on a real engine and the tiny
+"""The GRPO variants' rollout modes (grpo_fast/generation/modes/sampling.py) on a real engine and the tiny
 model: group shapes, the injected text masked, the shared thought prefix, thoughts ended at
 thought_end. `check_early_exit` / `check_multi_answer` run here on HFEngine and in
 test_vllm_engine.py on vLLM.
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from grpo_fast.config import GRPOConfig
-from grpo_fast.rollout.base import SamplingOptions
-from grpo_fast.rollout.hf_engine import HFEngine
-from grpo_fast.train import rollout_modes
+from grpo_fast.generation.engines.base import SamplingOptions
+from grpo_fast.generation.engines.hf_engine import HFEngine
+from grpo_fast.generation.modes import sampling as rollout_modes
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 ROWS = [{"prompt": "a"}, {"prompt": "b"}]
@@ -154,7 +154,7 @@ def test_completions_shorter_than_the_cuts_are_warned_about(hf, monkeypatch, cap
                    early_exit_answer_length=2, max_completion_length=10, max_prompt_length=8, per_device_train_batch_size=16)
     c.max_completion_length = 4  # as if every completion ended (EOS) after at most 4 tokens: fewer than the 7 cuts
     monkeypatch.setitem(rollout_modes._warned, "short", False)
-    with caplog.at_level("WARNING", logger="grpo_fast.train.rollout_modes"):
+    with caplog.at_level("WARNING", logger="grpo_fast.generation.modes.sampling"):
         batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
         rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     warned = [r.getMessage() for r in caplog.records if "early_exit_points=7" in r.getMessage()]

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from grpo_fast.config import GRPOConfig
-from grpo_fast.rollout import GREEDY, RolloutEngine, SamplingOptions
-from grpo_fast.rollout.base import Completion, Continuation, Round
+from grpo_fast.generation.engines import GREEDY, RolloutEngine, SamplingOptions
+from grpo_fast.generation.engines.base import Completion, Continuation, Round
 
 
 class Recorder(RolloutEngine):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo_fast import fused_linear_logprobs
-from grpo_fast.rollout import HFEngine, make_engine
-from grpo_fast.rollout.base import Continuation
+from grpo_fast.generation.engines import HFEngine, make_engine
+from grpo_fast.generation.engines.base import Continuation
 from tests.helpers import assert_close, scaled
 
 pytest.importorskip("vllm")
@@ -369,7 +369,7 @@ def test_groups_are_scored_while_the_engine_still_decodes_the_rest(engine, tiny_
     timestamps), and its scores equal the whole batch's scored at once."""
     import time
 
-    from grpo_fast.train.batch import from_engine
+    from grpo_fast.generation.batch import from_engine
     from grpo_fast.train.score import GroupScorer, score
 
     engine.update_weights(tiny_policy[0])
@@ -401,8 +401,8 @@ def test_a_partial_rollout_round_hands_each_group_over_at_its_last_members_step(
     import time
 
     from grpo_fast.config import GRPOConfig
-    from grpo_fast.rollout.base import SamplingOptions
-    from grpo_fast.train import partial_rollouts
+    from grpo_fast.generation import rounds as partial_rollouts
+    from grpo_fast.generation.engines.base import SamplingOptions
 
     engine.update_weights(tiny_policy[0])
     prompt_ids = [list(range(3, 3 + MAX_MODEL_LEN - 4)), [5, 6, 7], [9, 10, 11]]  # prompt 0 has room for 4 tokens

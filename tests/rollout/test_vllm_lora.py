@@ -16,8 +16,8 @@ import torch
 from peft import LoraConfig
 
 from grpo_fast.distributed import ONE_PROCESS, Parallel
+from grpo_fast.generation.engines import make_engine
 from grpo_fast.models import lora
-from grpo_fast.rollout import make_engine
 from grpo_fast.train import setup, sync
 from grpo_fast.train.forward import Packer, completion_logprobs
 from grpo_fast.trainer import GRPOTrainer

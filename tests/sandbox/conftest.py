@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def process_limit_in_force():
-    from grpo_fast.sandbox import Sandbox, SandboxOptions
+    from grpo_fast.rewards.sandbox import Sandbox, SandboxOptions
 
     box = Sandbox(SandboxOptions(timeout=5, max_processes=8, workers=1))
     check = box.run("import os, time\nn = 0\ntry:\n    for _ in range(40):\n        if os.fork() == 0:\n"

@@ -14,7 +14,7 @@ from grpo_fast.config import GRPOConfig
 from grpo_fast.data.tasks import humaneval_rows
 from grpo_fast.rewards import get_reward_funcs
 from grpo_fast.rewards.code import CodeTests, check_asserts, program_of
-from grpo_fast.sandbox import Sandbox, SandboxOptions
+from grpo_fast.rewards.sandbox import Sandbox, SandboxOptions
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config
 from tests.trainer.conftest import one_thread  # noqa: F401 (autouse: one thread, as the trainer tests)

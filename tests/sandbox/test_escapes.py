@@ -1,4 +1,4 @@
-"""Programs that try to escape or exhaust the sandbox (grpo_fast/sandbox.py), each contained, the host checked
+"""Programs that try to escape or exhaust the sandbox (grpo_fast/rewards/sandbox.py), each contained, the host checked
 afterwards. These never skip: without bubblewrap the module's sandbox refuses to start, naming the setup step."""
 
 import dataclasses
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from grpo_fast.sandbox import MAX_WORKERS, UID_BASE, Sandbox, SandboxOptions
+from grpo_fast.rewards.sandbox import MAX_WORKERS, UID_BASE, Sandbox, SandboxOptions
 
 # wall 5 s: under load (the other test worker's engines and ranks) bwrap + python took over 2 s to start, so a
 # flood of output met the wall limit before its output limit

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from grpo_fast.rewards.code import CodeTests
-from grpo_fast.sandbox import SandboxOptions
+from grpo_fast.rewards.sandbox import SandboxOptions
 
 BOX = SandboxOptions(timeout=5, cpu_seconds=2, memory_mb=512, max_processes=8, output_bytes=8192, tmp_mb=16, workers=4)
 PROMPT = 'def add(a, b):\n    """The sum of a and b."""\n'

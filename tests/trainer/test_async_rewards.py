@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from grpo_fast.train.batch import Rollouts
+from grpo_fast.generation.batch import Rollouts
 from grpo_fast.train.score import score
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction

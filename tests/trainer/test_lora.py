@@ -266,7 +266,7 @@ def test_an_adapter_finds_its_own_base_from_another_folder_and_refuses_other_wei
     with pytest.warns(UserWarning, match=r"lora_base_model=.*/b/base'.* are not those the adapter"):
         assert lora.adapter_base(final, decoy) == decoy
     # a resume of a LoRA checkpoint whose --model (relative, from another folder) names the decoy
-    from grpo_fast import resume
+    from grpo_fast.run import resume
 
     resumed = config(run, model="base", use_peft=True, resume_from_checkpoint="latest")
     monkeypatch.setattr(resume, "saved_config", lambda *a: (resumed.to_dict(), False))

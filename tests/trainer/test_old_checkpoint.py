@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_fast.rollout import vllm_available
+from grpo_fast.generation.engines import vllm_available
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import rows, target_fraction
 
@@ -22,7 +22,7 @@ EXACT = ("reward", "completions/", "rollout/", "num_tokens", "rewards/", "step")
 
 
 def test_a_0d71700_partial_rollout_checkpoint_resumes_with_its_groups_in_flight(tmp_path):
-    from grpo_fast.resume import resumed_config
+    from grpo_fast.run.resume import resumed_config
     from tests.tiny_model import load_tiny_model
 
     out = tmp_path / "run"

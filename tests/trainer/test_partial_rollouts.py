@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from grpo_fast.rollout import vllm_available
+from grpo_fast.generation.engines import vllm_available
 from grpo_fast.train import generate
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import STOP_IDS, config, rows, target_fraction
@@ -130,7 +130,7 @@ def test_partial_rollout_options_refused_before_work(tmp_path, overrides, match)
 
 
 def test_an_engine_without_the_request_loop_is_refused(tmp_path, tiny):
-    from grpo_fast.rollout import HFEngine
+    from grpo_fast.generation.engines import HFEngine
 
     model, tokenizer = tiny
     c = config(tmp_path, engine="vllm", max_staleness=1)
@@ -139,7 +139,7 @@ def test_an_engine_without_the_request_loop_is_refused(tmp_path, tiny):
 
 
 def test_a_group_is_dropped_whole_by_its_oldest_token():
-    from grpo_fast.train.partial_rollouts import drop_stale, new_groups
+    from grpo_fast.generation.rounds import drop_stale, new_groups
 
     pool = new_groups([0, 1, 2], [5, 6, 7], 2)
     pool[0].members[1].ver = [3, 4]  # oldest token 2 versions behind version 5
@@ -151,7 +151,7 @@ def test_a_group_is_dropped_whole_by_its_oldest_token():
 
 
 def test_groups_in_flight_are_records_that_keep_the_checkpoint_format():
-    from grpo_fast.train.partial_rollouts import Group, Member, new_groups
+    from grpo_fast.generation.rounds import Group, Member, new_groups
     from grpo_fast.train.state import TrainState
 
     group = new_groups([3], [7], 2)[0]

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from grpo_fast.generation.batch import Rollouts
 from grpo_fast.objective import group_advantages
-from grpo_fast.train.batch import Rollouts
 from grpo_fast.train.logprobs import importance_weights
 from grpo_fast.train.score import score
 

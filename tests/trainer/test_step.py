@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpo_fast import objective
+from grpo_fast.generation.batch import Rollouts
 from grpo_fast.objective import grpo_loss_reference
-from grpo_fast.train.batch import Rollouts
 from grpo_fast.train.forward import Packer, attention_mode, completion_logprobs
 from grpo_fast.train.logprobs import importance_weights
 from grpo_fast.train.step import LossOptions, train_step

@@ -176,11 +176,11 @@ def test_completions_with_markup_and_control_bytes_are_shown_as_written_in_the_c
     would act on the terminal (or cannot be encoded) as their escapes, in the console and in the trackers' tables."""
     import torch
 
-    from grpo_fast.completions_table import log_completions
     from grpo_fast.distributed import ONE_PROCESS
-    from grpo_fast.metrics import MetricsLogger, ProgressBar
-    from grpo_fast.trackers import open_trackers
-    from grpo_fast.train.batch import Rollouts
+    from grpo_fast.generation.batch import Rollouts
+    from grpo_fast.reporting.completions_table import log_completions
+    from grpo_fast.reporting.metrics import MetricsLogger, ProgressBar
+    from grpo_fast.reporting.trackers import open_trackers
 
     monkeypatch.setenv("COLUMNS", "400")  # rich's width when the output is not a terminal
     project = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}"
@@ -216,7 +216,7 @@ def test_completions_with_markup_and_control_bytes_are_shown_as_written_in_the_c
 def test_a_resumed_trackio_run_continues_the_run_its_checkpoint_names_not_the_newest_run_of_that_name(tmp_path):
     """Runs in folders a/r and b/r have the same trackio name (the folder's basename): resuming a/r appended to b/r's
     run, the newest of that name. A resume now continues the run by the id its checkpoint saved."""
-    from grpo_fast.trackers import close_all, open_trackers
+    from grpo_fast.reporting.trackers import close_all, open_trackers
 
     project = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}"
     a, b = (config(tmp_path, output_dir=str(tmp_path / folder / "r"), report_to="trackio", project=project)
@@ -271,7 +271,7 @@ def test_online_wandb_without_a_login_is_refused_in_one_line_before_any_work(tmp
 
 def test_tracker_credentials_found_where_wandb_and_trackio_look(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from grpo_fast.trackers import check_credentials
+    from grpo_fast.reporting.trackers import check_credentials
 
     _no_wandb_login(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"^report_to='wandb': wandb logs online \(to https?://\S+\) but finds no API "):

@@ -181,7 +181,7 @@ def test_bf16_on_a_cpu_that_would_emulate_it_warns(tmp_path, tiny, monkeypatch, 
 def test_adaptive_entropy_bonus_state_is_logged_and_checkpointed(tmp_path, tiny):
     """TRL's adaptive controller in the native trainer: no bonus in the first step (previous entropy
     +inf), the coefficient moves each step, and coefficient and last entropy are in the checkpoint."""
-    from grpo_fast import checkpoint
+    from grpo_fast.run import checkpoint
 
     model, tokenizer = tiny
     c = config(tmp_path, max_steps=2, loss_type="cispo", epsilon_high=5.0, use_adaptive_entropy=True,
@@ -201,7 +201,7 @@ def test_adaptive_entropy_bonus_state_is_logged_and_checkpointed(tmp_path, tiny)
 @pytest.mark.parametrize("engine_dtype, expected", [(torch.float32, False), (torch.bfloat16, True)])
 def test_the_is_correction_default_follows_the_engines_dtype(tmp_path, tiny, engine_dtype, expected):
     """A float32 policy sampled by an engine of its own in bf16: the sampler's log-probs differ, IS on."""
-    from grpo_fast.rollout import HFEngine
+    from grpo_fast.generation.engines import HFEngine
 
     model, tokenizer = tiny
     engine = HFEngine(copy.deepcopy(model).to(engine_dtype), tokenizer)

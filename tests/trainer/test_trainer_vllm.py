@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from grpo_fast.rollout import vllm_available
+from grpo_fast.generation.engines import vllm_available
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 

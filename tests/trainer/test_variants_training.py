@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from grpo_fast import objective
-from grpo_fast.metrics import combine
+from grpo_fast.generation.batch import Rollouts
+from grpo_fast.reporting.metrics import combine
 from grpo_fast.train import advantages, score
-from grpo_fast.train.batch import Rollouts
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import config, rows, target_fraction
 

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from .errors import chain
+from ..errors import chain
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
                     config: dict, total_limit: int | None = None, parallel=None) -> str:
     """Write `<output_dir>/checkpoint-<step>` atomically; prune to `total_limit` checkpoints.
     parallel (distributed.py, None for one process): every rank calls this."""
-    from .distributed import ONE_PROCESS, Parallel, gather_objects
+    from ..distributed import ONE_PROCESS, Parallel, gather_objects
 
     parallel = parallel or Parallel(model, ONE_PROCESS)
     world = parallel.world
@@ -106,7 +106,7 @@ def save_final_model(target: str, model, tokenizer, parallel, merged: bool = Fal
     policy: its adapter (adapter_config.json + adapter_model.safetensors), and with `merged` also
     `merged/`, the base with the adapter merged. step: the trained step, kept in its manifest (a resume
     of a run killed while this was written finds final/ missing or older, and writes it: `final_written`)."""
-    from .models import lora
+    from ..models import lora
 
     merged = merged and lora.is_lora(model)
 
@@ -131,7 +131,7 @@ def final_written(target: str, step: int, merged: bool) -> bool:
 def _save_whole_model(model, tokenizer, folder: str, parallel) -> None:
     """Rank 0 writes the whole model as an HF folder (FSDP2: gathered to it first, a collective); a LoRA
     policy writes its adapter (megabytes: the base is the model it started from)."""
-    from .models import lora
+    from ..models import lora
 
     if lora.is_lora(model):
         if parallel.world.main:
@@ -248,7 +248,7 @@ def write_atomically(target: str, write, *, needed_bytes: int = 0, world=None, m
     manifest: written by rank 0 as MANIFEST (these fields and every file's size) once every rank has
     written, before the fsync: what loading checks the folder against (`damage`).
     """
-    from .distributed import ONE_PROCESS, any_rank, barrier, gather_objects
+    from ..distributed import ONE_PROCESS, any_rank, barrier, gather_objects
 
     world = world or ONE_PROCESS
     parent, name = os.path.split(os.path.abspath(target))

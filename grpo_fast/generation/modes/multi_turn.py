@@ -1,6 +1,6 @@
 """Agents (rollout_mode=multi_turn): num_generations trajectories per prompt, each the model's turns and
 the results of the tools it calls, trained as one completion with the tool tokens masked out of the
-loss (grpo_fast/agents). Switched on by giving tools (`GRPOTrainer(tools=...)`, `--tools`); group
+loss (grpo_fast/generation/agents). Switched on by giving tools (`GRPOTrainer(tools=...)`, `--tools`); group
 advantages as GRPO's parallel groups, of the outcome's rewards."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class MultiTurn(Parallel):
     streams_groups = False
 
     def checks(self) -> tuple:
-        from ..config_checks import Combination
+        from ...config_checks import Combination
 
         return (
             Combination("tools", None, lambda c: (
@@ -35,7 +35,7 @@ class MultiTurn(Parallel):
         return "max_completion_length (every completion token: the model's turns and the tool results)"
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, on_group=None, agent=None):
-        from ..rollout.base import prompt_seeds
+        from ..engines.base import prompt_seeds
 
         assert agent is not None, "rollout_mode='multi_turn' samples with the run's Agent (GRPOTrainer builds it)"
         return agent.rollouts(engine, tokenizer, prompts, rows, prompt_seeds(seed(), len(prompts), first),

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..rollout.base import SamplingOptions, prompt_seeds
-from .batch import Rollouts
+from ..batch import Rollouts
+from ..engines.base import SamplingOptions, prompt_seeds
 
 logger = logging.getLogger(__name__)
 _warned = {"short": False}

@@ -1,6 +1,6 @@
 """Run untrusted Python (code a model wrote) in a sandbox: bubblewrap for isolation, kernel limits for the rest.
 
-    from grpo_fast.sandbox import Sandbox, SandboxOptions
+    from grpo_fast.rewards.sandbox import Sandbox, SandboxOptions
     box = Sandbox(SandboxOptions(timeout=5))
     result = box.run("print(input()[::-1])", stdin="abc")     # -> SandboxResult(exit_code=0, stdout='cba\\n', ...)
 

@@ -1,5 +1,5 @@
 """GRPO-MA's thoughts and answers (rollout_mode=multi_answer): per prompt K = num_generations thoughts,
-M = answers_per_thought answers each (sampling: train/rollout_modes.py). Answers get the group
+M = answers_per_thought answers each (sampling: generation/modes/sampling.py). Answers get the group
 advantage over their prompt's K x M answers, thoughts the advantage of their mean answer reward over
 the prompt's K thoughts (rewards: the weighted sum of every function's)."""
 
@@ -25,7 +25,8 @@ class MultiAnswer(RolloutMode):
         return f"num_generations x (1 + answers_per_thought) = {self.group_size(c)} with rollout_mode='multi_answer'"
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
-        from ..train import rollout_modes, setup
+        from ...train import setup
+        from . import sampling as rollout_modes
 
         return rollout_modes.multi_answer(engine, tokenizer, prompts, rows, c, setup.thought_end(c), seed,
                                           sampling=sampling)
@@ -33,8 +34,8 @@ class MultiAnswer(RolloutMode):
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
         import torch
 
-        from .. import objective
-        from ..train.score import weighted_rewards
+        from ... import objective
+        from ...train.score import weighted_rewards
 
         K, M = c.num_generations, c.answers_per_thought
         batch.trained_rewards = batch.rewards

@@ -78,8 +78,8 @@ class SamplingOptions:
     top_k: keep the k most likely tokens (-1, or 0, for off; stored as -1).
 
     A new sampling knob (say `min_p`) touches 3 files: `config.py` (the GRPOConfig field, named as
-    here), this class (the field and its check), and `rollout/hf_engine.py` (`_warpers`: its logits
-    processor). `from_config` reads every field by its name; `rollout/vllm_engine.py` passes every
+    here), this class (the field and its check), and `generation/engines/hf_engine.py` (`_warpers`: its logits
+    processor). `from_config` reads every field by its name; `generation/engines/vllm_engine.py` passes every
     field to vLLM's `SamplingParams` by its name (so the fields take vLLM's names); the trainer, the
     rollout modes and partial rollouts hand the object on without looking inside.
     """
@@ -264,7 +264,7 @@ def check_engine(engine) -> None:
     missing = [name for name in ENGINE_CONTRACT if not hasattr(engine, name)]
     if missing:
         raise ValueError(f"engine {type(engine).__name__} lacks {missing} of the engine contract "
-                         f"(grpo_fast/rollout/base.py ENGINE_CONTRACT: {'; '.join(ENGINE_CONTRACT[m] for m in missing)})")
+                         f"(grpo_fast/generation/engines/base.py ENGINE_CONTRACT: {'; '.join(ENGINE_CONTRACT[m] for m in missing)})")
 
 
 class RolloutEngine:
@@ -355,7 +355,7 @@ class RolloutEngine:
         requests (they join the running batch at once: how a round keeps its slots full).
         `sampling` and its fields as keywords: as in `generate`. on_finished(k, completion): called when
         request k finishes, at that step (so its group can be scored while the round runs on).
-        Partial rollouts (train/partial_rollouts.py) are built on it."""
+        Partial rollouts (generation/rounds.py) are built on it."""
         sampling = _sampling(sampling, options)
 
         def admit(new: Sequence[Continuation]) -> tuple[list[tuple[list[int], int, int]], SamplingRequest]:

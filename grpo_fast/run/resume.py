@@ -101,8 +101,8 @@ def resumed_config(given: dict, output_dir: str, spec: str):
 
     given: the options named on the command line or in --config. output_dir, spec: where to look
     (spec: 'latest' or a checkpoint folder)."""
+    from ..config import GRPOConfig
     from .checkpoint import list_checkpoints, resolve_checkpoint
-    from .config import GRPOConfig
 
     if spec == "latest" and not list_checkpoints(output_dir):
         path = None  # killed before its first checkpoint: run_config.json, or nothing to read (the trainer says so)
@@ -172,7 +172,7 @@ def describe_overrides(saved: Optional[dict], config, overridden: list[str]) -> 
 
 def _known(saved: dict) -> dict:
     """The saved values of fields this version has (a field added since keeps its default)."""
-    from .config import field_names
+    from ..config import field_names
 
     names = set(field_names())
     return {k: v for k, v in saved.items() if k in names}
@@ -181,7 +181,7 @@ def _known(saved: dict) -> dict:
 def _explicit(values: dict) -> dict:
     """The config's values with a derived vllm_max_model_length (the default the config fills in) as None,
     so that it follows max_prompt_length and max_completion_length instead of pinning them."""
-    from .config import GRPOConfig
+    from ..config import GRPOConfig
 
     values = dict(values)
     if values.get("vllm_max_model_length") is not None:
@@ -208,7 +208,7 @@ def check_run(config, resume_path: Optional[str]) -> list[str]:
     source = resume_path or os.path.join(config.output_dir, RUN_CONFIG_FILE)
     overrides = check_resume(config, saved, source, in_flight, checkpoint=resume_path is not None)
     if resume_path is not None and config.use_peft:
-        from .models import lora
+        from ..models import lora
 
         # (a relative --model, resumed from another working folder, could name a same-named folder there: the
         # checkpoint's adapter records the weights of the base it was trained on)
@@ -220,8 +220,8 @@ def check_run(config, resume_path: Optional[str]) -> list[str]:
 def unfinished(config, step: int, model) -> list[str]:
     """What a run resumed at `step` >= max_steps still has to do ([] : nothing, the run had ended): final/
     (and its merged/) when the run was stopped before writing them for this step (killed meanwhile)."""
+    from ..models import lora
     from . import checkpoint
-    from .models import lora
 
     if not config.save_final:
         return []

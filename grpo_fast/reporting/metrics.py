@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, the trackers of `report_to` (grpo_fast/trackers.py: TensorBoard
+"""What a run reports: metrics.jsonl, the trackers of `report_to` (grpo_fast/reporting/trackers.py: TensorBoard
 by default, wandb, trackio, mlflow), a PNG of reward and eval accuracy, and a live progress bar.
 Names follow TRL (reward, reward_std, rewards/<func>/mean, kl, entropy, ...).
 
@@ -138,7 +138,7 @@ def _clean(value):
 
 class MetricsLogger:
     """Append one JSON line per logged step to `<output_dir>/metrics.jsonl` and mirror it to the trackers
-    of `report_to` (grpo_fast/trackers.py).
+    of `report_to` (grpo_fast/reporting/trackers.py).
 
     `history` keeps every logged record in memory for the plot; a resumed run reloads the records
     already in the file (up to the resumed step) so the plot covers the whole run, and gives each tracker
@@ -154,7 +154,7 @@ class MetricsLogger:
         with open(tmp, "w") as f:
             f.writelines(json.dumps(record) + "\n" for record in self.history)
         os.replace(tmp, self.path)
-        self.trackers = list(trackers)  # report_to's (grpo_fast/trackers.py), started by the caller
+        self.trackers = list(trackers)  # report_to's (grpo_fast/reporting/trackers.py), started by the caller
         catch_up(self.trackers, self.history)
 
     def _reload(self, resume_step: int) -> list[dict]:

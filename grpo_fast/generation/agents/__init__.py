@@ -85,7 +85,7 @@ class Agent:
                  *, sampling, max_completion_length: int):
         """n trajectories per prompt (prompt i's j-th seeded by hashed_seed(seeds[i], j)) as `Rollouts`, tool
         tokens masked out of the loss (NaN sampling log-probs), the tool counters in `stats`."""
-        from ..rollout.base import hashed_seed
+        from ..engines.base import hashed_seed
 
         rows = [r for r in rows for _ in range(n)]  # (one per trajectory)
         if self.environments is not None:  # (the previous call's instances, scored by now, are free again; not
@@ -102,7 +102,7 @@ class Agent:
         """The trajectories as `Rollouts` (one row each), the tool counters in `stats`."""
         import torch
 
-        from ..train.batch import Rollouts
+        from ..batch import Rollouts
 
         stats = {"tools/calls": sum(t.calls for t in trajectories), "tools/failures": sum(t.failures for t in trajectories),
                  "tools/malformed": sum(t.malformed for t in trajectories),
@@ -141,7 +141,7 @@ def tool_metrics(stats: dict, world=None) -> dict:
         return {}
     counted = {k: float(stats[k]) for k in TOOL_COUNTERS}
     if world is not None and world.size > 1:
-        from ..distributed import sum_over_ranks
+        from ...distributed import sum_over_ranks
 
         counted = dict(zip(counted, sum_over_ranks(list(counted.values()), world), strict=True))
         counted["tools/waiting_seconds"] /= world.size

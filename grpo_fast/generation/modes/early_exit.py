@@ -1,5 +1,5 @@
 """S-GRPO's serial groups (rollout_mode=early_exit): per prompt one full completion, cut at
-early_exit_points positions, each cut answered after early_exit_text (sampling: train/rollout_modes.py).
+early_exit_points positions, each cut answered after early_exit_text (sampling: generation/modes/sampling.py).
 The first reward becomes the decaying serial reward of each serial group (1/2^(i-1) for its i-th
 correct member, else 0), the other functions' rewards are added with their weights; advantage
 r - mean(r) of that weighted sum."""
@@ -18,7 +18,7 @@ class EarlyExit(RolloutMode):
         return c.max_completion_length + len(c.early_exit_text.encode()) + c.early_exit_answer_length
 
     def checks(self) -> tuple:
-        from ..config_checks import OUTSIDE_01, Combination, first_reward
+        from ...config_checks import OUTSIDE_01, Combination, first_reward
 
         return (
             Combination("num_generations", None, lambda c: (
@@ -39,16 +39,16 @@ class EarlyExit(RolloutMode):
         )
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
-        from ..train import rollout_modes
+        from . import sampling as rollout_modes
 
         return rollout_modes.early_exit(engine, tokenizer, prompts, rows, c, seed, sampling=sampling)
 
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
         import torch
 
-        from .. import objective
-        from ..train.advantages import correct
-        from ..train.score import weighted_rewards
+        from ... import objective
+        from ...train.advantages import correct
+        from ...train.score import weighted_rewards
 
         G = c.num_generations
         ok = correct(batch.rewards).view(-1, G)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import re
 
-from .distributed import gather_objects
+from ..distributed import gather_objects
+from ..rewards.names import reward_name
 from .metrics import logs_step
-from .rewards.registry import reward_name
 
 
 def table_rows(batch, reward_funcs, prompt_column: str) -> tuple[list[str], list[list]]:

@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..rollout.base import Continuation, SamplingOptions, hashed_seed
 from .batch import Rollouts
+from .engines.base import Continuation, SamplingOptions, hashed_seed
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Group:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Group":
-        from ..agents.loop import Trajectory  # (an agent's member: a trajectory, which has a mask)
+        from .agents.loop import Trajectory  # (an agent's member: a trajectory, which has a mask)
 
         return cls(int(d["prompt"]), int(d["seed"]),
                    [Trajectory.from_dict(m) if "mask" in m else Member.from_dict(m) for m in d["members"]])

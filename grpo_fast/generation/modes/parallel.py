@@ -18,16 +18,16 @@ class Parallel(RolloutMode):
         return "max_completion_length"
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, on_group=None):
-        from ..rollout.base import prompt_seeds
-        from ..train.batch import from_engine
+        from ..batch import from_engine
+        from ..engines.base import prompt_seeds
 
         groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
                                  sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first), on_group=on_group)
         return from_engine(groups, prompts, rows)
 
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
-        from ..distributed import ONE_PROCESS
-        from ..train.advantages import group_advantages
+        from ...distributed import ONE_PROCESS
+        from ...train.advantages import group_advantages
 
         return group_advantages(batch, c, judge, prompt_column=prompt_column, conversational=conversational,
                                 world=world or ONE_PROCESS)

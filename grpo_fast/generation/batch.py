@@ -24,7 +24,7 @@ class Rollouts:
     finish_reason: list[str]
     completion_texts: list[str]
     rows: list[dict]  # the dataset row of each completion's prompt
-    # The rollout modes of the GRPO variants (train/rollout_modes.py): which completion tokens enter
+    # The rollout modes of the GRPO variants (generation/modes/sampling.py): which completion tokens enter
     # the loss ([C_i] bool each; None: all) and what each entry is ("full", "cut", "thought", "answer").
     loss_mask: Optional[list[torch.Tensor]] = None
     kind: Optional[list[str]] = None
@@ -37,7 +37,7 @@ class Rollouts:
     ref_logp: Optional[list[torch.Tensor]] = None
     is_weights: Optional[list[torch.Tensor]] = None
     stats: dict = field(default_factory=dict)  # scoring counters (e.g. non-finite rewards)
-    # multi_turn (grpo_fast/agents): each completion as messages, the assistant turns and the tool results
+    # multi_turn (grpo_fast/generation/agents): each completion as messages, the assistant turns and the tool results
     # (what conversational reward functions receive); None: the completion is one assistant message
     messages: Optional[list[list[dict]]] = None
     environments: Optional[list] = None  # multi_turn with environment_factory: each completion's environment

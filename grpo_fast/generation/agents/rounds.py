@@ -1,6 +1,6 @@
 """Agents with partial rollouts (`max_staleness >= 1`): a trajectory carries over between rounds.
 
-A round of train/partial_rollouts.py's rules (its slots, its admission bound, its end: enough complete
+A round of generation/rounds.py's rules (its slots, its admission bound, its end: enough complete
 groups and none at its last chance still running; the oldest complete groups train), whose members are
 trajectories (loop.py), run by the loop's streaming driver: the engine never waits for a tool, a
 trajectory's next turn joins the running batch as soon as its calls return. What differs from a
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..train import partial_rollouts
-from ..train.partial_rollouts import Group
+from .. import rounds as partial_rollouts
+from ..rounds import Group
 from .loop import AgentLoop
 
 

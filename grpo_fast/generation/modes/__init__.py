@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from ..registry import Registry
+from ...registry import Registry
 
 
 class RolloutMode:
@@ -28,12 +28,12 @@ class RolloutMode:
 
     name: str = ""
     summary: str = ""  # what it does, in one line
-    supports_partial_rollouts: bool = False  # max_staleness >= 1 (train/partial_rollouts.py continues parallel groups)
+    supports_partial_rollouts: bool = False  # max_staleness >= 1 (generation/rounds.py continues parallel groups)
     shapes_parallel_groups: bool = False  # takes the options that shape parallel groups' advantages (dynamic
     #   sampling, difficulty weights, noise-aware weights, partial credit, multi-objective aggregation)
     runs_on_many_ranks: bool = False  # under torchrun
     streams_groups: bool = False  # `sample` takes on_group: its groups can be scored as the engine finishes them
-    takes_agent: bool = False  # `sample` takes agent= (grpo_fast/agents: the tools, the chat template, the runner)
+    takes_agent: bool = False  # `sample` takes agent= (grpo_fast/generation/agents: the tools, the chat template, the runner)
 
     def checks(self) -> tuple:
         """config_checks.Combination rows that hold while this mode is chosen (checked before the table's)."""

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ..rollout.base import Continuation, SamplingOptions, hashed_seed
+from ..engines.base import Continuation, SamplingOptions, hashed_seed
 from .chat import ChatTemplate
 from .tools import Calls, ToolRunner
 
@@ -60,7 +60,7 @@ class Trajectory:
     done: bool = False
     pending: Optional[Calls] = None  # the calls of its last turn, running
     turn_ends: list[float] = field(default_factory=list)  # monotonic time each turn finished (the engine's log)
-    # partial rollouts (train/partial_rollouts.py): a trajectory carried over between rounds
+    # partial rollouts (generation/rounds.py): a trajectory carried over between rounds
     ver: list[int] = field(default_factory=list)  # the policy version that sampled (or appended) each token
     turn_start: int = 0  # where its current turn starts in `ids` (tokens after it: a turn a round stopped)
     awaiting: Optional[list] = None  # the calls of its last turn whose results are not in yet ([]: malformed)

@@ -13,7 +13,7 @@ deadline is ended by killing that session (the tool's own child processes with i
 terminal, which is the trainer's to handle, does not reach it. A worker ends when the trainer does: an idle
 one reads end-of-file on its socket, a busy one notices its parent is gone within a second.
 
-This file is both a module (`grpo_fast.agents.isolation`) and the worker's script, so everything a worker
+This file is both a module (`grpo_fast.generation.agents.isolation`) and the worker's script, so everything a worker
 runs (`result_text` too) uses the standard library only.
 """
 
