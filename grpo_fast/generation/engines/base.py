@@ -8,6 +8,7 @@ was drawn from: logits / temperature, then top-k / top-p masking and renormalisa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import numbers
@@ -396,7 +397,21 @@ class RolloutEngine:
         raise NotImplementedError
 
     def sleep(self) -> None:
-        """Release memory between rollouts where the platform supports it."""
+        """Release memory between rollouts where the platform supports it (use `awake`, not sleep/wake pairs)."""
 
     def wake(self) -> None:
         """Restore what `sleep` released."""
+
+
+@contextlib.contextmanager
+def awake(engine: "RolloutEngine", sleeps: bool):
+    """The engine woken for the block and put back to sleep after it, also when the block raises (sleep mode,
+    `vllm_enable_sleep_mode`: the engine's memory freed for the training passes); nothing where it does not sleep."""
+    if not sleeps:
+        yield engine
+        return
+    engine.wake()
+    try:
+        yield engine
+    finally:
+        engine.sleep()
