@@ -22,6 +22,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from .compat import settle_fsdp_root
+
 
 @dataclass(frozen=True)
 class World:
@@ -308,5 +310,5 @@ def parallelize(model: torch.nn.Module, world: World, strategy: str = "auto", fr
     fully_shard(root)
     # FSDP2 takes the first unit whose forward runs as the root; the HF engine's sampling runs a
     # layer first (inside gathered()), so settle it on the root now
-    root._get_fsdp_state()._lazy_init()
+    settle_fsdp_root(root)
     return Parallel(lm, world, "fsdp2", root)

@@ -23,16 +23,15 @@ its registered backward only scales those by the incoming gradient.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import typing
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch._C import DispatchKey
 
 from .. import objective
+from ..compat import autograd_inside_custom_op
 from ..objective import DEFAULT_OPTIONS, LossOptions
 from . import backends, torch_library
 from .linear_logprobs import Rows, check_targets, fake_grads, masked_linear_logprobs, validate_linear
@@ -49,26 +48,10 @@ SCHEMA = f"({', '.join(_ARGS)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 _ARG_NAMES = tuple(arg.split()[-1] for arg in _ARGS)
 
 
-@contextlib.contextmanager
-def _recording_autograd():
-    """Let tensors record an autograd graph inside a custom op's kernel.
-
-    The dispatcher runs a kernel with the autograd keys excluded (the op's autograd is the registered
-    one), so `torch.autograd.grad` there would see no graph. The token loss's d(loss)/d(logp) is
-    autograd through the spec's own math, so it runs with those keys let back in: the same graph and
-    the same numbers as outside an op. (torch.func.grad also records there, but its wrapper tensors
-    break dispatch modes active around the op, such as opcheck's schema check.)"""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor):
-        exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
-        yield
-
-
 def _token_grad(options: LossOptions, tokens: dict, start: int, end: int, logp: Tensor) -> Tensor:
     """d(loss)/d(logp) of the active tokens [start, end): autograd through the spec's per_token_loss."""
     part = {name: None if t is None else t[start:end] for name, t in tokens.items()}
-    with _recording_autograd():
+    with autograd_inside_custom_op():
         lp = logp.detach().requires_grad_(True)
         per_token, _, _ = objective.per_token_loss(lp, part["advantages"], None, options, old_logp=part["old_logp"],
                                                    ref_logp=part["ref_logp"], is_weights=part["is_weights"])

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from ..compat import disable_dynamo
+
 NAMESPACE = "grpo_fast"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept alive here: the ops live as long as the module
 
@@ -34,7 +36,7 @@ def _dynamo_disabled_once_loaded(kernel: Callable) -> Callable:
         if disabled is None:
             if "torch._dynamo" not in sys.modules:
                 return kernel(*args, **kwargs)
-            disabled = torch._disable_dynamo(kernel)
+            disabled = disable_dynamo(kernel)
         return disabled(*args, **kwargs)
 
     return run

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from ..compat import attention_implementation, set_attention_implementation
+
 NAME = "grpo_fast_packed_sdpa"
 
 
@@ -100,10 +102,9 @@ def packed_attention(model):
 
     AttentionInterface.register(NAME, packed_sdpa_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = NAME
+    previous = attention_implementation(model.config)
+    set_attention_implementation(model.config, NAME)
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        set_attention_implementation(model.config, previous)

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..compat import attention_implementation
 from ..models.adapter import causal_lm_of, decoder_of, output_head, unshard_head
 from ..ops import masked_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
@@ -56,7 +57,7 @@ def attention_mode(model) -> str:
     """How a packed row keeps its sequences apart (grpo_fast.train.packing): flash-attention's varlen
     kernel, else grpo_fast's per-sequence SDPA where the model's attention can be swapped, else a
     dense block-diagonal mask."""
-    if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
+    if "flash" in attention_implementation(model.config):
         return "varlen"
     return "packed" if supports_packed_attention(model) else "mask"
 

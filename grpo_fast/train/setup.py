@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..compat import cpu_has_bf16_matmul
 from ..generation.modes import rollout_mode
 from ..rewards.names import reward_name
 
@@ -230,12 +231,6 @@ def train_dtype(config, cuda: Optional[bool] = None) -> torch.dtype:
     if config.dtype == "float16":
         return torch.float16
     return torch.bfloat16 if bf16 else torch.float32
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """bf16 matmul hardware on this CPU (avx512_bf16 or AMX). Without it torch emulates bf16: 1.3
-    against 175 GFLOP/s in float32 on an AVX2-only EPYC (benchmarks/results/profile_train_cpu.md)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _bf16_cpu(cuda: bool) -> bool:
