@@ -41,6 +41,13 @@ def test_a_0d71700_partial_rollout_checkpoint_resumes_with_its_groups_in_flight(
     got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     want = json.loads((FIXTURE / "step3_at_0d71700.json").read_text())
     assert want["rollout/carried_over"] > 0
+    bad = row_differences(got, want, "0d71700")
+    assert not bad, "the resumed step 3 differs from 0d71700's own: " + "; ".join(bad)
+
+
+def row_differences(got: dict, want: dict, commit: str) -> list[str]:
+    """The keys of the metrics row `want` (an old commit's) that `got` (this code's row of the same step) does not
+    match, each as 'key: got (commit: want)': exact where the sampled tokens decide, else within float32 rounding."""
     bad = []
     for key, expected in want.items():
         value = got.get(key)
@@ -53,5 +60,5 @@ def test_a_0d71700_partial_rollout_checkpoint_resumes_with_its_groups_in_flight(
         else:
             ok = value is not None and (value == expected or math.isclose(value, expected, rel_tol=1e-4))
         if not ok:
-            bad.append(f"{key}: {value!r} (0d71700: {expected!r})")
-    assert not bad, "the resumed step 3 differs from 0d71700's own: " + "; ".join(bad)
+            bad.append(f"{key}: {value!r} ({commit}: {expected!r})")
+    return bad
