@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_fast.rollout import vllm_available
+from grpo_fast.generation.engines import vllm_available
 from grpo_fast.trainer import GRPOTrainer
 from tests.trainer.common import rows, target_fraction
 from tests.trainer.test_old_checkpoint import row_differences
@@ -33,7 +33,7 @@ ROW = "step3_at_a51fb0f.json"
 def _resume(fixture: Path, out: Path, given: dict, **trainer_args) -> dict:
     """This code's resume of a copy of the fixture's checkpoint-2 to step 3 (every option not given from the
     checkpoint): its step-3 metrics row."""
-    from grpo_fast.resume import resumed_config
+    from grpo_fast.run.resume import resumed_config
 
     config = resumed_config({"output_dir": str(out), "resume_from_checkpoint": "latest", "max_steps": 3, **given},
                             str(out), "latest")
