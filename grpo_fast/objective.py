@@ -35,6 +35,7 @@ import torch
 
 from .bounds import FINITE, FINITE_AT_LEAST_0, INTEGER_AT_LEAST_1, POSITIVE_FINITE, Bounds
 from .loss_types import LOSS_TYPES, TokenTerms, all_metric_names, loss_type, vespo_weights  # noqa: F401 (re-exported)
+from .options import option, options_record, read_config
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -57,54 +58,57 @@ def _bounded(default, bounds: Bounds):
 # ----------------------------------------------------------------------------------------------
 
 
+@options_record
 @dataclass(frozen=True)
 class LossOptions:
     """The loss's static options, one object for the spec, the ops, the trainer and the TRL adapter.
 
-    Adding a loss option is a field here (its range in `metadata`, checked by `__post_init__`) plus its
-    math below; the fused ops carry every field to their kernels without naming it
-    (grpo_fast/ops/grpo_loss.py), and `GRPOConfig` takes the range from here (`LossOptions.bounds`).
+    Adding a loss option is a field here (an `option`: its default, help and range, which `GRPOConfig`
+    takes from here; its range checked by `__post_init__`) plus its math below; the fused ops carry every
+    field to their kernels without naming it (grpo_fast/ops/grpo_loss.py).
     """
 
-    loss_type: str = "dapo"
-    """Token loss and aggregation: a row of `loss_types.LOSS_TYPES` (TRL's grpo | bnpo | dr_grpo | dapo |
-    cispo | sapo | vespo | luspo, and any registered since)."""
-    beta: float = _bounded(0.0, FINITE_AT_LEAST_0)
-    """KL coefficient against the reference policy (k3 estimator); > 0 needs ref_logp."""
-    epsilon_low: float = _bounded(0.2, FINITE_AT_LEAST_0)
-    """Lower PPO clip range: the ratio is clipped below at 1 - epsilon_low (TRL's `epsilon`)."""
-    epsilon_high: Optional[float] = _bounded(None, FINITE_AT_LEAST_0)
-    """Upper clip range (DAPO clip-higher); None: epsilon_low."""
-    delta: Optional[float] = _bounded(None, Bounds(low=1, low_open=True, text="> 1 (it caps the ratio from above)"))
-    """Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2); None: off."""
-    temperature: float = _bounded(1.0, POSITIVE_FINITE)
-    """Log-probs are taken under logits / temperature, as the sampler drew the tokens."""
-    importance_sampling_level: str = "token"
-    """Ratio per token (GRPO) or per sequence (GSPO)."""
+    loss_type: str = option("dapo", "Token loss and aggregation (TRL): " + " | ".join(  # (from the table: named once)
+        f"{name} ({row.summary})" for name, row in LOSS_TYPES.items()) + ". TRL suggests epsilon_high=5 for cispo; "
+        "luspo is meant for importance_sampling_level=sequence.", LOSS_TYPES)
+    beta: float = option(0.0, "KL coefficient against a frozen reference policy; 0 loads no reference model.",
+                         bounds=FINITE_AT_LEAST_0)
+    epsilon_low: float = option(0.2, "Lower PPO clip range (and the upper one unless epsilon_high is set).",
+                                bounds=FINITE_AT_LEAST_0, config_name="epsilon")  # (TRL's name)
+    epsilon_high: Optional[float] = option(None, "Upper PPO clip range (DAPO clip-higher, e.g. 0.28). None: epsilon.",
+                                           bounds=FINITE_AT_LEAST_0)
+    delta: Optional[float] = option(
+        None, "Cap the ratio at delta (> 1) before the PPO clip (two-sided clipping, INTELLECT-2). None: off.",
+        bounds=Bounds(low=1, low_open=True, text="> 1 (it caps the ratio from above)"))
+    temperature: float = option(
+        1.0, "Sampling temperature; training log-probs use logits / temperature, as the sampler does.",
+        bounds=POSITIVE_FINITE)  # (declared here, where it must be > 0: the sampler's record mirrors it)
+    importance_sampling_level: str = option("token", "Ratio per token (GRPO) or per sequence (GSPO).",
+                                            IMPORTANCE_SAMPLING_LEVELS)
     max_completion_length: Optional[int] = _bounded(None, INTEGER_AT_LEAST_1)
-    """dr_grpo's constant divisor L; None: the batch's T."""
-    mask_truncated_completions: bool = False
-    """Leave completions cut at max_completion_length out of the loss (the trainer's selection)."""
-    backend: str = "auto"
-    """Fused-op backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch."""
-    sapo_temperature_pos: float = _bounded(1.0, POSITIVE_FINITE)
-    """sapo: the sigmoid gate's temperature where the advantage is > 0."""
-    sapo_temperature_neg: float = _bounded(1.05, POSITIVE_FINITE)
-    """sapo: the temperature where the advantage is <= 0."""
-    vespo_k_pos: float = _bounded(2.0, FINITE_AT_LEAST_0)
-    """vespo: the gamma weight's shape k where the advantage is >= 0."""
-    vespo_lambda_pos: float = _bounded(3.0, FINITE_AT_LEAST_0)
-    """vespo: the gamma weight's rate lambda where the advantage is >= 0."""
-    vespo_k_neg: float = _bounded(3.0, FINITE_AT_LEAST_0)
-    """vespo: k where the advantage is < 0."""
-    vespo_lambda_neg: float = _bounded(2.0, FINITE_AT_LEAST_0)
-    """vespo: lambda where the advantage is < 0."""
+    """dr_grpo's constant divisor L; None: the batch's T. Not the config's option of that name (the longest
+    completion sampled), though `from_config` sets it from it."""
+    mask_truncated_completions: bool = option(
+        False, "Leave completions cut at max_completion_length out of the loss (DAPO).")
+    backend: str = option("auto", "Fused loss backend: auto (triton on CUDA, cpu on CPU), triton, cpu or torch.",
+                          BACKENDS, config_name="loss_backend")
+    sapo_temperature_pos: float = option(
+        1.0, "sapo: temperature of the sigmoid gate where the advantage is > 0 (TRL).", bounds=POSITIVE_FINITE)
+    sapo_temperature_neg: float = option(1.05, "sapo: temperature where the advantage is <= 0 (TRL).",
+                                         bounds=POSITIVE_FINITE)
+    vespo_k_pos: float = option(2.0, "vespo: shape k of the gamma weight phi(W) = exp(lambda + k log W - lambda W) "
+                                "where the advantage is >= 0 (TRL).", bounds=FINITE_AT_LEAST_0)
+    vespo_lambda_pos: float = option(3.0, "vespo: rate lambda where the advantage is >= 0 (TRL).",
+                                     bounds=FINITE_AT_LEAST_0)
+    vespo_k_neg: float = option(3.0, "vespo: k where the advantage is < 0 (TRL).", bounds=FINITE_AT_LEAST_0)
+    vespo_lambda_neg: float = option(2.0, "vespo: lambda where the advantage is < 0 (TRL).", bounds=FINITE_AT_LEAST_0)
     use_bias_correction_kl: bool = False
     """Multiply the KL term by the (differentiable) importance ratio, as TRL does by default; off
-    here (the plain k3 estimator), on in `GRPOConfig` (TRL's default)."""
-    entropy_coef: float = _bounded(0.0, FINITE)
-    """The entropy bonus's coefficient in this loss: loss -= entropy_coef * weighted token entropy.
-    The adaptive controller's gate and coefficient are the trainer's (see `adaptive_entropy_coef`)."""
+    here (the plain k3 estimator), on in `GRPOConfig` (TRL's default, declared there: the defaults differ)."""
+    entropy_coef: float = option(0.0, "Entropy bonus (TRL): the loss subtracts entropy_coef x the masked mean token "
+                                 "entropy, whatever the loss type; with use_adaptive_entropy, the starting "
+                                 "coefficient.", bounds=FINITE)
+    """The adaptive controller's gate and coefficient are the trainer's (see `adaptive_entropy_coef`)."""
 
     def __post_init__(self):
         loss_type(self.loss_type)  # (an unknown name raises, naming the known ones)
@@ -122,11 +126,6 @@ class LossOptions:
             if bounds is not None and not (optional and value is None) and not bounds.holds(value):
                 raise ValueError(f"{f.name} must be {bounds.describe()}{' or None' if optional else ''}, got {value!r}")
 
-    @classmethod
-    def bounds(cls, name: str) -> Bounds:
-        """The declared range of the loss option `name` (GRPOConfig's loss fields use it)."""
-        return cls.__dataclass_fields__[name].metadata["bounds"]
-
     @property
     def token_local(self) -> bool:
         """Whether each token's loss depends on its own log-prob only (given the other tensors), so
@@ -141,16 +140,10 @@ class LossOptions:
 
     @classmethod
     def from_config(cls, config) -> "LossOptions":
-        """From grpo_fast's `GRPOConfig` (its `epsilon` is epsilon_low, `loss_backend` the backend)."""
-        c = config
-        return cls(loss_type=c.loss_type, beta=c.beta, epsilon_low=c.epsilon, epsilon_high=c.epsilon_high,
-                   delta=c.delta, temperature=c.temperature, importance_sampling_level=c.importance_sampling_level,
-                   max_completion_length=c.max_completion_length,
-                   mask_truncated_completions=c.mask_truncated_completions, backend=c.loss_backend,
-                   sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
-                   vespo_k_pos=c.vespo_k_pos, vespo_lambda_pos=c.vespo_lambda_pos, vespo_k_neg=c.vespo_k_neg,
-                   vespo_lambda_neg=c.vespo_lambda_neg, use_bias_correction_kl=c.use_bias_correction_kl,
-                   entropy_coef=c.entropy_coef)
+        """From grpo_fast's `GRPOConfig`: its options (`epsilon` is epsilon_low, `loss_backend` the backend),
+        dr_grpo's divisor its max_completion_length and its KL bias correction (whose default differs)."""
+        return read_config(cls, config, max_completion_length=config.max_completion_length,
+                           use_bias_correction_kl=config.use_bias_correction_kl)
 
 
 def option_warnings(options: LossOptions) -> list[str]:

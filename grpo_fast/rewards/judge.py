@@ -25,6 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..bounds import FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1
+from ..options import mirror, option, options_record, read_config
+
 DEFAULT_SCORE_PROMPT = (
     "Rate how well the response answers the question, from {min} (useless) to {max} (perfect).\n\n"
     "Question:\n{prompt}\n\nResponse:\n{completion}\n\nReply with the score only."
@@ -37,18 +40,19 @@ DEFAULT_RANK_PROMPT = (
 REQUEST_LOG = 10_000  # the request texts a judge keeps (its most recent), for a look at what it saw
 
 
+@options_record
 @dataclass(frozen=True)
 class JudgeOptions:
-    """How a judge runs (GRPOConfig's judge_* fields; `from_config`)."""
+    """How a judge runs (GRPOConfig's judge_* fields; `from_config`: None without a judge_model)."""
 
     model: str  # a local folder of a causal LM, or "default" (the default model)
-    engine: str = "auto"
-    prompt: Optional[str] = None  # None: DEFAULT_SCORE_PROMPT / DEFAULT_RANK_PROMPT
-    temperature: float = 0.0
-    max_new_tokens: int = 64
-    max_retries: int = 2
-    score_range: tuple = (0.0, 10.0)
-    structured_output: bool = True
+    engine: str = mirror("auto", config_name="judge_engine")  # (declared with the engines' choices)
+    prompt: Optional[str] = option(None, "The judge's instruction: a template with {prompt} and {completion} (judge_score) or {completions} (judge_rank, the group's members numbered), and optionally {min}, {max} (judge_score_range) and {n} (the group size). None: a built-in one per reward. The judge's chat template wraps it when it has one.", config_name="judge_prompt")
+    temperature: float = option(0.0, "The judge's sampling temperature (0: greedy). Retries of a greedy judge sample at temperature 1 (greedy would repeat the same answer).", bounds=FINITE_AT_LEAST_0, config_name="judge_temperature")
+    max_new_tokens: int = option(64, "Most tokens of one judge answer.", bounds=INTEGER_AT_LEAST_1, config_name="judge_max_new_tokens")
+    max_retries: int = option(2, "A judge answer that does not parse (or a score outside judge_score_range) is asked again up to this many times, then gives None (a missing reward value), counted in judge/unparsable.", bounds=INTEGER_AT_LEAST_0, config_name="judge_max_retries")
+    score_range: tuple = option([0.0, 10.0], "[low, high]: the scores the judge answers with, mapped to [0, 1] as rewards.", config_name="judge_score_range")
+    structured_output: bool = option(True, "Decode the judge under its answer format (a regular expression: vLLM's structured outputs, or xgrammar's logits processor on the HF engine), so every answer parses. False: free text, whose last match of the format is taken.", config_name="judge_structured_output")
     dtype: str = "float32"  # the vLLM judge's
     seed: int = 0
 
@@ -60,11 +64,8 @@ class JudgeOptions:
     def from_config(cls, config) -> Optional["JudgeOptions"]:
         if config.judge_model is None:
             return None
-        return cls(model=config.judge_model, engine=config.judge_engine, prompt=config.judge_prompt,
-                   temperature=config.judge_temperature, max_new_tokens=config.judge_max_new_tokens,
-                   max_retries=config.judge_max_retries, score_range=tuple(config.judge_score_range),
-                   structured_output=config.judge_structured_output, seed=config.seed,
-                   dtype=config.vllm_dtype if config.vllm_dtype != "auto" else _auto_dtype())
+        return read_config(cls, config, model=config.judge_model, seed=config.seed,
+                           dtype=config.vllm_dtype if config.vllm_dtype != "auto" else _auto_dtype())
 
 
 def _auto_dtype() -> str:

@@ -51,6 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
+from ..bounds import INTEGER_AT_LEAST_1, Bounds
+from ..options import option, options_record
+
 REASONS = ("exited", "timeout", "cpu_time", "memory", "process_limit", "output_limit", "file_size", "start_failed")
 MAX_WORKERS = 64  # sandbox uids per process (programs at once, over every Sandbox of the process)
 UID_BASE = 200_000  # slot uids: UID_BASE + MAX_WORKERS * (pid % 10_000) + slot (no user owns them; none is root)
@@ -60,24 +63,19 @@ WALL_BACKSTOP = 4  # a program starved of CPU is still killed at WALL_BACKSTOP x
 SETUP_STEP = "apt-get install bubblewrap (scripts/setup_env.sh does it as root)"
 
 
+@options_record
 @dataclass(frozen=True)
 class SandboxOptions:
-    """Limits of one program (GRPOConfig's sandbox_* fields: `from_config`)."""
+    """Limits of one program: GRPOConfig's sandbox_* fields and unsafe_code_execution (`from_config`)."""
 
-    timeout: float = 10.0  # wall seconds
-    cpu_seconds: int = 10
-    memory_mb: int = 1024  # address space
-    max_processes: int = 32
-    output_bytes: int = 64 * 1024  # per stream
-    tmp_mb: int = 64
-    workers: Optional[int] = None  # programs at once; None: the cores this process may use
-    unsafe: bool = False  # no isolation (limits only): only when the user asked for it
-
-    @classmethod
-    def from_config(cls, c) -> "SandboxOptions":
-        return cls(timeout=c.sandbox_timeout, cpu_seconds=c.sandbox_cpu_seconds, memory_mb=c.sandbox_memory_mb,
-                   max_processes=c.sandbox_max_processes, output_bytes=c.sandbox_output_bytes, tmp_mb=c.sandbox_tmp_mb,
-                   workers=c.sandbox_workers, unsafe=c.unsafe_code_execution)
+    timeout: float = option(10.0, "code_tests: wall seconds one program may run in the sandbox (then its whole process tree is killed; sandbox/timeouts).", bounds=Bounds(low=0, low_open=True, finite=True, text="seconds > 0"), config_name="sandbox_timeout")
+    cpu_seconds: int = option(10, "code_tests: CPU seconds one program may use (RLIMIT_CPU).", bounds=INTEGER_AT_LEAST_1, config_name="sandbox_cpu_seconds")
+    memory_mb: int = option(1024, "code_tests: address space of one program in MiB (RLIMIT_AS; past it allocations fail: sandbox/oom).", bounds=Bounds(low=64, integer=True), config_name="sandbox_memory_mb")
+    max_processes: int = option(32, "code_tests: processes one program may run at once (RLIMIT_NPROC under a uid of its own; fork bombs stop there: sandbox/process_limit).", bounds=INTEGER_AT_LEAST_1, config_name="sandbox_max_processes")
+    output_bytes: int = option(65536, "code_tests: bytes kept of each of a program's stdout and stderr; past it the program is killed (sandbox/output_limit).", bounds=INTEGER_AT_LEAST_1, config_name="sandbox_output_bytes")
+    tmp_mb: int = option(64, "code_tests: size of a program's private /tmp (a tmpfs, its working folder) and its largest file, in MiB.", bounds=INTEGER_AT_LEAST_1, config_name="sandbox_tmp_mb")
+    workers: Optional[int] = option(None, "code_tests: programs run at once, at most 64 (a uid each). None: one per usable core (os.sched_getaffinity; test programs are CPU-bound).", bounds=Bounds(low=1, high=64, integer=True), config_name="sandbox_workers")
+    unsafe: bool = option(False, "Run model-written code (code_tests) without isolation, with the limits only, where bubblewrap is unavailable (the run's first line says so). Without it such a run is refused, naming the missing tool.", config_name="unsafe_code_execution")
 
     @property
     def pool_size(self) -> int:

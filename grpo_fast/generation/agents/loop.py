@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ...bounds import INTEGER_AT_LEAST_1
+from ...options import option, options_record
 from ..engines.base import Continuation, SamplingOptions, hashed_seed
 from .chat import ChatTemplate
 from .tools import Calls, ToolRunner
@@ -108,12 +110,16 @@ class Trajectory:
                    **{k: int(d[k]) for k in cls.COUNTERS})
 
 
+@options_record
 @dataclass(frozen=True)
 class LoopOptions:
+    """The turn loop's limits: the completion budget and the sampling of this call (the caller's), and the
+    tool limits of the run."""
+
     max_completion_length: int
-    max_tool_calling_iterations: Optional[int]  # None: no limit
-    max_tool_response_tokens: int
     sampling: SamplingOptions
+    max_tool_calling_iterations: Optional[int] = option(None, "multi_turn: most rounds of tool calls per trajectory (TRL's); a turn with calls past it ends the trajectory. None: no limit but max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    max_tool_response_tokens: int = option(256, "multi_turn: most tokens of one tool result; a longer one is cut (counted in tools/truncated_frequency). Tool results count toward max_completion_length.", bounds=INTEGER_AT_LEAST_1)
 
 
 class AgentLoop:
