@@ -13,7 +13,7 @@ b (routes): SmolLM2-135M-Instruct, the default task, a small batch (4 prompts x 
    seconds (time/weight_sync), sync bytes from the tensors each route hands the engine, peak RSS per process.
 memory: one generation batch of the default run (8 prompts x 8 completions) is recorded once from a real
    step; then each column, in a process that never imports an engine, builds the policy, the reference,
-   the optimizer and the stages the trainer builds (train/setup.py) and runs 2 optimizer steps through
+   the optimizer and the stages the trainer builds (trainer.py) and runs 2 optimizer steps through
    grpo_fast's own stages (logprobs.side_inputs for the reference, step.optimizer_step) on that batch.
    Peak RSS above the RSS after imports, full fine-tuning against LoRA at beta 0 and 0.04, beside the
    model state computed from tensor sizes (weights, gradients, AdamW state, reference).
@@ -360,11 +360,26 @@ def child_memory(name: str, args) -> dict:
     from grpo_fast import distributed, ops  # noqa: F401
     from grpo_fast.config import GRPOConfig
     from grpo_fast.generation.batch import Rollouts
+    from grpo_fast.generation.engines.base import SamplingOptions
+    from grpo_fast.generation.modes import rollout_mode
     from grpo_fast.models import lora
+    from grpo_fast.models.policy import (
+        ContextBudget,
+        Policy,
+        PolicyOptions,
+        prepare_policy,
+        reference_copy,
+        reference_of,
+    )
+    from grpo_fast.models.precision import Precision
+    from grpo_fast.objective import LossOptions
     from grpo_fast.rewards import get_reward_funcs  # noqa: F401
-    from grpo_fast.train import advantages, logprobs, setup, step
+    from grpo_fast.train import advantages, logprobs, step
+    from grpo_fast.train.advantages import AdvantageOptions
     from grpo_fast.train.forward import Packer
+    from grpo_fast.train.optimizer import OptimizerOptions, build_optimizer, build_scheduler
     from grpo_fast.train.state import TrainState
+    from grpo_fast.trainer import Options
 
     recorded = json.loads(Path(args.rollouts).read_text())
     harness.release_memory()
@@ -381,16 +396,20 @@ def child_memory(name: str, args) -> dict:
                    learning_rate=LORA_LR if use_peft else FULL_LR, max_steps=args.mem_steps, report_to="none",
                    max_tokens_per_microbatch=budget, gradient_checkpointing=checkpointing, output_dir=str(Path(args.workdir) / "memory" / name))
     # what GRPOTrainer.__init__ builds, less the engine (trainer.py): policy, reference, packer, optimizer, stages
-    model, tokenizer, path = setup.prepare_policy(c)
-    ref_model = setup.reference_copy(model, c.beta)
+    precisions = Precision.from_config(c)
+    budget = ContextBudget(c.max_prompt_length, c.max_sequence_completion,
+                           rollout_mode(c.rollout_mode).sequence_text(c, longest=True), c.eval_max_completion_length,
+                           c.vllm_max_model_length)
+    model, tokenizer, path = prepare_policy(PolicyOptions.from_config(c), precisions, budget, c)
+    ref_model = reference_copy(model, c.beta)
     world = distributed.ONE_PROCESS
-    packer = Packer(model, c.token_budget(cuda=False), amp_dtype=setup.amp_dtype(c, False))
-    options = setup.Options.from_config(c)
+    packer = Packer(model, c.token_budget(cuda=False), amp_dtype=precisions.amp_dtype(False))
+    options = Options(LossOptions.from_config(c), AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
     parallel = distributed.parallelize(model, world, c.distributed_strategy)
-    reference = setup.reference_of(model, ref_model, world, parallel, c.beta)
-    policy = setup.Policy(model, tokenizer, path, packer, parallel, reference, None)  # no engine: no sync route
-    optimizer = setup.build_optimizer(model, c)
-    scheduler = setup.build_scheduler(optimizer, c)
+    reference = reference_of(model, ref_model, world, parallel, c.beta)
+    policy = Policy(model, tokenizer, path, packer, parallel, reference, None)  # no engine: no sync route
+    optimizer = build_optimizer(model, OptimizerOptions.from_config(c))
+    scheduler = build_scheduler(optimizer, OptimizerOptions.from_config(c))
     state = TrainState(global_batch=c.completions_per_step)
     # no engine's log-probs to correct for (as the HF engine: the trainer samples itself), one update per batch
     is_policy = logprobs.ISPolicy(shares_weights=True, use_is=False, in_step=False, needs_old_logp=False,
@@ -417,9 +436,10 @@ def child_memory(name: str, args) -> dict:
                                     check=False)
         batch = side.into(batch)
         t1 = time.perf_counter()
-        num_items = step.items_per_step(batch, c, options.loss, world)
-        for part in step.step_slices(batch, c, state.step):
-            metrics = step.optimizer_step(part, num_items, Bar(), policy, optimizer, scheduler, config=c,
+        steps = step.StepOptions.from_config(c)
+        num_items = step.items_per_step(batch, steps, options.loss, world)
+        for part in step.step_slices(batch, steps, state.step):
+            metrics = step.optimizer_step(part, num_items, Bar(), policy, optimizer, scheduler, steps=steps,
                                           options=options.loss, state=state, world=world)
         per_step.append({"logprob_s": t1 - t0, "train_s": time.perf_counter() - t1, "rss_after": harness.rss_bytes(),
                          "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
@@ -457,7 +477,7 @@ def markdown_memory(report: dict) -> str:
              f"{rec.get('completions', '?')} completions, mean completion length "
              f"{rec.get('mean_completion_length', float('nan')):.1f} (max {rec.get('max_completion_length', '?')}), "
              f"mean prompt length {rec.get('mean_prompt_length', float('nan')):.1f}. Each column in its own process "
-             "builds what GRPOTrainer.__init__ builds except the engine (setup.prepare_policy, reference_copy / "
+             "builds what GRPOTrainer.__init__ builds except the engine (models.policy.prepare_policy, reference_copy / "
              "reference_of, Packer, build_optimizer, Options) and runs "
              f"{report['mem_steps']} optimizer steps on that batch through grpo_fast's stages "
              "(advantages.advantages, logprobs.side_inputs for the reference log-probs, step.optimizer_step). vLLM is "

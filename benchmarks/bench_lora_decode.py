@@ -31,12 +31,13 @@ def measure(args) -> dict:
     from peft import LoraConfig
 
     from grpo_fast.generation.engines import make_engine
+    from grpo_fast.generation.engines.build import initial_sync
     from grpo_fast.models import load_policy, lora, resolve_model_path
-    from grpo_fast.train import setup
+    from grpo_fast.models.precision import Precision
 
     path = resolve_model_path("default")
     model, tokenizer = load_policy(path)
-    dtype = str(setup.engine_dtype(setup_config(), cuda=False)).replace("torch.", "")
+    dtype = str(Precision.from_config(setup_config()).engine_dtype(cuda=False)).replace("torch.", "")
     adapted = lora.apply_lora(model, None, peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                                   init_lora_weights=False))
     with torch.no_grad():  # away from zero, small: a trained adapter's size of change
@@ -49,7 +50,7 @@ def measure(args) -> dict:
     for route in ROUTES:
         engine = make_engine("vllm", model_path=path, dtype=dtype, max_model_len=512, seed=0,
                              **({"lora": lora.spec(adapted)} if route == "adapter" else {}))
-        setup.initial_sync(engine, adapted, route)
+        initial_sync(engine, adapted, route)
         engine.generate(prompts, n=2, max_new_tokens=8, seed=0)  # warm-up
         engines[route] = engine
     runs = {route: [] for route in ROUTES}

@@ -27,7 +27,7 @@ from . import config_checks
 from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from .generation import modes
 from .generation.agents.loop import LoopOptions
-from .generation.engines import ENGINES  # (light: the engines themselves import lazily)
+from .generation.engines import ENGINE_CHOICES  # (light: the engines themselves import lazily)
 from .generation.modes import ROLLOUT_MODES
 from .loss_types import loss_type
 from .objective import LossOptions, option_warnings
@@ -72,7 +72,7 @@ class GRPOConfig:
     reward_weights: Optional[list] = _f(None, "One weight per reward function (TRL). None: all 1.")
     reward_timeout: Optional[float] = _f(None, "Seconds a reward function's call may take; past it the call gives no values (missing, as None) and is counted in rewards/<name>/timeouts: an async function is cancelled, a sync one left running in a daemon thread. None: no limit. async def reward functions run concurrently with each other (TRL's semantics); one with takes_groups = True is called once per group.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
     judge_model: Optional[str] = _f(None, "A generative judge for the judge_score and judge_rank rewards (and partial_credit_judge=judge_score): a local folder of a causal LM, or 'default' (the default model). It runs on an engine of its own beside the policy's, never touched by the weight sync. None: no judge.")
-    judge_engine: str = _f("auto", "The judge's engine. auto: vLLM when installed, else HF transformers. Two vLLM engines of one process take turns step by step (on the CPU backend two stepping at once crash).", ENGINES)
+    judge_engine: str = _f("auto", "The judge's engine. auto: vLLM when installed, else HF transformers. Two vLLM engines of one process take turns step by step (on the CPU backend two stepping at once crash).", ENGINE_CHOICES)
     judge_prompt: Optional[str]
     judge_temperature: float
     judge_max_new_tokens: int
@@ -105,7 +105,7 @@ class GRPOConfig:
     load_in_4bit: bool = _f(False, "use_peft: load the base in 4 bits (QLoRA, bitsandbytes on a CUDA GPU); refused where either is missing. The engine then samples through the adapter route or is the HF engine.")
 
     # ---- generation --------------------------------------------------------------------------
-    engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINES)
+    engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINE_CHOICES)
     num_generations: int = _f(8, "Completions sampled per prompt (the group size G).", bounds=Bounds(low=2, integer=True, note=" (a group needs a baseline)"))
     max_prompt_length: Optional[int] = _f(256, "Longest prompt in tokens; longer prompts are cut per `prompt_truncation`. None: no limit.", bounds=INTEGER_AT_LEAST_1)
     prompt_truncation: str = _f("left", "What to do with a prompt over max_prompt_length: keep its last tokens (left) with a warning, or raise (error).", TRUNCATION)

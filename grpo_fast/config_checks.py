@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from .generation.engines import allowed_where
 from .generation.modes import modes_where, rollout_mode
 from .loss_types import loss_type
 
@@ -101,7 +102,9 @@ COMBINATIONS = (
                 "with environment_factory: an environment's methods act on its instance in the trainer (reset and "
                 "get_reward read its state), so they cannot run in a worker process"),
     # partial rollouts: vLLM's request loop, parallel groups
-    Combination("engine", lambda v: v in ("vllm", "auto"), "'vllm' or 'auto'", lambda c: c.max_staleness > 0, _partial),
+    Combination("engine", lambda v: v in allowed_where(lambda k: k.runs_partial_rollouts),
+                lambda c: _named(allowed_where(lambda k: k.runs_partial_rollouts)), lambda c: c.max_staleness > 0,
+                _partial),
     Combination("rollout_mode", _modes_with(lambda m: m.supports_partial_rollouts),
                 lambda c: _named(modes_where(lambda m: m.supports_partial_rollouts)), lambda c: c.max_staleness > 0,
                 _partial),

@@ -21,25 +21,55 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import distributed
 from .config import GRPOConfig
-from .generation.engines.base import check_engine
+from .data import inputs
+from .data.inputs import InputOptions
+from .generation.engines import build as engine_build
+from .generation.engines import may_read
+from .generation.engines.base import SamplingOptions, check_engine
+from .generation.modes import rollout_mode
+from .loss_types import loss_type
+from .models import precision
+from .models.policy import (
+    ContextBudget,
+    Policy,
+    PolicyOptions,
+    check_prompt_lengths,
+    prepare_policy,
+    reference_copy,
+    reference_of,
+)
+from .models.precision import Precision
+from .objective import LossOptions
 from .reporting import completions_table, trackers
 from .reporting.metrics import logs_step, open_logger, progress, synced_time, timed
 from .run import checkpoint, resume
 from .run import folder as run_folder
-from .train import advantages, generate, logprobs, setup, step, sync
+from .train import advantages, generate, logprobs, step, sync
 from .train import evaluate as evaluation
+from .train.advantages import AdvantageOptions
 from .train.forward import Packer
 from .train.interrupt import Interrupted, StopRequests, TrainingInterrupted
+from .train.optimizer import OptimizerOptions, build_optimizer, build_scheduler
 from .train.score import conversational
 from .train.state import TrainState
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options each stage reads, built once from the config."""
+
+    loss: LossOptions  # the train step's
+    advantages: AdvantageOptions  # the advantages stage's
+    sampling: SamplingOptions  # every training engine call's (evaluation: GREEDY)
 
 
 class GRPOTrainer:
@@ -61,9 +91,11 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False,
                  peft_config=None, tools: Optional[Sequence[Callable]] = None, environment_factory=None):
+        from .generation.agents import build_agent
+        from .generation.agents.parts import agent_parts, config_with_agents
         from .models import lora
 
-        config = setup.config_with_agents(config, tools, environment_factory)  # (tools switch on multi_turn)
+        config = config_with_agents(config, tools, environment_factory)  # (tools switch on multi_turn)
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
             config = lora.config_with(config, peft_config)
         elif model is not None and lora.is_lora(model):  # a PEFT model passed in (TRL takes one too): trained as it is
@@ -78,41 +110,50 @@ class GRPOTrainer:
         if engine is not None:  # an engine from elsewhere: the contract first, before any work
             check_engine(engine)
             if c.max_staleness:
-                setup.check_partial_rollouts(engine, c)
+                engine_build.check_partial_rollouts(engine, c.max_staleness)
         if not evaluate_only:
             trackers.check_credentials(c.report_to)  # (before anything is loaded or written)
         self.resume_path = None if evaluate_only else run_folder.check_start(c)
         self.resume_overrides = [] if evaluate_only else resume.check_run(c, self.resume_path)
-        agent_parts = setup.agent_parts(c, tools, environment_factory)  # (agents: tools checked, environments built)
-        extra_rewards = agent_parts[1].reward_functions() if agent_parts and agent_parts[1] is not None else ()
-        reward_funcs, train_rows, eval_rows, judge = setup.checked_inputs(c, reward_funcs, train_dataset, eval_dataset,
-                                                                          extra_rewards)
+        mode, input_options = rollout_mode(c.rollout_mode), InputOptions.from_config(c)
+        parts = agent_parts(tools, environment_factory, tool_names=c.tools, environment_name=c.environment_factory) \
+            if mode.takes_agent else None  # (agents: tools checked, environments built)
+        extra_rewards = parts[1].reward_functions() if parts and parts[1] is not None else ()
+        reward_funcs, train_rows, eval_rows, judge = inputs.checked_inputs(
+            input_options, reward_funcs, train_dataset, eval_dataset, inputs.reward_options(c, mode.graded_per_prompt(c)),
+            extra_rewards)
         self.held_out = evaluation.HeldOut(rows=eval_rows, metrics=dict(eval_metrics or {}))
         torch.manual_seed(c.seed)
-        model, tokenizer, model_path = setup.prepare_policy(c, model, tokenizer, peft_config)
-        setup.warn_emulated_bf16(c, model)
-        agent = setup.build_agent(c, agent_parts, tokenizer)  # (its chat template renders the tools into the prompts)
-        prompt_ids = setup.encode(train_rows, tokenizer, c, agent)
-        setup.check_prompt_lengths(prompt_ids, c, model.config, "train_dataset")
+        precisions = Precision.from_config(c)
+        budget = ContextBudget(c.max_prompt_length, c.max_sequence_completion, mode.sequence_text(c, longest=True),
+                               c.eval_max_completion_length, c.vllm_max_model_length)
+        model, tokenizer, model_path = prepare_policy(PolicyOptions.from_config(c), precisions, budget, c, model,
+                                                      tokenizer, peft_config)
+        precision.warn_emulated_bf16(precisions, model, may_read(c.engine, "vllm_dtype"))
+        agent = None if parts is None else build_agent(parts[0], tokenizer, c, parts[1])  # (renders the tools too)
+        prompt_ids = inputs.encode(train_rows, tokenizer, input_options, agent)
+        check_prompt_lengths(prompt_ids, budget, model.config, "train_dataset")
         self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge,
                                        agent=agent)
-        ref_model = setup.reference_copy(model, c.beta)  # (before many ranks wrap the policy)
-        self.engine = engine if engine is not None else setup.build_engine(c, model, tokenizer, model_path)
+        ref_model = reference_copy(model, c.beta)  # (before many ranks wrap the policy)
+        self.engine = engine if engine is not None else engine_build.build_engine(
+            engine_build.EngineOptions.from_config(c, lora_route=c.lora_route), precisions, model, tokenizer, model_path)
         if engine is not None and c.lora_route and not self.engine.shares_weights_with(model):
-            setup.initial_sync(self.engine, model, c.lora_route)  # an engine passed in samples the adapted policy
+            engine_build.initial_sync(self.engine, model, c.lora_route)  # an engine passed in samples the adapted policy
         if c.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
-            setup.check_partial_rollouts(self.engine, c)
+            engine_build.check_partial_rollouts(self.engine, c.max_staleness)
         cuda = next(model.parameters()).is_cuda
-        packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=setup.amp_dtype(c, cuda))
-        self.options = setup.Options.from_config(c)  # each stage's options (loss, advantages, sampling)
+        packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=precisions.amp_dtype(cuda))
+        self.options = Options(LossOptions.from_config(c), AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         parallel = distributed.parallelize(model, self.world, c.distributed_strategy)
-        reference = setup.reference_of(model, ref_model, self.world, parallel, c.beta)  # (LoRA: the policy, adapter off)
-        self.policy = setup.Policy(model, tokenizer, model_path, packer, parallel, reference, c.lora_route)
-        self.optimizer = setup.build_optimizer(model, c)
-        self.scheduler = setup.build_scheduler(self.optimizer, c)
+        reference = reference_of(model, ref_model, self.world, parallel, c.beta)  # (LoRA: the policy, adapter off)
+        self.policy = Policy(model, tokenizer, model_path, packer, parallel, reference, c.lora_route)
+        optimizer_options = OptimizerOptions.from_config(c)
+        self.optimizer = build_optimizer(model, optimizer_options)
+        self.scheduler = build_scheduler(self.optimizer, optimizer_options)
         self.state = TrainState(global_batch=c.completions_per_step * self.world.size)
-        self.is_policy = logprobs.ISPolicy.resolve(c, self.engine, model, setup.trainer_dtype(packer, model))
+        self.is_policy = logprobs.ISPolicy.resolve(c, self.engine, model, precision.trainer_dtype(packer, model))
         self.metrics_logger = None
         self._saved_step = None  # the step of the last checkpoint this process wrote or resumed from
 
@@ -137,7 +178,9 @@ class GRPOTrainer:
         if not evaluate_only:
             trackers.check_credentials(config.report_to)  # a tracker's login too
             run_folder.check_start(config)  # before the dataset is read
-        funcs, train_rows, eval_rows, eval_metrics = setup.inputs_from_config(config)
+        graded = rollout_mode(config.rollout_mode).graded_per_prompt(config)  # (what the lead reward compares)
+        funcs, train_rows, eval_rows, eval_metrics = inputs.inputs_by_name(InputOptions.from_config(config),
+                                                                           inputs.reward_options(config, graded))
         return cls(config, funcs, train_rows, eval_rows, eval_metrics=eval_metrics, evaluate_only=evaluate_only)
 
     def train(self) -> dict:
@@ -284,7 +327,14 @@ class GRPOTrainer:
 
     def precision_summary(self) -> str:
         """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
-        return setup.precision_summary(self.policy.model, self.engine, self.policy.packer, self.config, self.is_policy)
+        c = self.config
+        line = precision.precision_summary(
+            self.policy.model, self.engine, self.policy.packer, self.is_policy, lora_route=c.lora_route,
+            mode_picked=c.vllm_importance_sampling_mode is None and loss_type(c.loss_type).takes_is_ratio,
+            lora_auto=c.lora_sync == "auto")
+        if c.unsafe_code_execution:  # (the run's first line says it)
+            line = "warning: --unsafe_code_execution: model-written code runs WITHOUT isolation (limits only)\n" + line
+        return line
 
     def evaluate(self, rows: Optional[list] = None) -> dict:
         """Greedy held-out accuracy and rewards (train/evaluate.py); rows: the eval dataset's by default."""

@@ -164,7 +164,7 @@ def load_policy(name_or_path: str | os.PathLike = "default", dtype="float32", lo
         dtype = getattr(torch, dtype)
     path = resolve_model_path(name_or_path)
     quantized = {}
-    if load_in_4bit:  # QLoRA's base (bitsandbytes, CUDA; setup.check_4bit refuses it elsewhere); the lm_head stays whole
+    if load_in_4bit:  # QLoRA's base (bitsandbytes, CUDA; policy.check_4bit refuses it elsewhere); the lm_head stays whole
         from transformers import BitsAndBytesConfig
 
         quantized = {"device_map": {"": torch.cuda.current_device()}, "quantization_config": BitsAndBytesConfig(

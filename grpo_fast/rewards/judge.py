@@ -114,11 +114,11 @@ class Judge:
 
         from transformers import AutoTokenizer
 
-        from ..generation.engines import ENGINES, engine_kind
+        from ..generation.engines import ENGINE_CHOICES, engine_kind, make_engine
         from ..models.loading import resolve_model_path
 
-        if options.engine not in ENGINES:
-            raise ValueError(f"judge_engine must be one of {list(ENGINES)}, got {options.engine!r}")
+        if options.engine not in ENGINE_CHOICES:
+            raise ValueError(f"judge_engine must be one of {list(ENGINE_CHOICES)}, got {options.engine!r}")
         try:
             path = resolve_model_path(options.model)
         except ValueError as err:
@@ -126,22 +126,19 @@ class Judge:
         config = json.loads((Path(path) / "config.json").read_text())
         context = int(config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings") or 2048)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if engine_kind(options.engine, loadable_from_disk=True) == "vllm":
-            from ..generation.engines import make_engine
-
+        kind = engine_kind(options.engine, loadable_from_disk=True)
+        if kind.loads_weights:  # (from the judge's folder)
             context = min(context, 8192)  # (the KV cache of a judge beside the policy's engine)
-            engine = make_engine("vllm", model_path=path, dtype=options.dtype, max_model_len=context, seed=options.seed,
-                                 gpu_memory_utilization=0.15)
-        else:
+            engine = make_engine(kind.name, model_path=path, dtype=options.dtype, max_model_len=context,
+                                 seed=options.seed, gpu_memory_utilization=0.15)
+        else:  # an engine that samples with a live model: the judge's own, loaded here
             import torch
             from transformers import AutoModelForCausalLM
-
-            from ..generation.engines.hf_engine import HFEngine
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
             model.requires_grad_(False)
-            engine = HFEngine(model, tokenizer, max_model_len=context)
+            engine = make_engine(kind.name, model=model, tokenizer=tokenizer, max_model_len=context)
         return cls(options, engine, tokenizer, context)
 
     def encode(self, text: str) -> list[int]:

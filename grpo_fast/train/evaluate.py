@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 
 from .. import distributed
+from ..data import inputs
 from ..generation.batch import from_engine
 from ..generation.engines.base import GREEDY
 from ..rewards.names import reward_name
-from . import setup
 from .advantages import correct
 from .score import conversational, score, weighted_mean
 
@@ -43,7 +43,7 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
     mine = rows[world.rank :: world.size]  # under torchrun each rank grades its share
     rewards = torch.empty(0, len(reward_funcs), dtype=torch.float64)
     lengths, extra = torch.empty(0), torch.empty(0, len(eval_metrics), dtype=torch.float64)
-    prompt_ids = setup.encode(mine, tokenizer, c, agent) if mine else []
+    prompt_ids = inputs.encode(mine, tokenizer, inputs.InputOptions.from_config(c), agent) if mine else []
     budget = c.eval_max_completion_length or c.max_completion_length
     with engine_weights():  # (every rank enters, its share empty or not: under FSDP2 gathering is collective)
         if not mine:

@@ -109,7 +109,7 @@ def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, te
 def _without_dropout(model, items):
     """Iterate `items` with the model's dropout layers in eval mode: the no-grad passes (old policy,
     reference, sync probe) see the policy the engine samples, whatever lora_dropout the training forward
-    uses (every other dropout is already 0: setup.prepare_policy)."""
+    uses (every other dropout is already 0: models.policy.prepare_policy)."""
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
     for m in layers:
         m.eval()

@@ -14,19 +14,18 @@ The stage returns a `SideInputs` record; the loop puts its tensors into the batc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Optional
 
 import torch
 
 from ..generation.batch import Rollouts
+from ..models.precision import default_is_correction
 from ..reporting.metrics import Pooled
 from .forward import completion_logprobs
-from .setup import default_is_correction
 
 
 @dataclass(frozen=True)
@@ -73,16 +72,6 @@ class ISPolicy:
 
 
 @dataclass(frozen=True)
-class Reference:
-    """The frozen reference policy of the KL term (beta > 0) and its (possibly sharded) wrapper. scope():
-    the context in which `model` computes as the reference (LoRA: the policy itself, adapter disabled)."""
-
-    model: torch.nn.Module
-    parallel: object  # distributed.Parallel
-    scope: Callable[[], ContextManager] = contextlib.nullcontext
-
-
-@dataclass(frozen=True)
 class SideInputs:
     """What the stage computed: each a list of `[C_i]` tensors, or None where the run does not need it."""
 
@@ -99,7 +88,7 @@ class SideInputs:
 def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: float, backend: str, check: bool) -> SideInputs:
     """Old-policy log-probs (where needed, or `check`: the sampling diagnostics' pass), IS weights
     (unless the step computes them), reference log-probs (beta > 0). No grad, no logits.
-    trained: the policy (`setup.Policy`: model, packer, parallel, reference)."""
+    trained: the policy (`models.policy.Policy`: model, packer, parallel, reference)."""
     compute = lambda m: completion_logprobs(m, trained.packer, batch.prompt_ids, batch.completion_ids,  # noqa: E731
                                            temperature=temperature, backend=backend)
     reference = trained.reference

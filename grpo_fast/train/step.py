@@ -259,7 +259,7 @@ def items_per_step(batch: Rollouts, config, options: LossOptions, world) -> floa
 
 def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, scheduler, *, config, options: LossOptions,
                    state, world, importance_weights: Optional[Callable] = None) -> dict:
-    """One optimizer step of `policy` (`setup.Policy`) on `part` with the entropy bonus's coefficient now (TRL's adaptive controller
+    """One optimizer step of `policy` (`models.policy.Policy`) on `part` with the entropy bonus's coefficient now (TRL's adaptive controller
     moves it), then the schedule and the counters in `state` (steps, skipped steps, steps without signal)."""
     c = config
     coef = c.entropy_coef if state.entropy_coef is None else state.entropy_coef
@@ -317,7 +317,7 @@ def step_metrics(part: Rollouts, batch: Rollouts, metrics: dict, stats: dict, ti
                  learning_rate: float, state) -> dict:
     """The logged line of one optimizer step: TRL's reward metrics of its slice `part`, the round's
     `stats`, the step's loss metrics (token means pooled over ranks by tokens), its time parts and throughput.
-    options: the run's (`setup.Options`: the loss's and the advantages')."""
+    options: the run's (`trainer.Options`: the loss's and the advantages')."""
     from ..reporting.metrics import Pooled
     from .score import COUNTER_PREFIXES, reward_metrics
 

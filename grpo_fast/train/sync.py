@@ -18,6 +18,7 @@ import logging
 import torch
 
 from ..distributed import any_rank
+from ..models.precision import trainer_dtype
 from .forward import completion_logprobs
 
 logger = logging.getLogger(__name__)
@@ -54,15 +55,15 @@ def probe_gap(engine, model, packer, token_ids: list[int], *, backend: str) -> f
 
 
 def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool, version: int = 0) -> None:
-    """The policy's weights (`setup.Policy`) into the engine (none to copy where it samples with the policy itself).
+    """The policy's weights (`models.policy.Policy`) into the engine (none to copy where it samples with the policy itself).
     With a LoRA adapter only what it changes travels: the adapted layers merged from the untouched base
     (a partial update), or the adapter itself as `version` (vLLM's LoRA path)."""
     from ..models import lora
 
     if shares_weights:
         return
-    if sleep_mode:
-        engine.wake()
+    if sleep_mode:  # (woken, not `awake`: it stays awake for the sync probe and any evaluation after it; the next
+        engine.wake()  # generation puts it back to sleep: generate.py)
     if policy.lora_route == "merged":
         engine.update_weights(lora.engine_weights(policy.model, merged=True, only_adapted=True), partial=True)
     elif policy.lora_route == "adapter":
@@ -73,7 +74,7 @@ def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool, vers
 
 def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, backend: str, sleep_mode: bool,
                       step: int) -> dict:
-    """The engine's log-probs of a short greedy probe against the trainer's (`setup.Policy`), after a sync;
+    """The engine's log-probs of a short greedy probe against the trainer's (`models.policy.Policy`), after a sync;
     one re-sync when they differ beyond the tolerance of their precisions, then an error."""
     if shares_weights:
         return {}
@@ -82,8 +83,7 @@ def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, back
         with policy.parallel.gathered():
             return probe_gap(engine, policy.model, policy.packer, probe, backend=backend)
 
-    trainer_dtype = policy.packer.amp_dtype or next(policy.model.parameters()).dtype  # (setup.trainer_dtype)
-    limit = tolerance(engine.dtype, trainer_dtype)
+    limit = tolerance(engine.dtype, trainer_dtype(policy.packer, policy.model))
     probe = part.prompt_ids[0] + part.completion_ids[0]  # text the policy itself wrote: its ending is the probe
     gap = gap_now()
     if any_rank(gap > limit, world):  # (every rank re-syncs: under FSDP2 a sync is collective)

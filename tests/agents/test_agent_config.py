@@ -43,17 +43,17 @@ def test_command_line_takes_tools_and_template_kwargs():
 
 
 def test_environment_factory_by_name_from_the_command_line():
-    from grpo_fast.train import setup
+    from grpo_fast.generation.agents.parts import agent_parts
 
     args = build_parser().parse_args(["train", "--environment_factory", "tests.agents.test_environments:Counter"])
     config = config_from_args(args)
     assert config.rollout_mode == "multi_turn"
-    tools, environments = setup.agent_parts(config)
+    tools, environments = agent_parts(tool_names=config.tools, environment_name=config.environment_factory)
     assert tools == [] and [f.__name__ for f in environments.reward_functions()] == ["Counter"]
     assert sorted(s["function"]["name"] for s in environments.schemas(None)) == ["add", "mul"]
     bad = config_from_args(build_parser().parse_args(["train", "--environment_factory", "tests.agents.nope:Env"]))
     with pytest.raises(ValueError, match="environment_factory: cannot load 'tests.agents.nope:Env'"):
-        setup.agent_parts(bad)
+        agent_parts(tool_names=bad.tools, environment_name=bad.environment_factory)
 
 
 def test_empty_tools_on_the_command_line_is_one_line(capsys):

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo_fast.data.inputs import InputOptions, encode
 from grpo_fast.generation import rounds as partial_rollouts
 from grpo_fast.generation.agents import build_agent, rounds
 from grpo_fast.generation.agents.environments import Environments
@@ -21,7 +22,6 @@ from grpo_fast.generation.agents.loop import Trajectory
 from grpo_fast.generation.agents.tools import Calls
 from grpo_fast.generation.engines import vllm_available
 from grpo_fast.generation.engines.base import SamplingOptions, hashed_seed
-from grpo_fast.train import setup
 from grpo_fast.trainer import GRPOTrainer
 from tests.agents.test_environments import Counter
 from tests.agents.test_multi_turn import _assert_bookkeeping, _config
@@ -90,22 +90,21 @@ def test_trajectories_carry_over_mid_turn_and_between_turns(run_a, through_check
     c = SimpleNamespace(prompts_per_generation=2, rollout_overprovision=1.0, num_generations=4, max_staleness=1)
     release = threading.Event()
     agent = build_agent([_held_add(release), mul], trainer.tokenizer, dataclasses.replace(trainer.config, tool_timeout=30.0))
-    loop = agent.loop(trainer.engine, trainer.tokenizer, sampling=SamplingOptions(temperature=1.0),
-                      max_completion_length=200)
     rows = tool_prompts(40, 2)
-    prompts = setup.encode(rows, trainer.tokenizer, trainer.config, agent)
+    prompts = encode(rows, trainer.tokenizer, InputOptions.from_config(trainer.config), agent)
+    members = rounds.Trajectories(agent, trainer.engine, trainer.tokenizer, prompts, rows,
+                                  sampling=SamplingOptions(temperature=1.0), max_completion_length=200)
     drawn = []
 
     def draw(n):
         index = list(range(len(drawn), len(drawn) + n))
         drawn.extend(index)
-        return partial_rollouts.new_groups(index, [hashed_seed(7, i) for i in index], 4,
-                                           lambda p, seed, j: agent.trajectory(prompts[p], rows[p], hashed_seed(seed, j)))
+        return partial_rollouts.new_groups(index, [hashed_seed(7, i) for i in index], 4, members.new_member)
 
     pool, mid_turn, between, trained_all = [], 0, 0, []
     for version in range(6):
         before = {id(t): (list(t.ids), t.awaiting is not None) for g in pool for t in g.members if not t.done}
-        trained, pool, stats = rounds.run_round(loop, pool, draw, c, version=version)
+        trained, pool, stats = partial_rollouts.run_round(members, pool, draw, c, version=version)
         assert len(trained) == 2 and stats["rollout/staleness_max"] <= 1
         for t in [t for g in trained for t in g.members]:
             sampled = [v for v, m in zip(t.ver, t.mask, strict=True) if m]
@@ -178,7 +177,7 @@ def test_an_environment_read_back_is_replayed_or_its_trajectory_restarted(run_a,
     agent = build_agent([], trainer.tokenizer, trainer.config, environments)
     loop = agent.loop(trainer.engine, trainer.tokenizer, sampling=SamplingOptions(temperature=0), max_completion_length=200)
     row = tool_prompts(1, 3)[0]
-    t = agent.trajectory(setup.encode([row], trainer.tokenizer, trainer.config, agent)[0], row, seed=5)
+    t = agent.trajectory(encode([row], trainer.tokenizer, InputOptions.from_config(trainer.config), agent)[0], row, seed=5)
     t.messages = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
                       "name": "add", "arguments": {"a": 2, "b": 3}}}]},
                   {"role": "tool", "name": "add", "content": t.tools["add"].fn(2, 3)},

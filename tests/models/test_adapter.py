@@ -23,9 +23,9 @@ def test_logit_transform_is_refused_before_the_weights_load(tmp_path, softcapped
 
 
 def test_logit_transform_of_a_model_passed_in_is_refused_before_the_engine(tmp_path, softcapped, monkeypatch):
-    from grpo_fast.train import setup
+    from grpo_fast.generation.engines import build
 
-    monkeypatch.setattr(setup, "build_engine", lambda *a, **k: pytest.fail("the engine started before the check"))
+    monkeypatch.setattr(build, "build_engine", lambda *a, **k: pytest.fail("the engine started before the check"))
     model, tokenizer = load_tiny_model(softcapped)
     with pytest.raises(ValueError, match=r"model: config\.final_logit_softcapping=30\.0"):
         GRPOTrainer(config(tmp_path), [target_fraction], rows(), model=model, tokenizer=tokenizer)

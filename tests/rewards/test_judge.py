@@ -110,14 +110,15 @@ def test_judge_options_are_refused_by_name_before_work(tmp_path, tiny_model_dir)
 
 
 def test_the_cli_names_build_judges_and_partial_credit_can_be_judge_score(tmp_path, tiny_model_dir):
-    from grpo_fast.train import setup
+    from grpo_fast.data import inputs
 
     c = GRPOConfig(reward_funcs=["math", "judge_score", "judge_rank"], judge_model=tiny_model_dir, judge_engine="hf",
                    rollout_mode="parallel", partial_credit_judge="judge_score", output_dir=str(tmp_path))
-    _, score, rank = get_reward_funcs(list(c.reward_funcs), **setup.reward_options(c))
+    _, score, rank = get_reward_funcs(list(c.reward_funcs), **inputs.reward_options(c, c.num_generations))
     assert isinstance(score, JudgeScore) and isinstance(rank, JudgeRank) and rank.takes_groups
     assert score.judge is rank.judge, "one judge engine for both"
-    assert isinstance(setup.partial_credit_judge(c, [{"prompt": "p", "answer": "1"}]), JudgeScore)
+    assert isinstance(inputs.partial_credit_judge(c.partial_credit_judge, [{"prompt": "p", "answer": "1"}],
+                                                 inputs.reward_options(c, c.num_generations)), JudgeScore)
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ from peft import LoraConfig
 
 from grpo_fast.distributed import ONE_PROCESS, Parallel
 from grpo_fast.generation.engines import make_engine
+from grpo_fast.generation.engines.build import initial_sync
 from grpo_fast.models import lora
-from grpo_fast.train import setup, sync
+from grpo_fast.train import sync
 from grpo_fast.train.forward import Packer, completion_logprobs
 from grpo_fast.trainer import GRPOTrainer
 from tests.tiny_model import load_tiny_model
@@ -46,7 +47,7 @@ def _engine(path, route, dtype, model):
 
 
 def _policy(model, route):
-    """What the sync stage reads of `setup.Policy`."""
+    """What the sync stage reads of `models.policy.Policy`."""
     return types.SimpleNamespace(model=model, lora_route=route, parallel=Parallel(model.get_base_model(), ONE_PROCESS),
                                  packer=Packer(model, max_tokens=64))
 
@@ -71,7 +72,7 @@ def test_after_each_sync_the_engine_samples_the_trainers_adapter(tiny_model_dir,
     try:
         base = torch.tensor(engine.prompt_logprobs(PROBE))
         policy, g = _policy(model, route), torch.Generator().manual_seed(1)
-        setup.initial_sync(engine, model, route)
+        initial_sync(engine, model, route)
         for version in range(1, 4):
             _a_step(model, g)
             sync.sync_weights(engine, policy, shares_weights=False, sleep_mode=False, version=version)
@@ -174,7 +175,7 @@ def test_200_syncs_of_a_bf16_engine_leave_no_drift(tiny_model_dir, route):
     try:
         base_logp = engine.prompt_logprobs(PROBE)  # the loaded base computing, before any adapter
         policy, g = _policy(model, route), torch.Generator().manual_seed(2)
-        setup.initial_sync(engine, model, route)
+        initial_sync(engine, model, route)
         for version in range(1, 201):
             _a_step(model, g, scale=0.01)
             sync.sync_weights(engine, policy, shares_weights=False, sleep_mode=False, version=version)

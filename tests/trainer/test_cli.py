@@ -4,7 +4,7 @@ import pytest
 
 from grpo_fast.cli import build_parser, config_from_args, main
 from grpo_fast.config import GRPOConfig, field_names
-from grpo_fast.train.setup import datasets_from_config
+from grpo_fast.data.inputs import InputOptions, load_datasets
 
 
 def _config(argv):
@@ -47,15 +47,15 @@ def test_invalid_value_is_reported_before_any_work(capsys):
 def test_missing_and_malformed_dataset_files_name_path_and_line(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        datasets_from_config(GRPOConfig(dataset=str(missing)))
+        load_datasets(InputOptions.from_config(GRPOConfig(dataset=str(missing))))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": broken\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl.*line 2"):
-        datasets_from_config(GRPOConfig(dataset=str(bad)))
+        load_datasets(InputOptions.from_config(GRPOConfig(dataset=str(bad))))
 
 
 def test_builtin_task_has_disjoint_held_out_split():
-    train, held_out = datasets_from_config(GRPOConfig(task_train_size=300, eval_max_samples=50))
+    train, held_out = load_datasets(InputOptions.from_config(GRPOConfig(task_train_size=300, eval_max_samples=50)))
     assert len(train) == 300 and len(held_out) == 50
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
 

@@ -70,13 +70,17 @@ def test_options_this_configuration_never_reads_warn_by_name():
 
 
 def test_the_emulated_bf16_warning_leaves_out_an_engine_that_is_not_used(tiny, recwarn, monkeypatch):
-    from grpo_fast.train import setup
+    from grpo_fast.generation.engines import may_read
+    from grpo_fast.models import precision
 
-    monkeypatch.setattr(setup, "cpu_has_bf16_matmul", lambda: False)  # as on an AVX2-only CPU
-    setup.warn_emulated_bf16(GRPOConfig(vllm_dtype="bfloat16", mixed_precision="no"), tiny[0])
+    def warn(c):
+        precision.warn_emulated_bf16(precision.Precision.from_config(c), tiny[0], may_read(c.engine, "vllm_dtype"))
+
+    monkeypatch.setattr(precision, "cpu_has_bf16_matmul", lambda: False)  # as on an AVX2-only CPU
+    warn(GRPOConfig(vllm_dtype="bfloat16", mixed_precision="no"))
     assert [w for w in recwarn if "vllm_dtype='bfloat16'" in str(w.message)], "the warning itself must still fire"
     recwarn.clear()
-    setup.warn_emulated_bf16(GRPOConfig(engine="hf", vllm_dtype="bfloat16", mixed_precision="no"), tiny[0])
+    warn(GRPOConfig(engine="hf", vllm_dtype="bfloat16", mixed_precision="no"))
     assert not [w for w in recwarn if "100x slower" in str(w.message)]
 
 

@@ -129,22 +129,23 @@ def test_auto_precisions_follow_the_cpu_features(monkeypatch, bf16_hardware):
     without; CUDA keeps its bf16 weights without autocast; explicit settings win; the IS correction
     defaults on as soon as either side computes below float32."""
     from grpo_fast.config import GRPOConfig
-    from grpo_fast.train import setup
+    from grpo_fast.models import precision
+    from grpo_fast.models.precision import Precision, default_is_correction
 
-    monkeypatch.setattr(setup, "cpu_has_bf16_matmul", lambda: bf16_hardware)
+    monkeypatch.setattr(precision, "cpu_has_bf16_matmul", lambda: bf16_hardware)
     cpu_dtype = torch.bfloat16 if bf16_hardware else torch.float32
-    default = GRPOConfig()
-    assert setup.amp_dtype(default, cuda=False) == (torch.bfloat16 if bf16_hardware else None)
-    assert setup.engine_dtype(default, cuda=False) == cpu_dtype
-    assert setup.amp_dtype(default, cuda=True) is None and setup.engine_dtype(default, cuda=True) == torch.bfloat16
-    assert setup.amp_dtype(GRPOConfig(dtype="bfloat16"), cuda=False) is None  # bf16 weights: nothing to autocast
-    pinned = GRPOConfig(mixed_precision="no", vllm_dtype="float32")
-    assert setup.amp_dtype(pinned, cuda=False) is None and setup.engine_dtype(pinned, cuda=False) == torch.float32
-    assert setup.amp_dtype(GRPOConfig(mixed_precision="bf16"), cuda=False) == torch.bfloat16
-    assert setup.default_is_correction(cpu_dtype, setup.amp_dtype(default, cuda=False) or torch.float32, 0) == bf16_hardware
-    assert not setup.default_is_correction(torch.float32, torch.float32, 0)
-    assert setup.default_is_correction(torch.float32, torch.bfloat16, 0)  # autocast alone differs from the engine
-    assert setup.default_is_correction(torch.float32, torch.float32, 1)  # stale tokens
+    default = Precision.from_config(GRPOConfig())
+    assert default.amp_dtype(cuda=False) == (torch.bfloat16 if bf16_hardware else None)
+    assert default.engine_dtype(cuda=False) == cpu_dtype
+    assert default.amp_dtype(cuda=True) is None and default.engine_dtype(cuda=True) == torch.bfloat16
+    assert Precision.from_config(GRPOConfig(dtype="bfloat16")).amp_dtype(cuda=False) is None  # bf16 weights: nothing to autocast
+    pinned = Precision.from_config(GRPOConfig(mixed_precision="no", vllm_dtype="float32"))
+    assert pinned.amp_dtype(cuda=False) is None and pinned.engine_dtype(cuda=False) == torch.float32
+    assert Precision.from_config(GRPOConfig(mixed_precision="bf16")).amp_dtype(cuda=False) == torch.bfloat16
+    assert default_is_correction(cpu_dtype, default.amp_dtype(cuda=False) or torch.float32, 0) == bf16_hardware
+    assert not default_is_correction(torch.float32, torch.float32, 0)
+    assert default_is_correction(torch.float32, torch.bfloat16, 0)  # autocast alone differs from the engine
+    assert default_is_correction(torch.float32, torch.float32, 1)  # stale tokens
 
 
 def test_mixed_precision_bf16_runs_decoder_in_bf16_keeps_weights_fp32(tmp_path, tiny):

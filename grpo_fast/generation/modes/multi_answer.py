@@ -25,10 +25,10 @@ class MultiAnswer(RolloutMode):
         return f"num_generations x (1 + answers_per_thought) = {self.group_size(c)} with rollout_mode='multi_answer'"
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
-        from ...train import setup
+        from ...data.inputs import InputOptions, thought_end
         from . import sampling as rollout_modes
 
-        return rollout_modes.multi_answer(engine, tokenizer, prompts, rows, c, setup.thought_end(c), seed,
+        return rollout_modes.multi_answer(engine, tokenizer, prompts, rows, c, thought_end(InputOptions.from_config(c)), seed,
                                           sampling=sampling)
 
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):

@@ -1,0 +1,85 @@
+"""The run's rollout engine, built once from its row (`engine_kind`): a kind that samples with the live policy gets
+the policy; one that loads weights gets a folder (a model passed in is written to one first), then the whole
+policy as it is now (`initial_sync`: resumed or cast weights, LoRA's route)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+from ...options import mirror, options_record
+from . import engine_kind, make_engine
+
+
+@options_record
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options the run's engine is built with (GRPOConfig's fields of the same names)."""
+
+    engine: str = mirror("auto")
+    vllm_max_model_length: Optional[int] = mirror(None)
+    vllm_gpu_memory_utilization: float = mirror(0.3)
+    vllm_enable_sleep_mode: bool = mirror(False)
+    seed: int = mirror(42)
+    load_in_4bit: bool = mirror(False)
+    lora_route: Optional[str] = None  # GRPOConfig.lora_route: how an engine that loads weights samples a LoRA adapter
+
+
+def build_engine(options: EngineOptions, precision, model, tokenizer, model_path):
+    """The rollout engine of options.engine ("auto": vLLM when installed); precision: `models.precision.Precision`
+    (the engine's dtype)."""
+    from ...models import lora
+    from ...models.policy import context_limit
+
+    kind = engine_kind(options.engine, loadable_from_disk=True)  # (a model passed in is written to disk below)
+    if not kind.loads_weights:
+        return make_engine(kind.name, model=model, tokenizer=tokenizer, max_model_len=options.vllm_max_model_length)
+    route = options.lora_route if lora.is_lora(model) else None
+    folder = None
+    if model_path is None:  # a model passed in: the engine loads from disk, so write it once
+        folder = model_path = tempfile.mkdtemp(prefix="grpo_fast_engine_")
+        if route:  # the base alone, under its HF names
+            model.get_base_model().save_pretrained(model_path, safe_serialization=True, state_dict={
+                name: t.contiguous() for name, t in lora.engine_weights(model, merged=False)})
+        else:
+            model.save_pretrained(model_path, safe_serialization=True)
+        tokenizer.save_pretrained(model_path)
+    # max_prompt_length=None leaves the engine's context to the model's own limit
+    max_model_len = options.vllm_max_model_length or context_limit(model.config) or 2048
+    cuda = next(model.parameters()).is_cuda
+    engine = make_engine(kind.name, model_path=model_path,
+                         dtype=str(precision.engine_dtype(cuda)).replace("torch.", ""),
+                         max_model_len=max_model_len, seed=options.seed,
+                         gpu_memory_utilization=options.vllm_gpu_memory_utilization,
+                         enable_sleep_mode=options.vllm_enable_sleep_mode,
+                         **({"lora": lora.spec(model)} if route == "adapter" else {}),
+                         # QLoRA: the engine quantises the same base to 4 bits as it loads (bitsandbytes NF4), so it
+                         # samples what the trainer computes with (checked by the sync probe; GPU only, untested here)
+                         **({"quantization": "bitsandbytes"} if options.load_in_4bit else {}))
+    initial_sync(engine, model, route)  # the policy may differ from the folder (resumed, or cast)
+    if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
+        weakref.finalize(engine, shutil.rmtree, folder, True)
+    return engine
+
+
+def initial_sync(engine, model, route: Optional[str]) -> None:
+    """The whole policy into a new engine: every weight (with LoRA's merged route, the adapted layers
+    merged); the adapter route loads the base from its folder and the adapter as its version 0."""
+    from ...models import lora
+
+    if route == "adapter":
+        engine.update_adapter(0, lora.adapter_tensors(model))
+    elif route == "merged":
+        engine.update_weights(lora.engine_weights(model, merged=True))
+    else:
+        engine.update_weights(model)
+
+
+def check_partial_rollouts(engine, max_staleness: int) -> None:
+    """max_staleness >= 1 needs an engine that runs partial rollouts (its `runs_partial_rollouts`)."""
+    if not engine.runs_partial_rollouts:
+        raise ValueError(f"max_staleness={max_staleness} needs the vLLM engine (partial rollouts run in its "
+                         f"request loop), got {type(engine).__name__}; install vllm or set max_staleness=0")
