@@ -28,16 +28,21 @@ from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEA
 from .generation import modes
 from .generation.agents.loop import LoopOptions
 from .generation.engines import ENGINE_CHOICES  # (light: the engines themselves import lazily)
-from .generation.modes import ROLLOUT_MODES
+from .generation.modes import ModeOptions
+from .generation.modes.early_exit import EarlyExitOptions
+from .generation.modes.multi_answer import MultiAnswerOptions
+from .generation.rounds import RoundOptions
 from .loss_types import loss_type
 from .objective import LossOptions, option_warnings
 from .options import from_records
 from .rewards.judge import JudgeOptions
 from .rewards.sandbox import SandboxOptions
 from .train.advantages import AdvantageOptions
+from .train.generate import GenerateOptions
 
 # the records that declare GRPOConfig's fields (its body names them bare): imported before the class body runs
-DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions)
+DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
+                     ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions)
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -106,10 +111,10 @@ class GRPOConfig:
 
     # ---- generation --------------------------------------------------------------------------
     engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINE_CHOICES)
-    num_generations: int = _f(8, "Completions sampled per prompt (the group size G).", bounds=Bounds(low=2, integer=True, note=" (a group needs a baseline)"))
+    num_generations: int
     max_prompt_length: Optional[int] = _f(256, "Longest prompt in tokens; longer prompts are cut per `prompt_truncation`. None: no limit.", bounds=INTEGER_AT_LEAST_1)
     prompt_truncation: str = _f("left", "What to do with a prompt over max_prompt_length: keep its last tokens (left) with a warning, or raise (error).", TRUNCATION)
-    max_completion_length: int = _f(64, "Most tokens generated per completion.", bounds=INTEGER_AT_LEAST_1)
+    max_completion_length: int
     temperature: float
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).", bounds=FRACTION_OPEN_LOW)
     top_k: int = _f(0, "Keep only the k most likely tokens when sampling (0: off).", bounds=INTEGER_AT_LEAST_0)
@@ -157,20 +162,20 @@ class GRPOConfig:
     vllm_importance_sampling_cap: float = _f(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).", bounds=Bounds(low=0, low_open=True))
     vllm_importance_sampling_clip_min: Optional[float] = _f(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
     sampling_check_steps: int = _f(10, "Every this many steps, compute the trainer's log-probs of the sampled tokens even when nothing else needs them, to log sampling/logp_diff_mean (engine vs trainer). 0: only when they are computed anyway.", bounds=INTEGER_AT_LEAST_0)
-    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts until the batch is full.")
-    max_staleness: int = _f(0, "Partial rollouts (AReaL, verl's partial rollout): 0 samples each batch whole, waiting for its longest completion. k >= 1: generation runs in rounds that keep prompts_per_generation x (1 + rollout_overprovision) groups' worth of sequences running (new prompts join as sequences finish, while fewer than (k + 1) x prompts_per_generation groups are ahead of the trainer); a round ends once prompts_per_generation groups are complete and none still running would be more than k weight syncs stale next round; the oldest complete groups train, the unfinished completions continue under the next weights (tokens, sampling log-probs and policy versions kept; the IS correction defaults on). A group that still got too stale is dropped (rollout/dropped_stale). Larger k: a busier engine, staler tokens. vLLM engine, parallel rollouts, one process.", bounds=INTEGER_AT_LEAST_0)
-    rollout_overprovision: float = _f(0.5, "Partial rollouts: the sequences kept running in a round beyond prompts_per_generation x num_generations, as a share of it.", bounds=FINITE_AT_LEAST_0)
-    dynamic_sampling_max_rounds: int = _f(4, "Most extra generation rounds dynamic sampling runs per batch before training on what it has.", bounds=INTEGER_AT_LEAST_1)
+    dynamic_sampling: bool
+    max_staleness: int
+    rollout_overprovision: float
+    dynamic_sampling_max_rounds: int
     loss_backend: str
 
     # ---- GRPO variants (README: "GRPO variants"); "correct" = the first reward function's value > 0 ----
-    rollout_mode: str = _f("parallel", "How a group is sampled. parallel: num_generations independent completions per prompt. early_exit (S-GRPO): one full completion per prompt, cut at early_exit_points positions, each cut answered after early_exit_text; the serial group (the cuts, shortest first, then the full completion) gets decaying rewards 1/2^(i-1) for its i-th correct member, advantages r - mean(r); num_generations must be early_exit_points + 1. multi_answer (GRPO-MA): num_generations thoughts per prompt (ended at thought_end or max_thought_length tokens), answers_per_thought answers each; thoughts train with the mean-answer-reward advantage, answers (thought tokens masked) with the group advantage over the prompt's answers.", ROLLOUT_MODES)
-    early_exit_points: int = _f(7, "early_exit: cut positions per full completion (m), spread over its tokens (one drawn at random in each of m equal spans, seeded).", bounds=INTEGER_AT_LEAST_1)
-    early_exit_text: str = _f("\nTime is limited, stop thinking and start answering. The final answer is", "early_exit: text injected after each cut; the member is graded on what follows it, and the injected tokens are masked out of the loss.")
-    early_exit_answer_length: int = _f(16, "early_exit: most tokens of the answer generated after early_exit_text.", bounds=INTEGER_AT_LEAST_1)
-    answers_per_thought: int = _f(4, "multi_answer: answers sampled per thought (M). A prompt then trains K thoughts and K x M answers, and per_device_train_batch_size counts them all (a multiple of K x (1 + M)).", bounds=INTEGER_AT_LEAST_1)
-    thought_end: Optional[str] = _f(None, "multi_answer: the text that ends a thought (kept in it; answers continue after it). None: the task's own (chain_arithmetic: '\\boxed{', the start of its answer), else '</think>'.")
-    max_thought_length: int = _f(48, "multi_answer: most tokens of a thought; answers get max_completion_length tokens each.", bounds=INTEGER_AT_LEAST_1)
+    rollout_mode: str
+    early_exit_points: int
+    early_exit_text: str
+    early_exit_answer_length: int
+    answers_per_thought: int
+    thought_end: Optional[str]
+    max_thought_length: int
     # ---- agents (rollout_mode multi_turn; README "Agents") ----
     tools: Optional[list] = _f(None, "Tools the model may call, which switches on rollout_mode='multi_turn' (agents): built-in names (calculator) or module:function entries, each a function with type hints and a Google-style docstring with an Args: entry per argument (TRL's GRPOTrainer(tools=...); in Python pass the functions themselves). A trajectory is the model's turns and the tool results as one completion; the loss sees the model's tokens only.")
     environment_factory: Optional[str] = _f(None, "An environment class as module:Class, which switches on rollout_mode='multi_turn' (TRL's environment_factory; in Python pass the class, or a dict {name: class} chosen by a dataset column `environment`): one instance per trajectory (pooled), reset(**row) before its first turn (a returned string extends the prompt), every other public method a tool, an optional get_reward() a reward function named after the class (appended after reward_funcs, weight 1).")

@@ -245,6 +245,20 @@ def _normalise(r: torch.Tensor, num_generations: int, scale_rewards: str, std: s
     return centred.reshape(-1).float()
 
 
+def correct(rewards: torch.Tensor) -> torch.Tensor:
+    """(n,) bool of scored rewards `[n, k]`: the first reward function's value > 0 (the verifier's; missing
+    counts as wrong), what the GRPO variants call a correct answer."""
+    return torch.nan_to_num(rewards[:, 0], nan=0.0) > 0
+
+
+def weighted_rewards(rewards: torch.Tensor, weights: Optional[Sequence[float]]) -> torch.Tensor:
+    """(n,) weighted sum of scored rewards `[n, k]` over the functions, ignoring missing (NaN) values; NaN where
+    every value is missing (TRL). weights: one per function (None: all 1)."""
+    w = torch.ones(rewards.shape[1], dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    total = torch.nansum(rewards * w, dim=1)
+    return torch.where(rewards.isnan().all(dim=1), torch.nan, total)
+
+
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ class GRPOTrainer:
         cuda = next(model.parameters()).is_cuda
         packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=precisions.amp_dtype(cuda))
         self.options = Options(LossOptions.from_config(c), AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
+        self.generation = generate.GenerateOptions.from_config(c)  # the generate stage's (the mode's, the rounds')
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         parallel = distributed.parallelize(model, self.world, c.distributed_strategy)
         reference = reference_of(model, ref_model, self.world, parallel, c.beta)  # (LoRA: the policy, adapter off)
@@ -257,8 +258,8 @@ class GRPOTrainer:
         start_state, start_rng = copy.deepcopy(self.state), checkpoint.rng_state()
         try:  # (many ranks: a round is never abandoned halfway, the next round's start agrees to stop)
             with stop.abandonable() if self.world.size == 1 else contextlib.nullcontext():
-                generated = generate.generation_batch(self.engine, policy.tokenizer, self.data, self.state, c,  # generate,
-                                                      self.options.sampling, self.world, self._engine_weights)  # score
+                generated = generate.generation_batch(self.engine, policy.tokenizer, self.data, self.state, self.generation,
+                                                      self.options.sampling, self.world, self._engine_weights)  # generate, score
                 batch, times = generated.batch, dict(generated.times)
                 adv, adv_stats = advantages.advantages(  # advantages
                     batch, self.options.advantages, self.data.judge, prompt_column=c.prompt_column,

@@ -27,7 +27,7 @@ class LeaveOneOut(RolloutMode):
         return from_engine(groups, prompts, rows)
 
     def advantages(self, batch, c, judge=None, *, prompt_column="prompt", conversational=False, world=None):
-        from grpo_fast.train.score import weighted_rewards
+        from grpo_fast.objective import weighted_rewards
 
         G = c.num_generations
         batch.trained_rewards = batch.rewards

@@ -24,12 +24,12 @@ class Rollouts:
     finish_reason: list[str]
     completion_texts: list[str]
     rows: list[dict]  # the dataset row of each completion's prompt
-    # The rollout modes of the GRPO variants (generation/modes/sampling.py): which completion tokens enter
+    # The rollout modes of the GRPO variants (generation/modes/early_exit.py, multi_answer.py): which completion tokens enter
     # the loss ([C_i] bool each; None: all) and what each entry is ("full", "cut", "thought", "answer").
     loss_mask: Optional[list[torch.Tensor]] = None
     kind: Optional[list[str]] = None
     rewards: Optional[torch.Tensor] = None  # (n, k) float64, NaN = missing
-    # (n, k) float64: the rewards the advantages came from (train/advantages.py: partial credit or
+    # (n, k) float64: the rewards the advantages came from (the rollout mode's advantages: partial credit or
     # early_exit's serial reward in the first column); None: as scored. The logged `reward` reads them.
     trained_rewards: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None  # (n,) float32
@@ -82,6 +82,33 @@ class Rollouts:
     def trained_tokens(self, i: int) -> int:
         """Completion tokens of entry i that enter the loss."""
         return len(self.completion_ids[i]) if self.loss_mask is None else int(self.loss_mask[i].sum())
+
+
+class Entries:
+    """A `Rollouts` built one trained sequence at a time, with its loss mask and kind (the rollout modes that
+    mask tokens a sequence did not sample itself: early_exit's injected text, multi_answer's thought)."""
+
+    COLUMNS = ("prompt_ids", "rows", "completion_ids", "sampling_logp", "loss_mask", "finish_reason",
+               "completion_texts", "kind")
+
+    def __init__(self):
+        self.columns: dict = {k: [] for k in self.COLUMNS}
+
+    def add(self, prompt, row, ids, logp, mask, reason, text, kind) -> None:
+        """One entry: its prompt and row, completion ids, sampling log-probs (NaN where masked), loss mask,
+        finish reason, graded text and kind."""
+        c = self.columns
+        c["prompt_ids"].append(prompt)
+        c["rows"].append(row)
+        c["completion_ids"].append(list(ids))
+        c["sampling_logp"].append(torch.tensor(logp, dtype=torch.float32))
+        c["loss_mask"].append(torch.tensor(mask, dtype=torch.bool))
+        c["finish_reason"].append(reason)
+        c["completion_texts"].append(text)
+        c["kind"].append(kind)
+
+    def rollouts(self) -> Rollouts:
+        return Rollouts(**self.columns)
 
 
 def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollouts:

@@ -19,6 +19,12 @@ Each round:
    sequences running (at the start, and whenever a group's worth has finished), while fewer than
    `(max_staleness + 1) x prompts_per_generation` groups are ahead of the trainer;
 4. the oldest complete groups train (then in the order they completed); the rest stay.
+
+One driver, `run_round`, holds these rules for every rollout mode that supports partial rollouts; what the
+members are and how they advance is the mode's (`RolloutMode.round_members`): plain completions
+(`Completions` here, members `Member`) or an agent's trajectories (agents/rounds.py, members
+`agents.loop.Trajectory`, which carry over mid-turn and between turns). `partial_round` is what the generate
+stage calls: the stale groups dropped, the engine woken, one round.
 """
 
 from __future__ import annotations
@@ -29,8 +35,22 @@ from typing import Callable, Optional
 
 import torch
 
+from ..bounds import FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0
+from ..options import mirror, option, options_record
 from .batch import Rollouts
-from .engines.base import Continuation, SamplingOptions, hashed_seed
+from .engines.base import Continuation, SamplingOptions, awake, hashed_seed
+
+
+@options_record
+@dataclass(frozen=True)
+class RoundOptions:
+    """What a round of partial rollouts reads (`prompts_per_generation`: the config's, given by the caller)."""
+
+    max_staleness: int = option(0, "Partial rollouts (AReaL, verl's partial rollout): 0 samples each batch whole, waiting for its longest completion. k >= 1: generation runs in rounds that keep prompts_per_generation x (1 + rollout_overprovision) groups' worth of sequences running (new prompts join as sequences finish, while fewer than (k + 1) x prompts_per_generation groups are ahead of the trainer); a round ends once prompts_per_generation groups are complete and none still running would be more than k weight syncs stale next round; the oldest complete groups train, the unfinished completions continue under the next weights (tokens, sampling log-probs and policy versions kept; the IS correction defaults on). A group that still got too stale is dropped (rollout/dropped_stale). Larger k: a busier engine, staler tokens. vLLM engine, parallel rollouts, one process.", bounds=INTEGER_AT_LEAST_0)
+    rollout_overprovision: float = option(0.5, "Partial rollouts: the sequences kept running in a round beyond prompts_per_generation x num_generations, as a share of it.", bounds=FINITE_AT_LEAST_0)
+    num_generations: int = mirror(8)
+    max_completion_length: int = mirror(64)
+    prompts_per_generation: int = 8  # (GRPOConfig.prompts_per_generation: the batch's prompts)
 
 
 @dataclass
@@ -81,12 +101,12 @@ def new_groups(prompt_index: list[int], seeds: list[int], group_size: int,
             for p, s in zip(prompt_index, seeds, strict=True)]
 
 
-def round_limits(config) -> tuple[int, int, int]:
+def round_limits(o: RoundOptions) -> tuple[int, int, int]:
     """(groups a round trains, sequences it keeps running, groups it lets be ahead of the trainer): the slot and
     admission rules of `run_round`."""
-    wanted = config.prompts_per_generation
-    return (wanted, math.ceil(wanted * (1 + config.rollout_overprovision)) * config.num_generations,
-            (config.max_staleness + 1) * wanted)
+    wanted = o.prompts_per_generation
+    return (wanted, math.ceil(wanted * (1 + o.rollout_overprovision)) * o.num_generations,
+            (o.max_staleness + 1) * wanted)
 
 
 def at_last_chance(pool: list[Group], version: int, max_staleness: int) -> list[Group]:
@@ -123,14 +143,23 @@ def drop_stale(pool: list[Group], version: int, max_staleness: int) -> tuple[lis
     return kept, len(pool) - len(kept)
 
 
-def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[Group]], prompt_ids: list[list[int]],
-              rows: list[dict], config, *, sampling: SamplingOptions, version: int,
-              on_complete: Optional[Callable[[Group, Rollouts], None]] = None) -> tuple[Rollouts, list[Group], dict, list[Group]]:
-    """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups), sampled with
-    `sampling`: (the complete groups to train as Rollouts, the pool left for the next round, the
-    round's rollout/ metrics, the trained groups in the Rollouts' order). on_complete(group, its
-    Rollouts): called at the engine step a group's last member finishes in this round (to score it
-    while the round runs on; a group complete before the round is not handed over).
+@dataclass
+class Advanced:
+    """What advancing a round's members did (a member kind's `advance`): the engine step at which each group
+    completed (id(group) -> step; absent: complete before the round), and the round's figures."""
+
+    finished_at: dict
+    carried_over: int  # members continued from an earlier round
+    busy_fraction: float  # requests running per engine step / the round's slots
+    generated_tokens: int
+    reprefill_tokens: int  # prefix tokens prefilled again (the continued members': the cache is gone after a sync)
+
+
+def run_round(members, pool: list[Group], draw: Callable[[int], list[Group]], options: RoundOptions, *,
+              version: int) -> tuple[list[Group], list[Group], dict]:
+    """One round over `pool` (groups, modified in place; `draw(n)` gives n new groups) whose members advance as
+    `members` (a member kind: `Completions`, or an agent's trajectories, agents/rounds.py) runs them:
+    (the complete groups to train, the pool left for the next round, the round's rollout/ metrics).
 
     Three rules keep the engine busy without bias or waste (docs/design.md, "Partial rollouts"):
     - slots: the round keeps prompts_per_generation x (1 + rollout_overprovision) groups' worth of
@@ -140,84 +169,133 @@ def run_round(engine, tokenizer, pool: list[Group], draw: Callable[[int], list[G
     - the round ends once prompts_per_generation groups are complete and none still running would be
       too stale to train next round; the oldest complete groups train first. So long completions
       train too, where ending at the first complete groups would drop every long one as stale."""
-    budget, size = config.max_completion_length, config.num_generations
-    wanted, slots, ahead = round_limits(config)
-    running, requests, carried, members_left, slot = [], [], [], [], {}
-    queued, done = {}, {}  # id(group) -> its requests (member, request index); request index -> Completion
+    wanted, slots, ahead = round_limits(options)
 
-    def join(groups: list[Group]) -> list[Continuation]:
-        """Queue the unfinished members of `groups` (already in the pool or new) as requests."""
-        new = []
-        for g in groups:
-            slot[id(g)] = len(members_left)
-            members_left.append(sum(m.finish is None for m in g.members))
-            for j, m in enumerate(g.members):
-                if m.finish is None:
-                    queued.setdefault(id(g), []).append((j, len(running)))
-                    running.append((g, j, m))
-                    carried.append(bool(m.ids))  # continued from an earlier round
-                    new.append(Continuation(prompt_ids[g.prompt] + m.ids, budget - len(m.ids),
-                                            hashed_seed(g.seed, j, len(m.ids))))
-        requests.extend(new)
-        return new
-
-    def top_up(busy: int) -> list[Group]:  # new groups for the free slots, within the admission bound
-        n = min((slots - busy) // size, ahead - len(pool))
+    def top_up(busy: int) -> list[Group]:  # new groups for the free slots (busy: sequences running), within the bound
+        n = min((slots - busy) // options.num_generations, ahead - len(pool))
         fresh = draw(n) if n > 0 else []
         pool.extend(fresh)
         return fresh
 
-    join(pool)
-    join(top_up(len(requests)))
-    last_chance = [slot[id(g)] for g in at_last_chance(pool, version, config.max_staleness)]
+    last_chance = at_last_chance(pool, version, options.max_staleness)  # (a new group never is: it has no tokens)
 
-    def enough(finished: list[bool]) -> bool:  # enough complete groups, and none left to go too stale
-        left = list(members_left)
-        for (g, _, _), done in zip(running, finished, strict=True):
-            left[slot[id(g)]] -= done
-        return sum(n == 0 for n in left) >= wanted and all(left[k] == 0 for k in last_chance)
+    def enough(done: Callable[[Group], bool]) -> bool:  # enough complete groups, and none left to go too stale
+        return sum(map(done, pool)) >= wanted and all(map(done, last_chance))
 
-    def more(finished: list[bool]) -> list[Continuation]:
-        return join(top_up(finished.count(False)))
-
-    def finished(k: int, c) -> None:  # (the engine's callback: request k ended at this step)
-        done[k] = c
-        g = running[k][0]
-        if all(r in done for _, r in queued[id(g)]):
-            ended = {j: done[r] for j, r in queued[id(g)]}
-            members = [Member(m.ids + ended[j].token_ids, m.logp + ended[j].logprobs,
-                              m.ver + [version] * len(ended[j].token_ids), ended[j].finish_reason) if j in ended else m
-                       for j, m in enumerate(g.members)]
-            on_complete(g, _as_rollouts([Group(g.prompt, g.seed, members)], prompt_ids, rows, tokenizer))
-
-    result = engine.generate_until(requests, enough, more=more, sampling=sampling,
-                                   on_finished=finished if on_complete is not None else None)
-    last_step = {}  # id(group) -> the engine step at which its last member finished in this round
-    for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
-        m.ids += c.token_ids
-        m.logp += c.logprobs
-        m.ver += [version] * len(c.token_ids)
-        m.finish = c.finish_reason
-        if c.finish_reason is None and len(m.ids) >= budget:  # aborted on its last token
-            m.finish = "length"
-        if step is not None:
-            last_step[id(g)] = max(last_step.get(id(g), -1), step)
-    trained, left = train_first(pool, last_step, wanted)
-    stats = {"rollout/carried_over": sum(carried), **staleness(trained, version),
-             "rollout/busy_fraction": result.busy_fraction(slots),
-             "rollout/generated_tokens": sum(len(c.token_ids) for c in result.completions),
-             "rollout/reprefill_tokens": sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c),
-             "rollout/in_flight": len(pool)}
-    return _as_rollouts(trained, prompt_ids, rows, tokenizer), left, stats, trained
+    moved = members.advance(pool, top_up, enough, version=version, slots=slots)
+    trained, left = train_first(pool, moved.finished_at, wanted)
+    stats = {"rollout/carried_over": moved.carried_over, **staleness(trained, version),
+             "rollout/busy_fraction": moved.busy_fraction, "rollout/generated_tokens": moved.generated_tokens,
+             "rollout/reprefill_tokens": moved.reprefill_tokens, "rollout/in_flight": len(pool)}
+    return trained, left, stats
 
 
-def _as_rollouts(groups: list[Group], prompt_ids, rows, tokenizer) -> Rollouts:
-    members = [(g.prompt, m) for g in groups for m in g.members]
-    return Rollouts(
-        prompt_ids=[list(prompt_ids[p]) for p, _ in members],
-        completion_ids=[list(m.ids) for _, m in members],
-        sampling_logp=[torch.tensor(m.logp, dtype=torch.float32) for _, m in members],
-        finish_reason=[m.finish for _, m in members],
-        completion_texts=[tokenizer.decode(m.ids, skip_special_tokens=True) for _, m in members],
-        rows=[rows[p] for p, _ in members],
-    )
+def partial_round(engine, members, in_flight: list[Group], draw_prompts: Callable[[int], tuple[list[int], list[int]]],
+                  options: RoundOptions, *, version: int, sleeps: bool) -> tuple[Rollouts, list[Group], dict, list[Group]]:
+    """A round of partial rollouts from the groups in flight: the too-stale ones dropped, the rest made ready
+    (`members.prepare`), new groups from draw_prompts(n) (n prompt indices of the data order, a seed each), the
+    engine woken for the round (sleeps: sleep mode). (the trained groups as Rollouts, the groups left in flight,
+    the round's rollout/ metrics, the trained groups in the Rollouts' order.)"""
+    pool, dropped = drop_stale(in_flight, version, options.max_staleness)
+    ready = members.prepare(pool)
+
+    def draw(n: int) -> list[Group]:
+        prompts, seeds = draw_prompts(n)
+        return new_groups(prompts, seeds, options.num_generations, members.new_member)
+
+    with awake(engine, sleeps):
+        trained, left, stats = run_round(members, pool, draw, options, version=version)
+    return members.as_rollouts(trained), left, {**stats, "rollout/dropped_stale": dropped, **ready}, trained
+
+
+class Completions:
+    """Members that are plain completions (`Member`): each unfinished one runs as one request of the engine's
+    request loop (`generate_until`), prompt + its tokens so far, its remaining budget, seeded by where it goes
+    on. on_complete(group, its Rollouts): called at the engine step a group's last member finishes in the
+    round (to score it while the round runs on; a group complete before the round is not handed over)."""
+
+    def __init__(self, engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], *, sampling: SamplingOptions,
+                 budget: int, on_complete: Optional[Callable[[Group, Rollouts], None]] = None):
+        self.engine, self.tokenizer, self.prompt_ids, self.rows = engine, tokenizer, prompt_ids, rows
+        self.sampling, self.budget, self.on_complete = sampling, budget, on_complete
+
+    def prepare(self, pool: list[Group]) -> dict:
+        """Nothing to make ready: a member read back from a checkpoint is its tokens."""
+        return {}
+
+    def new_member(self, prompt: int, seed: int, j: int) -> Member:
+        return Member()
+
+    def advance(self, pool: list[Group], top_up: Callable[[int], list[Group]],
+                enough: Callable[[Callable[[Group], bool]], bool], *, version: int, slots: int) -> Advanced:
+        """Run the pool's unfinished members (and top_up's new groups) until enough(complete) holds after an
+        engine step; their tokens, log-probs and versions appended."""
+        budget = self.budget
+        running, requests, carried, members_left, slot = [], [], [], [], {}
+        queued, done = {}, {}  # id(group) -> its requests (member, request index); request index -> Completion
+
+        def join(groups: list[Group]) -> list[Continuation]:
+            """Queue the unfinished members of `groups` (already in the pool or new) as requests."""
+            new = []
+            for g in groups:
+                slot[id(g)] = len(members_left)
+                members_left.append(sum(m.finish is None for m in g.members))
+                for j, m in enumerate(g.members):
+                    if m.finish is None:
+                        queued.setdefault(id(g), []).append((j, len(running)))
+                        running.append((g, j, m))
+                        carried.append(bool(m.ids))  # continued from an earlier round
+                        new.append(Continuation(self.prompt_ids[g.prompt] + m.ids, budget - len(m.ids),
+                                                hashed_seed(g.seed, j, len(m.ids))))
+            requests.extend(new)
+            return new
+
+        join(pool)
+        join(top_up(len(requests)))
+
+        def step_done(finished: list[bool]) -> bool:  # (the engine's: which requests have finished)
+            left = list(members_left)
+            for (g, _, _), ended in zip(running, finished, strict=True):
+                left[slot[id(g)]] -= ended
+            return enough(lambda g: left[slot[id(g)]] == 0)
+
+        def more(finished: list[bool]) -> list[Continuation]:
+            return join(top_up(finished.count(False)))
+
+        def finished(k: int, c) -> None:  # (the engine's callback: request k ended at this step)
+            done[k] = c
+            g = running[k][0]
+            if all(r in done for _, r in queued[id(g)]):
+                ended = {j: done[r] for j, r in queued[id(g)]}
+                members = [Member(m.ids + ended[j].token_ids, m.logp + ended[j].logprobs,
+                                  m.ver + [version] * len(ended[j].token_ids), ended[j].finish_reason) if j in ended else m
+                           for j, m in enumerate(g.members)]
+                self.on_complete(g, self.as_rollouts([Group(g.prompt, g.seed, members)]))
+
+        result = self.engine.generate_until(requests, step_done, more=more, sampling=self.sampling,
+                                            on_finished=finished if self.on_complete is not None else None)
+        last_step = {}  # id(group) -> the engine step at which its last member finished in this round
+        for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
+            m.ids += c.token_ids
+            m.logp += c.logprobs
+            m.ver += [version] * len(c.token_ids)
+            m.finish = c.finish_reason
+            if c.finish_reason is None and len(m.ids) >= budget:  # aborted on its last token
+                m.finish = "length"
+            if step is not None:
+                last_step[id(g)] = max(last_step.get(id(g), -1), step)
+        return Advanced(last_step, sum(carried), result.busy_fraction(slots),
+                        sum(len(c.token_ids) for c in result.completions),
+                        sum(len(r.prompt_ids) for r, c in zip(requests, carried, strict=True) if c))
+
+    def as_rollouts(self, groups: list[Group]) -> Rollouts:
+        """The groups' members as `Rollouts`, in order."""
+        members = [(g.prompt, m) for g in groups for m in g.members]
+        return Rollouts(
+            prompt_ids=[list(self.prompt_ids[p]) for p, _ in members],
+            completion_ids=[list(m.ids) for _, m in members],
+            sampling_logp=[torch.tensor(m.logp, dtype=torch.float32) for _, m in members],
+            finish_reason=[m.finish for _, m in members],
+            completion_texts=[self.tokenizer.decode(m.ids, skip_special_tokens=True) for _, m in members],
+            rows=[self.rows[p] for p, _ in members],
+        )

@@ -1,9 +1,9 @@
 """From scored rollouts to advantages, with the GRPO variants' reward shaping (the math is in
-`objective.py`; this applies it to a generation batch as `GRPOConfig` asks).
+`objective.py`; each rollout mode applies it to a generation batch: its `advantages`, in
+`grpo_fast.generation.modes`, one file each). This stage asks the batch's mode, with the options it reads
+(`AdvantageOptions`) and the partial-credit judge as a scorer.
 
-"Correct" is the first reward function's value > 0 (the verifier's; missing counts as wrong).
-
-The modes live in `grpo_fast.generation.modes` (one file each); this module holds what they share.
+"Correct" is the first reward function's value > 0 (the verifier's; missing counts as wrong: `objective.correct`).
 
     rollout_mode=parallel      group advantages of the (weighted) rewards, after SGPO's partial
                                credit (groups with no correct answer: the first reward becomes
@@ -29,12 +29,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import objective
 from ..bounds import FINITE, FINITE_AT_LEAST_0, Bounds
-from ..distributed import ONE_PROCESS, World, gather_rows
+from ..distributed import ONE_PROCESS, World
 from ..generation.batch import Rollouts
 from ..generation.modes import rollout_mode
-from ..objective import REWARD_AGGREGATIONS, SCALE_REWARDS, STD_ESTIMATORS
+from ..objective import REWARD_AGGREGATIONS, SCALE_REWARDS, STD_ESTIMATORS, correct  # noqa: F401 (correct: evaluate's)
 from ..options import mirror, option, options_record, read_config
 from .score import score
 
@@ -70,68 +69,12 @@ class AdvantageOptions:
         return read_config(cls, config, reward_weights=weights, group_size=config.group_size)
 
 
-def correct(rewards: torch.Tensor) -> torch.Tensor:
-    """(n,) bool: the first reward function's value > 0."""
-    return torch.nan_to_num(rewards[:, 0], nan=0.0) > 0
-
-
 def advantages(batch: Rollouts, c: AdvantageOptions, judge: Optional[Callable] = None, *, prompt_column: str = "prompt",
                conversational: bool = False, world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
     """(advantages [n] float32, stats) of a scored batch, as its rollout mode computes them
-    (`grpo_fast.generation.modes`); `judge` is the partial-credit judge. Under torchrun, `batch` is this rank's
-    share of the generation batch (whole groups, the same size on every rank). Sets
-    `batch.trained_rewards`: the scored rewards as the mode reshaped them (module docstring)."""
-    return rollout_mode(c.rollout_mode).advantages(batch, c, judge, prompt_column=prompt_column,
-                                                   conversational=conversational, world=world)
-
-
-def group_advantages(batch: Rollouts, c: AdvantageOptions, judge: Optional[Callable] = None, *,
-                     prompt_column: str = "prompt", conversational: bool = False,
-                     world: World = ONE_PROCESS) -> tuple[torch.Tensor, dict]:
-    """The parallel mode's advantages: statistics over the whole batch (`scale_rewards="batch"`)
-    use every rank's rewards."""
-    G, rewards, stats = c.num_generations, batch.rewards, {}
-    ok = correct(rewards)
-    if judge is not None:
-        rewards, stats = _partial_credit(batch, ok, c, judge, prompt_column, conversational)
-    batch.trained_rewards = rewards
-    mine = slice(None)
-    if c.scale_rewards == "batch" and world.size > 1:  # the std over all ranks' rewards, as one process has it
-        mine = slice(world.rank * len(rewards), (world.rank + 1) * len(rewards))
-        rewards = gather_rows(rewards, world)
-    adv = objective.group_advantages(rewards, G, scale_rewards=c.scale_rewards, std=c.advantage_std,
-                                     reward_weights=c.reward_weights, aggregation=c.multi_objective_aggregation)[mine]
-    rewards = rewards[mine]
-    if c.difficulty_weighting:
-        adv = objective.difficulty_weights(adv, ok, G, A=c.difficulty_A, B=c.difficulty_B, rho0=c.difficulty_rho0,
-                                           k=c.difficulty_k)
-    if c.reward_noise_rate is not None:
-        first = torch.nan_to_num(rewards[:, 0], nan=0.0)
-        if bool(((first < 0) | (first > 1)).any()):
-            raise ValueError(f"reward_noise_rate={c.reward_noise_rate} needs the first reward function's values in "
-                             f"[0, 1] (a verifier's 0/1), got values in [{float(first.min())}, {float(first.max())}]")
-        weights = objective.noise_aware_weights(first, G, p=c.reward_noise_rate)
-        adv = adv * weights
-        stats["noise_aware/weight_mean"] = weights.mean().item()
-    return adv, stats
-
-
-def _partial_credit(batch: Rollouts, ok: torch.Tensor, c: AdvantageOptions, judge, prompt_column: str, conversational: bool):
-    """The rewards with SGPO's partial credit in the groups that have no correct answer: the judge
-    runs on those completions only."""
-    G = c.num_generations
-    none_right = ~ok.view(-1, G).any(1)
-    rows = [g * G + j for g in range(len(none_right)) if none_right[g] for j in range(G)]
-    rewards = batch.rewards.clone()
-    if rows:
-        scores = score([judge], batch.select(rows), prompt_column, conversational).rewards
-        judged = torch.nan_to_num(scores[:, 0], nan=0.0)  # None (no reasoning to judge): no credit
-        if bool(((judged < 0) | (judged > 1)).any()):
-            raise ValueError(f"partial_credit_judge={c.partial_credit_judge!r}: expected scores in [0, 1], got values "
-                             f"in [{float(judged.min())}, {float(judged.max())}]")
-        step_scores = torch.full((len(batch),), 0.0, dtype=torch.float64)
-        step_scores[rows] = judged
-        credit = objective.partial_credit_rewards(rewards[:, 0].nan_to_num(0.0), ok, step_scores, G,
-                                                  beta=c.partial_credit_beta, gamma=c.partial_credit_gamma)
-        rewards[rows, 0] = credit[rows].double()
-    return rewards, {"partial_credit/frac_groups": none_right.float().mean().item()}
+    (`grpo_fast.generation.modes`); `judge` is the partial-credit judge, a reward function the mode has score
+    the completions it asks about (prompts from `prompt_column`, `conversational` ones as messages). Under
+    torchrun, `batch` is this rank's share of the generation batch (whole groups, the same size on every rank).
+    Sets `batch.trained_rewards`: the scored rewards as the mode reshaped them (module docstring)."""
+    judged = None if judge is None else (lambda part: score([judge], part, prompt_column, conversational).rewards)
+    return rollout_mode(c.rollout_mode).advantages(batch, c, judged, world=world)

@@ -1,11 +1,12 @@
 """The generate stage: the next prompts in the seeded data order, this rank's share of them, the
-engine's completions (by the rollout mode, or a partial-rollout round), and DAPO's dynamic sampling,
-which scores as it samples and draws more prompts until enough groups carry a signal.
+engine's completions as the rollout mode samples them (or a round of partial rollouts), scored, and DAPO's
+dynamic sampling, which scores as it samples and draws more prompts until enough groups carry a signal.
 
 Seeds come from the run seed and counters kept in `TrainState` (`cursor`, `epoch`,
 `generation_calls`), so a resumed run draws the same prompts with the same sampling seeds.
-How a group is sampled is its rollout mode's (`grpo_fast.generation.modes`, one registered object per mode:
-`sample` asks it); `partial_rollouts.py` runs rounds that never wait for their longest completion.
+How a group is sampled is its rollout mode's (`grpo_fast.generation.modes`, one registered object per mode);
+rounds that never wait for their longest completion are `grpo_fast.generation.rounds`'. Where the engine
+and the mode stream groups, each group is scored as it finishes (`score.GroupScorer`) while the rest decode.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from ..bounds import INTEGER_AT_LEAST_1
 from ..distributed import World
-from ..generation import rounds as partial_rollouts
-from ..generation.agents import rounds as agent_rounds
+from ..generation import rounds
 from ..generation.agents import tool_metrics
 from ..generation.batch import Rollouts, from_engine
-from ..generation.engines.base import SamplingOptions, hashed_seed, prompt_seeds
-from ..generation.modes import rollout_mode
+from ..generation.engines.base import SamplingOptions, awake, prompt_seeds
+from ..generation.modes import rollout_mode, sample_groups
+from ..generation.rounds import RoundOptions
+from ..options import mirror, option, options_record, read_config
 from ..reporting.metrics import timed
 from ..rewards.names import reward_name
 from .score import GroupScorer, Scores, conversational, counter_metrics, score, zero_std_groups
@@ -44,6 +47,35 @@ class TrainData:
     reward_funcs: list
     judge: Optional[Callable] = None  # SGPO's partial-credit judge (the advantages stage's)
     agent: Optional[object] = None  # multi_turn: the tools, chat template and tool runner (grpo_fast/generation/agents)
+
+
+@options_record
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What the generate stage reads, built once (`from_config`): the data order, dynamic sampling, what
+    scoring reads, sleep mode, and the records of the rollout mode (its `options`) and of partial rollouts."""
+
+    seed: int = mirror(42)
+    shuffle_dataset: bool = mirror(True)
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards all agree and sample "
+                                    "more prompts until the batch is full.")
+    dynamic_sampling_max_rounds: int = option(4, "Most extra generation rounds dynamic sampling runs per batch before "
+                                              "training on what it has.", bounds=INTEGER_AT_LEAST_1)
+    prompt_column: str = mirror("prompt")
+    reward_weights: Optional[list] = mirror(None)
+    reward_timeout: Optional[float] = mirror(None)
+    vllm_enable_sleep_mode: bool = mirror(False)
+    rollout_mode: str = mirror("parallel")
+    group_size: int = 8  # (GRPOConfig.group_size: trained sequences per prompt, as the mode samples them)
+    prompts_per_generation: int = 8  # (GRPOConfig.prompts_per_generation)
+    mode: Any = None  # the rollout mode's options record (`RolloutMode.options`): what its sampling reads
+    rounds: Optional[RoundOptions] = None  # partial rollouts' (max_staleness 0: batches sampled whole)
+
+    @classmethod
+    def from_config(cls, config) -> "GenerateOptions":
+        return read_config(cls, config, group_size=config.group_size, prompts_per_generation=config.prompts_per_generation,
+                           mode=rollout_mode(config.rollout_mode).options.from_config(config),
+                           rounds=RoundOptions.from_config(config, prompts_per_generation=config.prompts_per_generation))
 
 
 @dataclass(frozen=True)
@@ -68,11 +100,11 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * _EPOCH_SEED_PRIME + epoch)).tolist()
 
 
-def next_prompts(state, k: int, n: int, config) -> list[int]:
+def next_prompts(state, k: int, n: int, options: GenerateOptions) -> list[int]:
     """The next k prompt indices (of n) in the seeded per-epoch order (wrapping into the next epoch)."""
     out = []
     while len(out) < k:
-        order = epoch_order(n, config.seed, state.epoch, config.shuffle_dataset)
+        order = epoch_order(n, options.seed, state.epoch, options.shuffle_dataset)
         take = order[state.cursor : state.cursor + k - len(out)]
         out += take
         state.cursor += len(take)
@@ -81,10 +113,10 @@ def next_prompts(state, k: int, n: int, config) -> list[int]:
     return out
 
 
-def next_seed(state, config) -> int:
+def next_seed(state, options: GenerateOptions) -> int:
     """The sampling seed of the next engine call (each call its own; a resumed run continues the sequence)."""
     state.generation_calls += 1
-    return sampling_seed(config.seed, state.generation_calls)
+    return sampling_seed(options.seed, state.generation_calls)
 
 
 def rank_share(prompt_index: list[int], world: World) -> tuple[list[int], int]:
@@ -94,86 +126,68 @@ def rank_share(prompt_index: list[int], world: World) -> tuple[list[int], int]:
     return prompt_index[world.rank * k : (world.rank + 1) * k], world.rank * k
 
 
-# ---- sampling --------------------------------------------------------------------------------
+# ---- sampling, scored as it goes where the engine streams ------------------------------------
 
 
-def sample(engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, config, sampling: SamplingOptions,
-           seed: Callable[[], int], on_group=None, agent=None) -> Rollouts:
-    """The engine's completions of `prompts` as the rollout mode samples them (`seed()`: the next call's seed;
-    on_group: handed to the engine where the mode streams its groups; agent: to a mode that takes it)."""
-    mode = rollout_mode(config.rollout_mode)
-    extra = {"on_group": on_group} if on_group is not None else {}
-    assert not extra or mode.streams_groups, f"rollout mode {mode.name!r} does not stream its groups"
-    if mode.takes_agent:
-        extra["agent"] = agent
-    return mode.sample(engine, tokenizer, prompts, rows, first, config, sampling, seed, **extra)
+def _scorer(data: TrainData, options: GenerateOptions, first_row: dict, make_batch: Callable) -> GroupScorer:
+    """A scorer of groups as the engine finishes them (make_batch(keys, groups) -> their Rollouts)."""
+    return GroupScorer(data.reward_funcs, make_batch, options.prompt_column, conversational(first_row[options.prompt_column]),
+                       group_size=options.group_size, timeout=options.reward_timeout)
 
 
-def group_scorer(engine, data: TrainData, prompt_index: list[int], config) -> Optional[GroupScorer]:
-    """A scorer of the groups as the engine finishes them, where both the engine (vLLM) and the rollout mode
-    stream groups; None elsewhere (the batch is scored after sampling)."""
-    if not (engine.streams_groups and rollout_mode(config.rollout_mode).streams_groups):
-        return None
-    prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
-
-    def make_batch(indices: list[int], groups: list) -> Rollouts:
-        return from_engine(groups, [prompts[i] for i in indices], [rows[i] for i in indices])
-
-    return GroupScorer(data.reward_funcs, make_batch, config.prompt_column,
-                       conversational(rows[0][config.prompt_column]), group_size=config.group_size,
-                       timeout=config.reward_timeout)
-
-
-def generate(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, config,
-             sampling: SamplingOptions, engine_weights, on_group=None) -> Rollouts:
-    """Sample the prompts `prompt_index` (sleep mode: the engine woken for it, put back to sleep after)."""
-    prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
-    if config.vllm_enable_sleep_mode:
-        engine.wake()
-    with engine_weights():
-        batch = sample(engine, tokenizer, prompts, rows, first, config, sampling, lambda: next_seed(state, config),
-                       on_group, data.agent)
-    if config.vllm_enable_sleep_mode:  # free the engine's memory for the training passes (GPU)
-        engine.sleep()
-    return batch
-
-
-def partial_round(engine, tokenizer, data: TrainData, state, config,
-                  sampling: SamplingOptions) -> tuple[Rollouts, dict, Optional[Callable[[], Scores]]]:
-    """Partial rollouts: drop the too-stale groups, run a round (it draws new prompts as slots free up);
-    (the groups to train, the round's metrics, where the engine streams a call that waits for their
-    scores: each group was scored as its last member finished, while the round ran on; else None)."""
-    c = config
-    pool, dropped = partial_rollouts.drop_stale(state.in_flight, state.policy_version, c.max_staleness)
-    if data.agent is not None:
-        return agent_round(engine, tokenizer, data, state, c, sampling, pool, dropped)
-
-    def draw(n: int) -> list[dict]:  # n new groups: the next prompts of the data order, their seeds
-        return partial_rollouts.new_groups(next_prompts(state, n, len(data.rows), c),
-                                           prompt_seeds(next_seed(state, c), n), c.num_generations)
-
-    if c.vllm_enable_sleep_mode:
-        engine.wake()
-    scorer = None
-    if engine.streams_groups:
-        scorer = GroupScorer(data.reward_funcs, lambda keys, groups: Rollouts.concat(groups), c.prompt_column,
-                             conversational(data.rows[0][c.prompt_column]), group_size=c.group_size,
-                             timeout=c.reward_timeout)
+@contextlib.contextmanager
+def _closed_on_error(scorer: Optional[GroupScorer]):
+    """The scorer's worker let go where sampling fails (nothing will be finished)."""
     try:
-        batch, state.in_flight, stats, trained = partial_rollouts.run_round(
-            engine, tokenizer, pool, draw, data.prompt_ids, data.rows, c, sampling=sampling,
-            version=state.policy_version,
-            on_complete=(lambda g, group: scorer.on_group(id(g), group)) if scorer is not None else None)
+        yield
     except BaseException:
         if scorer is not None:
             scorer.close()
         raise
-    if c.vllm_enable_sleep_mode:
-        engine.sleep()
-    stats["rollout/dropped_stale"] = dropped
+
+
+def sampled(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, options: GenerateOptions,
+            sampling: SamplingOptions, engine_weights) -> tuple[Rollouts, Optional[Callable[[], Scores]]]:
+    """The prompts `prompt_index` sampled as the rollout mode samples them (`first`: the batch position of the
+    first; sleep mode: the engine woken for it), and, where both the engine (vLLM) and the mode stream groups,
+    a call that waits for their scores (each group scored as it finished, while the rest decoded); else None."""
+    mode = rollout_mode(options.rollout_mode)
+    prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
+    scorer = None
+    if engine.streams_groups and mode.streams_groups:
+        scorer = _scorer(data, options, rows[0], lambda indices, groups: from_engine(
+            groups, [prompts[i] for i in indices], [rows[i] for i in indices]))
+    with _closed_on_error(scorer), awake(engine, options.vllm_enable_sleep_mode), engine_weights():
+        batch = sample_groups(mode, engine, tokenizer, prompts, rows, first, options.mode, sampling,
+                              lambda: next_seed(state, options), on_group=scorer.on_group if scorer is not None else None,
+                              agent=data.agent)
+    if scorer is None:
+        return batch, None
+    return batch, functools.partial(scorer.finish, range(len(batch) // options.group_size))
+
+
+def scored_round(engine, tokenizer, data: TrainData, state, options: GenerateOptions,
+                 sampling: SamplingOptions) -> tuple[Rollouts, dict, Optional[Callable[[], Scores]]]:
+    """Partial rollouts: a round of the rollout mode's members (generation/rounds.py; it draws new prompts as slots
+    free up); (the groups to train, the round's metrics, where the engine and the mode stream groups a call that
+    waits for their scores: each group was scored as its last member finished, while the round ran on; else None)."""
+    mode = rollout_mode(options.rollout_mode)
+    scorer = None
+    if engine.streams_groups and mode.streams_groups:
+        scorer = _scorer(data, options, data.rows[0], lambda keys, groups: Rollouts.concat(groups))
+    members = mode.round_members(engine, tokenizer, data.prompt_ids, data.rows, options.rounds, sampling, agent=data.agent,
+                                 on_complete=(lambda g, group: scorer.on_group(id(g), group)) if scorer is not None else None)
+
+    def draw(n: int) -> tuple[list[int], list[int]]:  # n new groups' prompts (the data order's next) and seeds
+        return next_prompts(state, n, len(data.rows), options), prompt_seeds(next_seed(state, options), n)
+
+    with _closed_on_error(scorer):
+        batch, state.in_flight, stats, trained = rounds.partial_round(
+            engine, members, state.in_flight, draw, options.rounds, version=state.policy_version,
+            sleeps=options.vllm_enable_sleep_mode)
     if scorer is None:
         return batch, stats, None
-    G = c.group_size
+    G = options.group_size
     # a group complete before this round: its scores from the round that completed it (kept on the group,
     # in memory only: after a resume it is scored again, to the same values); else scored at the end
     known = {id(g): g.scores for g in trained if g.scores is not None}
@@ -189,86 +203,51 @@ def partial_round(engine, tokenizer, data: TrainData, state, config,
     return batch, stats, scores
 
 
-def agent_round(engine, tokenizer, data: TrainData, state, config, sampling: SamplingOptions, pool: list,
-                dropped: int) -> tuple[Rollouts, dict, None]:
-    """Partial rollouts of an agent (agents/rounds.py): trajectories carried over between rounds; a group in
-    flight read back from a checkpoint made whole first (its environments rebuilt, `Agent.restore`)."""
-    c, agent = config, data.agent
-    loop = agent.loop(engine, tokenizer, sampling=sampling, max_completion_length=c.max_completion_length)
-    if agent.environments is not None:  # (the instances of trained or dropped groups are free again)
-        agent.environments.release_all_but([t.environment for g in pool for t in g.members])
-    restarted = sum(not agent.restore(t, data.rows[g.prompt], loop) for g in pool for t in g.members)
-
-    def draw(n: int) -> list:  # n new groups of trajectories: the next prompts of the data order, their seeds
-        return partial_rollouts.new_groups(
-            next_prompts(state, n, len(data.rows), c), prompt_seeds(next_seed(state, c), n), c.num_generations,
-            lambda p, seed, j: agent.trajectory(data.prompt_ids[p], data.rows[p], hashed_seed(seed, j)))
-
-    if c.vllm_enable_sleep_mode:
-        engine.wake()
-    trained, state.in_flight, stats = agent_rounds.run_round(loop, pool, draw, c, version=state.policy_version)
-    if c.vllm_enable_sleep_mode:
-        engine.sleep()
-    batch = agent.as_rollouts([t for g in trained for t in g.members],
-                              [data.rows[g.prompt] for g in trained for _ in g.members], tokenizer, loop.waiting_seconds)
-    return batch, {**stats, "rollout/dropped_stale": dropped, "rollout/restarted_trajectories": restarted}, None
-
-
 # ---- the stage: generate and score, with dynamic sampling ------------------------------------
 
 
-def generation_batch(engine, tokenizer, data: TrainData, state, config, sampling: SamplingOptions, world: World,
-                     engine_weights=contextlib.nullcontext) -> Generated:
+def generation_batch(engine, tokenizer, data: TrainData, state, options: GenerateOptions, sampling: SamplingOptions,
+                     world: World, engine_weights=contextlib.nullcontext) -> Generated:
     """Sample the generation batch and score it. With dynamic sampling (DAPO), groups whose
     rewards all agree are dropped and more prompts sampled, up to dynamic_sampling_max_rounds."""
-    c, G, times = config, config.group_size, {}
-    wanted, kept, sampled_groups, zero_groups, rounds = c.prompts_per_generation, [], 0, 0, 0
+    o, G, times = options, options.group_size, {}
+    wanted, kept, sampled_groups, zero_groups, rounds_run = o.prompts_per_generation, [], 0, 0, 0
     round_stats = dict.fromkeys(("rollout/carried_over", "rollout/staleness_mean", "rollout/staleness_max",
                                  "rollout/dropped_stale", "rollout/busy_fraction"), 0)  # synchronous: zeros
     generated = 0
     while True:
-        finish = None  # where groups were scored as the engine finished them: waits for their scores
         with timed(times, "time/generate"):
-            if c.max_staleness:
-                part, round_stats, finish = partial_round(engine, tokenizer, data, state, c, sampling)
+            if o.rounds.max_staleness:
+                part, round_stats, finish = scored_round(engine, tokenizer, data, state, o, sampling)
             else:
                 more = world.size * (wanted - sum(len(k) // G for k in kept))
-                index, first = rank_share(next_prompts(state, more, len(data.rows), c), world)
-                scorer = group_scorer(engine, data, index, c)  # (vLLM: groups scored while the rest decode)
-                try:
-                    part = generate(engine, tokenizer, data, index, first, state, c, sampling, engine_weights,
-                                    scorer.on_group if scorer is not None else None)
-                except BaseException:
-                    if scorer is not None:
-                        scorer.close()
-                    raise
-                if scorer is not None:
-                    finish = functools.partial(scorer.finish, range(len(part) // G))
+                index, first = rank_share(next_prompts(state, more, len(data.rows), o), world)
+                part, finish = sampled(engine, tokenizer, data, index, first, state, o, sampling, engine_weights)
                 generated += sum(len(ids) for ids in part.completion_ids)
                 round_stats["rollout/generated_tokens"] = generated
         with timed(times, "time/reward"):  # (what scoring adds after decoding: the early groups' time is hidden)
             scores = finish() if finish is not None else score(
-                data.reward_funcs, part, c.prompt_column, conversational(part.rows[0][c.prompt_column]),
-                group_size=G, timeout=c.reward_timeout)
+                data.reward_funcs, part, o.prompt_column, conversational(part.rows[0][o.prompt_column]),
+                group_size=G, timeout=o.reward_timeout)
             part.rewards = scores.rewards
             part.stats.update(counter_metrics([*data.reward_funcs, data.judge]))
             part.stats["rewards_non_finite"] = scores.non_finite
-            if c.reward_timeout is not None:  # (counted, and logged, where calls can time out)
+            if o.reward_timeout is not None:  # (counted, and logged, where calls can time out)
                 part.stats.update({f"rewards/{reward_name(f)}/timeouts": scores.timeouts.get(reward_name(f), 0)
                                    for f in data.reward_funcs})
-        zero = zero_std_groups(part.rewards, c.reward_weights, G)
-        sampled_groups, zero_groups, rounds = sampled_groups + len(zero), zero_groups + int(zero.sum()), rounds + 1
-        if not c.dynamic_sampling:
+        zero = zero_std_groups(part.rewards, o.reward_weights, G)
+        sampled_groups, zero_groups, rounds_run = sampled_groups + len(zero), zero_groups + int(zero.sum()), rounds_run + 1
+        if not o.dynamic_sampling:
             kept = [part]
             break
         keep = [g * G + j for g in range(len(zero)) if not zero[g] for j in range(G)]
         if keep:
             kept.append(part.select(keep))
-        if sum(len(k) for k in kept) >= wanted * G or rounds > c.dynamic_sampling_max_rounds:
+        if sum(len(k) for k in kept) >= wanted * G or rounds_run > o.dynamic_sampling_max_rounds:
             break
     batch = Rollouts.concat(kept) if kept else part  # nothing informative: train on the last round
     if len(batch) > wanted * G:
         batch = batch.select(range(wanted * G))
-    metrics = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds,
+    metrics = {"frac_reward_zero_std": zero_groups / max(sampled_groups, 1), "dynamic_sampling/rounds": rounds_run,
                **round_stats, **tool_metrics(batch.stats, world)}
     return Generated(batch=batch, metrics=metrics, times=times)

@@ -14,14 +14,13 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..generation.batch import Rollouts
+from ..objective import weighted_rewards
 from ..rewards.names import reward_name
 
 
 def conversational(prompt) -> bool:
     """Whether a dataset prompt is a chat (a list of messages) rather than plain text."""
     return isinstance(prompt, list)
-
-
 
 
 class Scores(NamedTuple):
@@ -251,13 +250,6 @@ def _fill(rewards: torch.Tensor, j: int, part: slice, values, name: str, n: int)
         else:
             non_finite += 1
     return non_finite
-
-
-def weighted_rewards(rewards: torch.Tensor, weights: Optional[Sequence[float]]) -> torch.Tensor:
-    """(n,) weighted sum over functions ignoring missing values; NaN where every value is missing (TRL)."""
-    w = torch.ones(rewards.shape[1], dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
-    total = torch.nansum(rewards * w, dim=1)
-    return torch.where(rewards.isnan().all(dim=1), torch.nan, total)
 
 
 def zero_std_groups(rewards: torch.Tensor, weights, num_generations: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The GRPO variants' rollout modes (grpo_fast/generation/modes/sampling.py) on a real engine and the tiny
+"""The GRPO variants' rollout modes (grpo_fast/generation/modes/early_exit.py, multi_answer.py) on a real engine and the tiny
 model: group shapes, the injected text masked, the shared thought prefix, thoughts ended at
 thought_end. `check_early_exit` / `check_multi_answer` run here on HFEngine and in
 test_vllm_engine.py on vLLM.
@@ -13,7 +13,7 @@ import torch
 from grpo_fast.config import GRPOConfig
 from grpo_fast.generation.engines.base import SamplingOptions
 from grpo_fast.generation.engines.hf_engine import HFEngine
-from grpo_fast.generation.modes import sampling as rollout_modes
+from grpo_fast.generation.modes import early_exit, multi_answer
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 ROWS = [{"prompt": "a"}, {"prompt": "b"}]
@@ -45,7 +45,7 @@ def _first_masked(mask: torch.Tensor) -> int:
 
 def check_early_exit(engine, tokenizer):
     c = early_exit_config()
-    batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
+    batch = early_exit.serial_groups(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     m, injected = c.early_exit_points, tokenizer.encode(c.early_exit_text, add_special_tokens=False)
     assert len(batch) == len(PROMPTS) * (m + 1)
     assert batch.kind == (["cut"] * m + ["full"]) * len(PROMPTS)
@@ -68,7 +68,7 @@ def check_early_exit(engine, tokenizer):
             assert 1 <= len(answer) <= c.early_exit_answer_length
             assert batch.completion_texts[i] == tokenizer.decode(answer, skip_special_tokens=True), "graded on its answer"
             assert torch.equal(logp[:k], batch.sampling_logp[full][:k])
-    again = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
+    again = early_exit.serial_groups(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     assert again.completion_ids == batch.completion_ids, "seeded: the same serial groups"
     return batch
 
@@ -76,7 +76,7 @@ def check_early_exit(engine, tokenizer):
 def check_multi_answer(engine, tokenizer):
     c = multi_answer_config(thought_end=THOUGHT_END)
     K, M = c.num_generations, c.answers_per_thought
-    batch = rollout_modes.multi_answer(engine, tokenizer, PROMPTS, ROWS, c, THOUGHT_END, seeds(), sampling=options(c))
+    batch = multi_answer.thoughts_and_answers(engine, tokenizer, PROMPTS, ROWS, c, THOUGHT_END, seeds(), sampling=options(c))
     assert len(batch) == len(PROMPTS) * K * (1 + M)
     assert batch.kind == (["thought"] * K + ["answer"] * K * M) * len(PROMPTS)
     ended = 0
@@ -121,9 +121,9 @@ def test_multi_answer_thoughts_and_answers_hf(hf):
 def test_end_of_thought_cuts_after_the_token_completing_it(hf):
     _, tokenizer = hf
     ids = tokenizer.encode("12 + 3 = 15 </think> so 15", add_special_tokens=False)
-    k = rollout_modes.end_of_thought(tokenizer, ids, "</think>")
+    k = multi_answer.end_of_thought(tokenizer, ids, "</think>")
     assert tokenizer.decode(ids[:k]) == "12 + 3 = 15 </think>"
-    assert rollout_modes.end_of_thought(tokenizer, ids, "never") == len(ids)
+    assert multi_answer.end_of_thought(tokenizer, ids, "never") == len(ids)
 
 
 def test_cut_positions_spread_one_per_span():
@@ -131,7 +131,7 @@ def test_cut_positions_spread_one_per_span():
 
     rng = random.Random(0)
     for length, m in [(100, 7), (5, 7), (1, 3), (0, 2)]:
-        cuts = rollout_modes.cut_positions(length, m, rng)
+        cuts = early_exit.cut_positions(length, m, rng)
         assert len(cuts) == m and cuts == sorted(cuts) and all(0 <= k < max(length, 1) for k in cuts)
         if length >= m:
             assert all(i * length / m <= k < (i + 1) * length / m for i, k in enumerate(cuts)), cuts
@@ -143,7 +143,7 @@ def test_cut_positions_are_distinct_when_the_completion_has_room():
     rng = random.Random(1)
     for length, m in [(10, 7), (8, 3), (7, 7), (100, 7), (13, 5)]:
         for _ in range(200):  # (the old draw, floor of a point in each span, gave the same cut twice at a span's edge)
-            cuts = rollout_modes.cut_positions(length, m, rng)
+            cuts = early_exit.cut_positions(length, m, rng)
             assert len(set(cuts)) == m and cuts == sorted(cuts) and all(0 <= k < length for k in cuts), (length, m, cuts)
             assert all(i * length / m <= k < (i + 1) * length / m for i, k in enumerate(cuts)), cuts
 
@@ -153,10 +153,10 @@ def test_completions_shorter_than_the_cuts_are_warned_about(hf, monkeypatch, cap
     c = GRPOConfig(rollout_mode="early_exit", early_exit_points=7, num_generations=8, early_exit_text="ANSWER:",
                    early_exit_answer_length=2, max_completion_length=10, max_prompt_length=8, per_device_train_batch_size=16)
     c.max_completion_length = 4  # as if every completion ended (EOS) after at most 4 tokens: fewer than the 7 cuts
-    monkeypatch.setitem(rollout_modes._warned, "short", False)
-    with caplog.at_level("WARNING", logger="grpo_fast.generation.modes.sampling"):
-        batch = rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
-        rollout_modes.early_exit(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
+    monkeypatch.setitem(early_exit._warned, "short", False)
+    with caplog.at_level("WARNING", logger="grpo_fast.generation.modes.early_exit"):
+        batch = early_exit.serial_groups(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
+        early_exit.serial_groups(engine, tokenizer, PROMPTS, ROWS, c, seeds(), sampling=options(c))
     warned = [r.getMessage() for r in caplog.records if "early_exit_points=7" in r.getMessage()]
     assert len(warned) == 1 and "of 2 full completions" in warned[0] and "cuts coincide" in warned[0], warned
     cuts = [_first_masked(mask) for mask, kind in zip(batch.loss_mask, batch.kind, strict=True) if kind == "cut"]

@@ -403,6 +403,7 @@ def test_a_partial_rollout_round_hands_each_group_over_at_its_last_members_step(
     from grpo_fast.config import GRPOConfig
     from grpo_fast.generation import rounds as partial_rollouts
     from grpo_fast.generation.engines.base import SamplingOptions
+    from grpo_fast.train.generate import GenerateOptions
 
     engine.update_weights(tiny_policy[0])
     prompt_ids = [list(range(3, 3 + MAX_MODEL_LEN - 4)), [5, 6, 7], [9, 10, 11]]  # prompt 0 has room for 4 tokens
@@ -411,9 +412,11 @@ def test_a_partial_rollout_round_hands_each_group_over_at_its_last_members_step(
                    max_staleness=1, output_dir="unused", report_to="none")
     handed = []
     pool = partial_rollouts.new_groups([0, 1, 2], [7, 8, 9], 2)
-    batch, left, _, trained = partial_rollouts.run_round(
-        engine, tiny_policy[1], pool, lambda n: [], prompt_ids, rows, c, sampling=SamplingOptions(), version=0,
-        on_complete=lambda g, group: handed.append((g.prompt, time.monotonic(), group)))
+    members = partial_rollouts.Completions(engine, tiny_policy[1], prompt_ids, rows, sampling=SamplingOptions(), budget=40,
+                                           on_complete=lambda g, group: handed.append((g.prompt, time.monotonic(), group)))
+    trained, left, _ = partial_rollouts.run_round(members, pool, lambda n: [], GenerateOptions.from_config(c).rounds,
+                                                  version=0)
+    batch = members.as_rollouts(trained)
     assert left == [] and [g.prompt for g in trained] == [p for p, _, _ in handed] and handed[0][0] == 0
     assert handed[0][1] < handed[-1][1]
     for k, (_, _, group) in enumerate(handed):  # what on_complete saw is what the round trains

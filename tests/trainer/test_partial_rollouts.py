@@ -38,7 +38,7 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, printed_resume=False,
         c = config_from_args(build_parser().parse_args(["train", "--output_dir", c.output_dir, "--resume"]))
     trainer = GRPOTrainer(c, [target_fraction], rows(), model=model, tokenizer=tokenizer)
     if rounds is not None:  # record each round: the pool before it, the batch it trained
-        run_round = generate.partial_round
+        run_round = generate.scored_round
 
         def recorded(*args, **kwargs):
             pool = [g.to_dict() for g in trainer.state.in_flight]  # (a copy, in the checkpoint's form)
@@ -46,13 +46,13 @@ def _run(tmp_path, tiny_path, out, max_steps, rounds=None, printed_resume=False,
             rounds.append((pool, batch))
             return batch, stats, scored
 
-        generate.partial_round = recorded
+        generate.scored_round = recorded
     try:
         trainer.train()
     finally:
         trainer.engine.close()
         if rounds is not None:
-            generate.partial_round = run_round
+            generate.scored_round = run_round
     return trainer, _records(c.output_dir)
 
 

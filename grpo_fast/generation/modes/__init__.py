@@ -1,16 +1,17 @@
 """Rollout modes: how a group is sampled and how its advantages are computed (`GRPOConfig.rollout_mode`).
 
 A mode is one object, a `RolloutMode`, registered by name. It says how many sequences a prompt trains
-(`group_size`), the longest of them (`max_sequence_completion`), how it samples (`sample`), how it
-turns scored rewards into advantages (`advantages`) and what it supports (`supports_partial_rollouts`,
-`shapes_parallel_groups`, `runs_on_many_ranks`, its own `checks` of options). The trainer, the
-config and its checks ask the object; none of them compares a mode's name.
+(`group_size`), the longest of them (`max_sequence_completion`), how it samples (`sample`, reading its
+options record `options`), how it turns scored rewards into advantages (`advantages`), what it supports
+(`supports_partial_rollouts`, `shapes_parallel_groups`, `runs_on_many_ranks`, its own `checks` of options)
+and, with partial rollouts, what a round's members are and how they advance (`round_members`). The trainer,
+the config and its checks ask the object; none of them compares a mode's name.
 
-The built-in modes, one file each: parallel.py (GRPO's independent completions), early_exit.py
-(S-GRPO's serial groups), multi_answer.py (GRPO-MA's thoughts and answers), multi_turn.py (agents:
-trajectories that call tools). A new mode is one file
-with one class and one `register()` call (tests/test_rollout_mode_registry.py defines one in
-the test alone and trains a step with it).
+The built-in modes, one file each (its sampling, its advantages, what it supports): parallel.py (GRPO's
+independent completions), early_exit.py (S-GRPO's serial groups), multi_answer.py (GRPO-MA's thoughts and
+answers), multi_turn.py (agents: trajectories that call tools). A new mode is one file with one class and
+one `register()` call (tests/test_rollout_mode_registry.py defines one in the test alone and trains a step
+with it; tests/test_rollout_mode_partial.py one that runs partial rollouts).
 
 This module is light (no torch at import): `GRPOConfig` reads the registry for its choices.
 """
@@ -18,9 +19,36 @@ This module is light (no torch at import): `GRPOConfig` reads the registry for i
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Callable
 
+from ...bounds import INTEGER_AT_LEAST_1, Bounds
+from ...options import option, options_record
 from ...registry import Registry
+
+ROLLOUT_MODES: Registry = Registry("rollout_mode")  # name -> mode, in registration order
+register, unregister = ROLLOUT_MODES.register, ROLLOUT_MODES.unregister
+rollout_mode = ROLLOUT_MODES.lookup  # the registered mode of a name; an unknown name raises naming the known ones
+
+
+@options_record
+@dataclass(frozen=True)
+class ModeOptions:
+    """What a rollout mode's `sample` reads (the record of the modes that add no options of their own; a mode
+    with options of its own has its record, which mirrors these: `RolloutMode.options`)."""
+
+    rollout_mode: str = option(
+        "parallel", "How a group is sampled. parallel: num_generations independent completions per prompt. "
+        "early_exit (S-GRPO): one full completion per prompt, cut at early_exit_points positions, each cut answered "
+        "after early_exit_text; the serial group (the cuts, shortest first, then the full completion) gets decaying "
+        "rewards 1/2^(i-1) for its i-th correct member, advantages r - mean(r); num_generations must be "
+        "early_exit_points + 1. multi_answer (GRPO-MA): num_generations thoughts per prompt (ended at thought_end or "
+        "max_thought_length tokens), answers_per_thought answers each; thoughts train with the mean-answer-reward "
+        "advantage, answers (thought tokens masked) with the group advantage over the prompt's answers.",
+        ROLLOUT_MODES)
+    num_generations: int = option(8, "Completions sampled per prompt (the group size G).",
+                                  bounds=Bounds(low=2, integer=True, note=" (a group needs a baseline)"))
+    max_completion_length: int = option(64, "Most tokens generated per completion.", bounds=INTEGER_AT_LEAST_1)
 
 
 class RolloutMode:
@@ -28,7 +56,8 @@ class RolloutMode:
 
     name: str = ""
     summary: str = ""  # what it does, in one line
-    supports_partial_rollouts: bool = False  # max_staleness >= 1 (generation/rounds.py continues parallel groups)
+    options: type = ModeOptions  # the options record `sample` reads (built once from the config: `from_config`)
+    supports_partial_rollouts: bool = False  # max_staleness >= 1: rounds of `round_members` (generation/rounds.py)
     shapes_parallel_groups: bool = False  # takes the options that shape parallel groups' advantages (dynamic
     #   sampling, difficulty weights, noise-aware weights, partial credit, multi-objective aggregation)
     runs_on_many_ranks: bool = False  # under torchrun
@@ -61,26 +90,44 @@ class RolloutMode:
 
     def sample(self, engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, c, sampling,
                seed: Callable[[], int]):
-        """The `Rollouts` of `prompts` (`first`: the position of prompts[0] in the generation batch, which
-        seeds it; `seed()`: the next engine call's seed). A mode with `streams_groups` also takes
-        `on_group=` and hands it to the engine (prompt i's group: the Rollouts' rows i*G ... (i+1)*G - 1)."""
+        """The `Rollouts` of `prompts` (`c`: the mode's `options` record; `first`: the position of prompts[0] in
+        the generation batch, which seeds it; `seed()`: the next engine call's seed). A mode with
+        `streams_groups` also takes `on_group=` and hands it to the engine (prompt i's group: the Rollouts'
+        rows i*G ... (i+1)*G - 1); one with `takes_agent` takes `agent=`."""
         raise NotImplementedError
 
-    def advantages(self, batch, c, judge=None, *, prompt_column: str = "prompt", conversational: bool = False,
-                   world=None):
-        """(advantages [n] float32, stats) of a scored batch; sets `batch.trained_rewards`
-        (`c`: train/advantages.AdvantageOptions)."""
+    def advantages(self, batch, c, judge=None, *, world=None):
+        """(advantages [n] float32, stats) of a scored batch; sets `batch.trained_rewards` (`c`: the advantages
+        stage's AdvantageOptions; judge(batch) -> [n, 1] rewards: the partial-credit judge's scores, where
+        there is one; world: this rank's place, where a statistic spans the ranks)."""
         raise NotImplementedError
 
+    def round_members(self, engine, tokenizer, prompt_ids: list[list[int]], rows: list[dict], c, sampling, *,
+                      agent=None, on_complete=None):
+        """With `supports_partial_rollouts`: what a partial-rollout round's members are and how they advance
+        (`c`: generation/rounds.RoundOptions; prompt_ids, rows: the training prompts, by index). Plain
+        completions by default, `num_generations` a group (`rounds.Completions`: continued in the engine's
+        request loop; on_complete(group, its Rollouts) as each group's last member ends)."""
+        from ..rounds import Completions
 
-ROLLOUT_MODES: Registry = Registry("rollout_mode")  # name -> mode, in registration order
-register, unregister = ROLLOUT_MODES.register, ROLLOUT_MODES.unregister
-rollout_mode = ROLLOUT_MODES.lookup  # the registered mode of a name; an unknown name raises naming the known ones
+        return Completions(engine, tokenizer, prompt_ids, rows, sampling=sampling, budget=c.max_completion_length,
+                           on_complete=on_complete)
 
 
 def modes_where(has: Callable[[RolloutMode], bool]) -> list[str]:
     """The names of the registered modes for which `has(mode)` holds."""
     return [name for name, mode in ROLLOUT_MODES.items() if has(mode)]
+
+
+def sample_groups(mode: RolloutMode, engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, c,
+                  sampling, seed: Callable[[], int], *, on_group=None, agent=None):
+    """`mode.sample` with what it takes: on_group where the caller streams groups (the mode must stream them),
+    agent where the mode takes one."""
+    extra = {"on_group": on_group} if on_group is not None else {}
+    assert not extra or mode.streams_groups, f"rollout mode {mode.name!r} does not stream its groups"
+    if mode.takes_agent:
+        extra["agent"] = agent
+    return mode.sample(engine, tokenizer, prompts, rows, first, c, sampling, seed, **extra)
 
 
 # The built-in modes register themselves on import, in this order (the order --help and refusals list them).

@@ -10,8 +10,9 @@ from .parallel import Parallel
 
 
 class MultiTurn(Parallel):
-    """Parallel groups (their advantages) whose members are trajectories, also with partial rollouts (agents/rounds.py)
-    and on many ranks; streamed scoring and the options that shape parallel groups' advantages not yet."""
+    """Parallel groups (their advantages) whose members are trajectories, also with partial rollouts (their round
+    members: agents/rounds.py) and on many ranks; streamed scoring and the options that shape parallel groups'
+    advantages not yet."""
 
     name = "multi_turn"
     summary = "agents: num_generations trajectories per prompt, the model calling tools over several turns"
@@ -40,6 +41,13 @@ class MultiTurn(Parallel):
         assert agent is not None, "rollout_mode='multi_turn' samples with the run's Agent (GRPOTrainer builds it)"
         return agent.rollouts(engine, tokenizer, prompts, rows, prompt_seeds(seed(), len(prompts), first),
                               c.num_generations, sampling=sampling, max_completion_length=c.max_completion_length)
+
+    def round_members(self, engine, tokenizer, prompt_ids, rows, c, sampling, *, agent=None, on_complete=None):
+        from ..agents.rounds import Trajectories
+
+        assert agent is not None, "rollout_mode='multi_turn' runs its rounds with the run's Agent (GRPOTrainer builds it)"
+        return Trajectories(agent, engine, tokenizer, prompt_ids, rows, sampling=sampling,
+                            max_completion_length=c.max_completion_length)
 
 
 register(MultiTurn())
