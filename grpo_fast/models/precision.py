@@ -11,19 +11,21 @@ from typing import Optional
 import torch
 
 from ..compat import cpu_has_bf16_matmul
-from ..options import mirror, options_record
+from ..options import option, options_record
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # dtype's and vllm_dtype's choices
 
 
 @options_record
 @dataclass(frozen=True)
 class Precision:
-    """The precision options as asked (GRPOConfig's dtype, bf16, mixed_precision, vllm_dtype); the methods resolve
-    them for a device."""
+    """The precision options as asked (declared here: GRPOConfig takes them); the methods resolve them for a
+    device."""
 
-    dtype: str = mirror("auto")
-    bf16: Optional[bool] = mirror(None)
-    mixed_precision: str = mirror("auto")
-    vllm_dtype: str = mirror("auto")
+    dtype: str = option("auto", "Training dtype of the policy weights. auto: bfloat16 on CUDA, float32 on CPU (bf16=True forces bfloat16).", DTYPES)
+    bf16: Optional[bool] = option(None, "TRL's switch: True trains in bfloat16, False in float32; None leaves it to `dtype`.")
+    mixed_precision: str = option("auto", "bf16: run the policy's decoder under torch.autocast in bfloat16 (matmuls in bf16; weights, optimizer state, the lm_head and the fused loss stay in the training dtype), in training and in the old-policy and reference passes. no: the decoder in the training dtype. auto: bf16 on a CPU with bf16 matmul hardware (AMX or avx512_bf16) when the weights are float32, no elsewhere (CUDA trains bfloat16 weights by default; CPUs without that hardware would emulate bf16, about 100x slower than float32, and the trainer warns when bf16 is asked for there). (docs/design.md and benchmarks/results/precision_cpu.md have the measurements.)", ("auto", "no", "bf16"))
+    vllm_dtype: str = option("auto", "dtype the vLLM engine samples in (trl vllm-serve's --dtype). auto: the training dtype, except on a CPU with bf16 matmul hardware (AMX or avx512_bf16), where a bfloat16 engine generates faster: bfloat16 there. A bf16 engine turns the IS correction on by default.", DTYPES)
 
     @property
     def use_bf16(self) -> Optional[bool]:

@@ -8,22 +8,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..options import mirror, options_record
+from ..bounds import FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0, Bounds
+from ..options import mirror, option, options_record
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")  # lr_scheduler_type's choices
 
 
 @options_record
 @dataclass(frozen=True)
 class OptimizerOptions:
-    """AdamW's and the schedule's options (GRPOConfig's fields of the same names)."""
+    """AdamW's and the schedule's options (declared here: GRPOConfig takes them), and the run's length."""
 
-    learning_rate: float = mirror(1e-5)
-    adam_beta1: float = mirror(0.9)
-    adam_beta2: float = mirror(0.99)
-    adam_epsilon: float = mirror(1e-8)
-    weight_decay: float = mirror(0.0)
-    lr_scheduler_type: str = mirror("constant_with_warmup")
-    warmup_steps: int = mirror(0)
-    warmup_ratio: float = mirror(0.0)
+    learning_rate: float = option(1e-5, "AdamW peak learning rate.", bounds=FINITE_AT_LEAST_0)
+    adam_beta1: float = option(0.9, "AdamW beta1.", bounds=Bounds(low=0, high=1, high_open=True))
+    adam_beta2: float = option(0.99, "AdamW beta2.", bounds=Bounds(low=0, high=1, high_open=True))
+    adam_epsilon: float = option(1e-8, "AdamW epsilon.", bounds=Bounds(low=0))
+    weight_decay: float = option(0.0, "AdamW weight decay.", bounds=Bounds(low=0))
+    lr_scheduler_type: str = option("constant_with_warmup", "Learning-rate schedule after warm-up.", LR_SCHEDULERS)
+    warmup_steps: int = option(0, "Linear warm-up steps (takes precedence over warmup_ratio when > 0).", bounds=INTEGER_AT_LEAST_0)
+    warmup_ratio: float = option(0.0, "Warm-up as a fraction of max_steps.", bounds=Bounds(low=0, high=1))
     max_steps: int = mirror(20)  # the schedule's length
 
 

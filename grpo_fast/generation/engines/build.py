@@ -10,19 +10,20 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-from ...options import mirror, options_record
-from . import engine_kind, make_engine
+from ...bounds import FRACTION_OPEN_LOW, INTEGER_AT_LEAST_1
+from ...options import mirror, option, options_record
+from . import ENGINE_CHOICES, engine_kind, make_engine
 
 
 @options_record
 @dataclass(frozen=True)
 class EngineOptions:
-    """The options the run's engine is built with (GRPOConfig's fields of the same names)."""
+    """The options the run's engine is built with: the fields declared here, and GRPOConfig's it reads (mirror)."""
 
-    engine: str = mirror("auto")
-    vllm_max_model_length: Optional[int] = mirror(None)
-    vllm_gpu_memory_utilization: float = mirror(0.3)
-    vllm_enable_sleep_mode: bool = mirror(False)
+    engine: str = option("auto", "Rollout engine. auto: vLLM when it is installed, else HF transformers generate (shares the policy's weights).", ENGINE_CHOICES)
+    vllm_max_model_length: Optional[int] = option(None, "vLLM's context length. None: max_prompt_length + the longest sequence after the prompt (max_completion_length; more with the early_exit and multi_answer rollout modes).", bounds=INTEGER_AT_LEAST_1)
+    vllm_gpu_memory_utilization: float = option(0.3, "Fraction of GPU memory vLLM may take (GPU only).", bounds=FRACTION_OPEN_LOW)
+    vllm_enable_sleep_mode: bool = option(False, "Put vLLM to sleep (free its memory) during the training part of a step (GPU only).")
     seed: int = mirror(42)
     load_in_4bit: bool = mirror(False)
     lora_route: Optional[str] = None  # GRPOConfig.lora_route: how an engine that loads weights samples a LoRA adapter
