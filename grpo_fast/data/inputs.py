@@ -181,8 +181,9 @@ def encode(rows, tokenizer, options: InputOptions, agent=None) -> list[list[int]
     return ids
 
 
-def thought_end(options: InputOptions) -> str:
-    """The text that ends a thought in multi_answer: the option's, else the built-in task's, else '</think>'."""
+def thought_end(options) -> str:
+    """The text that ends a thought in multi_answer: the option's, else the built-in task's, else '</think>'
+    (options: a record with thought_end, task and dataset, e.g. modes/multi_answer.py's MultiAnswerOptions)."""
     from .tasks import TASK_THOUGHT_END
 
     if options.thought_end is not None:
