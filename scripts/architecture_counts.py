@@ -44,20 +44,19 @@ import sys
 
 PACKAGE = "grpo_fast"
 LONG_FILE = 400
-LAYERS = [  # (layer name, path prefixes relative to grpo_fast/), lowest first
-    ("base", ["errors.py", "bounds.py", "registry.py", "compat.py", "objective.py",
-              "loss_types.py", "options.py", "distributed.py"]),
+LAYERS = [  # (layer name, path prefixes relative to grpo_fast/), lowest first: the data path of a step
+    #   (docs/design.md, "Layout"); the old homes of a51fb0f's flat layout are listed beside the new ones
+    ("base", ["errors.py", "bounds.py", "registry.py", "compat.py", "objective.py", "loss_types.py", "options.py"]),
     ("kernels", ["ops/", "kernels/", "_C/"]),
-    ("models", ["models/"]),
-    ("data and rewards", ["data/", "rewards/", "sandbox.py"]),
+    ("models and ranks", ["models/", "distributed.py"]),
     ("generation", ["generation/", "rollout/", "modes/", "agents/"]),
+    ("rewards", ["rewards/", "sandbox.py"]),
+    ("data", ["data/"]),
+    ("reporting", ["reporting/", "metrics.py", "trackers.py", "completions_table.py"]),
     ("training stages", ["train/"]),
-    ("run and reporting", ["run/", "reporting/", "checkpoint.py", "resume.py",
-                           "run_folder.py", "metrics.py", "trackers.py",
-                           "completions_table.py"]),
     ("config", ["config.py", "config_checks.py"]),
-    ("loop and entry points", ["trainer.py", "cli.py", "launcher.py", "integrations/",
-                               "__init__.py", "__main__.py"]),
+    ("run", ["run/", "checkpoint.py", "resume.py", "run_folder.py"]),
+    ("loop and entry points", ["trainer.py", "cli.py", "launcher.py", "integrations/", "__init__.py", "__main__.py"]),
 ]
 PREFIXES = sorted(((p, i) for i, (_, ps) in enumerate(LAYERS) for p in ps),
                   key=lambda pi: -len(pi[0]))
