@@ -436,7 +436,7 @@ def child_memory(name: str, args) -> dict:
                                     check=False)
         batch = side.into(batch)
         t1 = time.perf_counter()
-        steps = step.StepOptions.from_config(c)
+        steps = step.StepOptions.from_config(c, group_size=c.group_size)
         num_items = step.items_per_step(batch, steps, options.loss, world)
         for part in step.step_slices(batch, steps, state.step):
             metrics = step.optimizer_step(part, num_items, Bar(), policy, optimizer, scheduler, steps=steps,

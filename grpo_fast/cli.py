@@ -268,7 +268,7 @@ def _command(args: argparse.Namespace, argv) -> int:
         else:
             cmd_eval(config)
     except BaseException as err:
-        return _exit_code(err, args, config)
+        return _exit_code(err, args, config.output_dir)
     finally:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # (a rank keeps ignoring the SIGTERM torchrun sends
             for s, handler in previous.items():           # the survivors once one failed: it exits by itself)
@@ -276,7 +276,7 @@ def _command(args: argparse.Namespace, argv) -> int:
     return 0
 
 
-def _exit_code(err: BaseException, args: argparse.Namespace, config: GRPOConfig) -> int:
+def _exit_code(err: BaseException, args: argparse.Namespace, output_dir: str) -> int:
     """One line on stderr for how `err` ended the command, and the exit code (re-raised when it is a
     program error, or with --debug). Under torchrun one rank speaks for all where they all stop
     alike; a rank whose collective broke because a peer died names that rank."""
@@ -288,7 +288,7 @@ def _exit_code(err: BaseException, args: argparse.Namespace, config: GRPOConfig)
     if ranks > 1:
         for s in (signal.SIGINT, signal.SIGTERM):  # torchrun stops the survivors: say why first
             signal.signal(s, signal.SIG_IGN)
-        line = peer_death_line(err, f"grpo-fast {args.command}", config.output_dir, rank, ranks)
+        line = peer_death_line(err, f"grpo-fast {args.command}", output_dir, rank, ranks)
         if line is not None:
             if line:
                 print(line, file=sys.stderr, flush=True)
@@ -361,15 +361,16 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"grpo-fast train: {err}", file=sys.stderr)
         return 2
-    from .distributed import check_config
+    from .config_checks import check_ranks
     from .reporting import trackers
     from .run import folder as run_folder
 
     try:
         trackers.check_credentials(config.report_to)  # (once here, not once a rank)
-        run_folder.check_start(config, warn=False)  # (rank 0 warns, when it resumes from step 0)
+        folder = run_folder.RunFolderOptions.from_config(config)
+        run_folder.check_start(folder, warn=False)  # (rank 0 warns, when it resumes from step 0)
         if nproc > 1:
-            check_config(config, nproc)
+            check_ranks(config, nproc)  # (what many ranks do not run yet, before torchrun starts)
         from .models import DEFAULT_MODEL, lora, resolve_model_path
 
         model = config.model

@@ -35,20 +35,26 @@ from .generation.modes.early_exit import EarlyExitOptions
 from .generation.modes.multi_answer import MultiAnswerOptions
 from .generation.rounds import RoundOptions
 from .loss_types import loss_type
+from .models.lora import LoraOptions
 from .models.policy import PolicyOptions
 from .models.precision import Precision
 from .objective import LossOptions, option_warnings
 from .options import from_records
+from .reporting.options import ReportOptions
 from .rewards.judge import JudgeOptions
 from .rewards.sandbox import SandboxOptions
+from .run.folder import RunFolderOptions
 from .train.advantages import AdvantageOptions
 from .train.generate import GenerateOptions
+from .train.logprobs import ISOptions
 from .train.optimizer import OptimizerOptions
+from .train.step import StepOptions
 
 # the records that declare GRPOConfig's fields (its body names them bare): imported before the class body runs
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
-                     Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions)
+                     Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
+                     LoraOptions, ReportOptions, RunFolderOptions, StepOptions, ISOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -101,16 +107,16 @@ class GRPOConfig:
     mixed_precision: str
 
     # ---- LoRA (TRL's ModelConfig names) ------------------------------------------------------
-    use_peft: bool = _f(False, "Train a LoRA adapter (the peft library) instead of every parameter: the optimizer holds the adapter alone, checkpoints hold the adapter and its optimizer state (megabytes), final/ holds adapter_config.json + adapter_model.safetensors (peft and vLLM load it). beta > 0 takes the reference from the same model with the adapter disabled (no second copy). The adapter is never merged into the training weights (lora_sync says how the engine samples it). A `model` that is a PEFT adapter folder trains that adapter on its base, its starting weights frozen as the reference.")
-    lora_r: int = _f(16, "use_peft: LoRA rank r.", bounds=INTEGER_AT_LEAST_1)
-    lora_alpha: float = _f(32, "use_peft: LoRA alpha; the update is scaled by lora_alpha / lora_r.", bounds=Bounds(low=0, low_open=True, finite=True))
-    lora_dropout: float = _f(0.0, "use_peft: dropout on the adapter's input, in the policy's training forward only (the engine, the reference and the no-grad passes run without it). TRL's default is 0.05; here 0.0, so that the trained forward is the one the engine samples and the IS ratio and sync probe compare.", bounds=Bounds(low=0, high=1, high_open=True))
-    lora_target_modules: list = _f(["all-linear"], "use_peft: the layers that get an adapter, by name (q_proj,v_proj,...) or all-linear (PEFT's keyword: every linear layer but the output layer). TRL leaves PEFT's per-model default, which for Llama is q_proj and v_proj only. The lm_head is refused (the fused loss reads its weight).")
-    lora_modules_to_save: Optional[list] = _f(None, "use_peft: modules trained in full beside the adapter (PEFT's modules_to_save, e.g. a norm). Refused for the lm_head, for models with tied embeddings and with lora_sync='adapter'.")
-    lora_sync: str = _f("auto", "use_peft: how the vLLM engine samples the live adapter. merged: the engine's targeted weights are rewritten each step as W_base + (alpha / r) B A, computed in float32 from a base kept untouched (a partial weight update; no LoRA cost in decode). adapter: vLLM's LoRA path (enable_lora), the new A / B delivered after each step as a new adapter version, the old one removed (syncs megabytes, decodes through LoRA kernels). auto: merged, or adapter for a 4-bit base (it cannot take merged weights); docs/design.md has the measurement. The run's first lines say which. The HF engine samples with the policy itself (nothing to sync).", ("auto", "merged", "adapter"))
-    lora_base_model: Optional[str] = _f(None, "use_peft, with `model` a PEFT adapter folder: the base model's folder, when the adapter's base_model_name_or_path is not a local folder.")
-    save_merged: bool = _f(False, "use_peft: also write final/merged/, the base with the adapter merged (a plain HF folder).")
-    load_in_4bit: bool = _f(False, "use_peft: load the base in 4 bits (QLoRA, bitsandbytes on a CUDA GPU); refused where either is missing. The engine then samples through the adapter route or is the HF engine.")
+    use_peft: bool
+    lora_r: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: list
+    lora_modules_to_save: Optional[list]
+    lora_sync: str
+    lora_base_model: Optional[str]
+    save_merged: bool
+    load_in_4bit: bool
 
     # ---- generation --------------------------------------------------------------------------
     engine: str
@@ -147,23 +153,23 @@ class GRPOConfig:
     vespo_k_neg: float
     vespo_lambda_neg: float
     use_bias_correction_kl: bool = _f(True, "Multiply the KL term by the importance ratio (TRL's default since 1.x): with num_iterations > 1 or an off-policy batch it changes the KL gradient when beta > 0. False: the plain k3 estimator.")
-    top_entropy_quantile: float = _f(1.0, "Train only on the highest-entropy tokens of each micro-batch: this share of them (TRL; 1.0: all). Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=FRACTION_OPEN_LOW)
-    off_policy_mask_threshold: Optional[float] = _f(None, "Off-policy sequence mask (DeepSeek-V3.2, TRL): drop a negative-advantage completion from the loss when its mean log-prob gap (sampler minus current policy) exceeds this. None: off. Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=Bounds(low=0))
+    top_entropy_quantile: float
+    off_policy_mask_threshold: Optional[float]
     entropy_coef: float
-    use_adaptive_entropy: bool = _f(False, "Adapt entropy_coef each optimizer step (TRL): +entropy_coef_delta when the step's token entropy was <= entropy_target, else -delta; the bonus is applied only while the previous step's entropy was <= entropy_target.")
-    entropy_coef_min: float = _f(0.0, "Adaptive entropy: smallest coefficient.", bounds=FINITE_AT_LEAST_0)
-    entropy_coef_max: float = _f(1.0, "Adaptive entropy: largest coefficient.", bounds=FINITE_AT_LEAST_0)
-    entropy_coef_delta: float = _f(0.005, "Adaptive entropy: change of the coefficient per optimizer step.", bounds=FINITE_AT_LEAST_0)
-    entropy_target: float = _f(0.2, "Adaptive entropy: the token entropy (nats) the controller aims at.", bounds=FINITE_AT_LEAST_0)
+    use_adaptive_entropy: bool
+    entropy_coef_min: float
+    entropy_coef_max: float
+    entropy_coef_delta: float
+    entropy_target: float
     scale_rewards: str
     advantage_std: str
     multi_objective_aggregation: str
-    num_iterations: int = _f(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.", bounds=INTEGER_AT_LEAST_1)
+    num_iterations: int
     mask_truncated_completions: bool
-    vllm_importance_sampling_correction: Optional[bool] = _f(None, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward per generation batch, or only an lm_head pass per micro-batch when each batch trains once; never with the HF engine, which samples with the policy itself). None: on when the engine (vllm_dtype) or the trainer (its weights, or the decoder under mixed_precision) computes in bf16/fp16 — so on with the bf16 CPU defaults of an AMX or avx512_bf16 CPU — or with max_staleness >= 1 (stale tokens); off when both are float32, where vLLM and the trainer agree.")
+    vllm_importance_sampling_correction: Optional[bool]
     vllm_importance_sampling_mode: Optional[str] = _f(None, "IS correction mode (TRL): truncate clamps the ratio at the cap; mask zeroes it beyond the cap; per token or per sequence. None: sequence_mask (TRL's default), or token_mask with loss_type=vespo, which folds per-token ratios into its sequence weight and needs a token-level mode (as TRL requires; the run's first line says which).", (None, *IS_MODES))
-    vllm_importance_sampling_cap: float = _f(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).", bounds=Bounds(low=0, low_open=True))
-    vllm_importance_sampling_clip_min: Optional[float] = _f(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
+    vllm_importance_sampling_cap: float
+    vllm_importance_sampling_clip_min: Optional[float]
     sampling_check_steps: int = _f(10, "Every this many steps, compute the trainer's log-probs of the sampled tokens even when nothing else needs them, to log sampling/logp_diff_mean (engine vs trainer). 0: only when they are computed anyway.", bounds=INTEGER_AT_LEAST_0)
     dynamic_sampling: bool
     max_staleness: int
@@ -211,7 +217,7 @@ class GRPOConfig:
     adam_beta1: float
     adam_beta2: float
     adam_epsilon: float
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).", bounds=Bounds(low=0))
+    max_grad_norm: float
     gradient_checkpointing: bool
     distributed_strategy: str = _f("auto", "Under torchrun (more than one rank): how the policy is spread. ddp: every rank holds the whole model, gradients all-reduced once per optimizer step. fsdp2: parameters, gradients and optimizer state sharded over the ranks (torch's fully_shard, one unit per decoder layer plus the root); each layer is all-gathered for its forward and backward, gradients reduce-scattered. auto: fsdp2 when parameters + gradients + AdamW's two moments would take more than half of one device's memory (a GPU's, or this host's RAM shared by its local ranks), else ddp. One process: ignored.", DISTRIBUTED_STRATEGIES)
     max_steps: int = _f(20, "Optimizer steps to train (the default run: 20 steps of 8 prompts x 8 completions; see max_train_minutes to bound the wall time instead).", bounds=INTEGER_AT_LEAST_1)
@@ -223,22 +229,22 @@ class GRPOConfig:
     eval_before_train: bool = _f(True, "Evaluate once before the first step (the baseline).")
     eval_max_samples: int = _f(200, "Held-out prompts used by evaluate() (greedy decoding, one completion each).", bounds=INTEGER_AT_LEAST_1)
     eval_max_completion_length: Optional[int] = _f(None, "Most tokens per eval completion. None: max_completion_length.", bounds=INTEGER_AT_LEAST_1)
-    output_dir: str = _f("outputs/grpo_fast", "Folder for metrics.jsonl, TensorBoard events, the reward plot and checkpoints.")
-    logging_steps: int = _f(1, "Write metrics every this many steps.", bounds=INTEGER_AT_LEAST_1)
-    report_to: str = _f("tensorboard", "Where metrics go besides metrics.jsonl (always written), comma-separated (TRL's values): tensorboard (<output_dir>/tensorboard), wandb (WANDB_MODE=offline works without a network), trackio (a local database unless TRACKIO_SPACE_ID is set), mlflow, or none, or all (every one installed). The default is tensorboard; TRL and transformers default to none. A tracker named here that is not installed is refused before any work. Many ranks: rank 0 reports. A resumed run continues its tracker runs.")
-    run_name: Optional[str] = _f(None, "The run's name in wandb, trackio and mlflow. None: the output folder's name.")
-    project: str = _f("grpo_fast", "The project of the run in trackio and wandb (WANDB_PROJECT wins there) and mlflow's experiment (MLFLOW_EXPERIMENT_NAME wins there).")
-    log_completions: bool = _f(False, "At each logged step that starts a generation batch, show a table of sampled completions (prompt, completion, each reward, the advantage): in the console and, as a table, in wandb, trackio and mlflow.")
-    num_completions_to_print: Optional[int] = _f(None, "Rows of the log_completions table. None: every completion of the generation batch (over all ranks).", bounds=INTEGER_AT_LEAST_1)
-    save_steps: int = _f(0, "Save a checkpoint every this many steps (0: only at the end when save_final is set).", bounds=INTEGER_AT_LEAST_0)
-    save_final: bool = _f(True, "Save the trained model (HF format) to output_dir/final at the end.")
-    save_total_limit: Optional[int] = _f(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.", bounds=INTEGER_AT_LEAST_1)
-    resume_from_checkpoint: Optional[str] = _f(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
+    output_dir: str
+    logging_steps: int
+    report_to: str
+    run_name: Optional[str]
+    project: str
+    log_completions: bool
+    num_completions_to_print: Optional[int]
+    save_steps: int
+    save_final: bool
+    save_total_limit: Optional[int]
+    resume_from_checkpoint: Optional[str]
     resume_override: Optional[list] = _f(None, "Resume only: config fields to change from the run's saved values (e.g. learning_rate,beta); the new values take effect (a learning rate or AdamW option reaches the restored optimizer and scheduler) and are logged. A resumed run otherwise keeps every option it was trained with, and a differing one is refused, except run control (max_steps, max_train_minutes, save_*, logging_steps, eval_*, log_level, report_to, run_name, project, log_completions, num_completions_to_print, disable_tqdm, sampling_check_steps, max_signal_free_steps, output_dir) and the execution layout (per_device_train_batch_size and gradient_accumulation_steps at the same global batch, distributed_strategy, max_tokens_per_microbatch, loss_backend, gradient_checkpointing, vllm_gpu_memory_utilization, vllm_enable_sleep_mode), which may change freely. While partial rollouts have groups in flight, model, dataset, task, prompt_column, num_generations, max_prompt_length, max_completion_length, max_staleness, rollout_mode and seed cannot be overridden.")
-    overwrite_output_dir: bool = _f(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
-    max_signal_free_steps: int = _f(10, "Stop with an error after this many steps in a row without a training signal: no finite reward in the whole step, or the step skipped for a non-finite loss (each such step warns). Groups whose rewards all agree are normal and do not count. 0: never stop.", bounds=INTEGER_AT_LEAST_0)
+    overwrite_output_dir: bool
+    max_signal_free_steps: int
     log_level: str = _f("warning", "Log level of grpo_fast and of vLLM (the CLI sets vLLM's before it starts). warning keeps vLLM's repeated CPU notices out of a run's log.", LOG_LEVELS)
-    disable_tqdm: bool = _f(False, "Turn off the live progress bar.")
+    disable_tqdm: bool
 
     def __post_init__(self):
         config_checks.coerce_numeric_strings(self)

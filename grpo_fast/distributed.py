@@ -104,14 +104,6 @@ def is_collective_failure(err: BaseException) -> bool:
         s in str(e) for s in broken)) for e in chain(err))
 
 
-def check_config(config, size: Optional[int] = None) -> None:
-    """What many ranks do not run yet (config_checks.COMBINATIONS' `ranks` rows), refused by name before any
-    work (size: the ranks to come, for the launcher's check before torchrun starts; else WORLD_SIZE)."""
-    from .config_checks import check_ranks
-
-    check_ranks(config, size or os.environ.get("WORLD_SIZE"))
-
-
 def sum_over_ranks(values: list[float], world: World) -> list[float]:
     if world.size == 1:
         return list(values)

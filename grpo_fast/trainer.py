@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import distributed
+from . import config_checks, distributed
 from .config import GRPOConfig
 from .data import inputs
 from .data.inputs import InputOptions
@@ -49,6 +49,7 @@ from .models.precision import Precision
 from .objective import LossOptions
 from .reporting import completions_table, trackers
 from .reporting.metrics import logs_step, open_logger, progress, synced_time, timed
+from .reporting.options import ReportOptions
 from .run import checkpoint, resume
 from .run import folder as run_folder
 from .train import advantages, generate, logprobs, step, sync
@@ -97,23 +98,23 @@ class GRPOTrainer:
 
         config = config_with_agents(config, tools, environment_factory)  # (tools switch on multi_turn)
         if peft_config is not None:  # TRL's way to ask for LoRA: the config then says use_peft and the adapter's shape
-            config = lora.config_with(config, peft_config)
+            config = dataclasses.replace(config, **lora.fields_of_peft_config(peft_config))
         elif model is not None and lora.is_lora(model):  # a PEFT model passed in (TRL takes one too): trained as it is
-            config = lora.config_of_model(config, model)
+            config = dataclasses.replace(config, **lora.fields_of_model(model))
         elif lora.is_adapter_folder(config.model) and (config.use_peft or evaluate_only):
             # training an adapter folder (or evaluating a LoRA run's final/): the config takes the adapter's shape
-            config = lora.config_of_folder(config, config.model)
+            config = dataclasses.replace(config, **lora.fields_of_folder(config.model, config.lora_dropout))
         c = self.config = config
         self.world = distributed.join(c.distributed_strategy)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:
-            distributed.check_config(c)
+            config_checks.check_ranks(c, os.environ.get("WORLD_SIZE"))  # what many ranks do not run yet
         if engine is not None:  # an engine from elsewhere: the contract first, before any work
             check_engine(engine)
             if c.max_staleness:
                 engine_build.check_partial_rollouts(engine, c.max_staleness)
         if not evaluate_only:
             trackers.check_credentials(c.report_to)  # (before anything is loaded or written)
-        self.resume_path = None if evaluate_only else run_folder.check_start(c)
+        self.resume_path = None if evaluate_only else run_folder.check_start(run_folder.RunFolderOptions.from_config(c))
         self.resume_overrides = [] if evaluate_only else resume.check_run(c, self.resume_path)
         mode, input_options = rollout_mode(c.rollout_mode), InputOptions.from_config(c)
         parts = agent_parts(tools, environment_factory, tool_names=c.tools, environment_name=c.environment_factory) \
@@ -154,7 +155,8 @@ class GRPOTrainer:
         self.optimizer = build_optimizer(model, optimizer_options)
         self.scheduler = build_scheduler(self.optimizer, optimizer_options)
         self.state = TrainState(global_batch=c.completions_per_step * self.world.size)
-        self.is_policy = logprobs.ISPolicy.resolve(c, self.engine, model, precision.trainer_dtype(packer, model))
+        is_options = logprobs.ISOptions.from_config(c, mode=c.is_mode)
+        self.is_policy = logprobs.ISPolicy.resolve(is_options, self.engine, model, precision.trainer_dtype(packer, model))
         self.metrics_logger = None
         self._saved_step = None  # the step of the last checkpoint this process wrote or resumed from
 
@@ -168,6 +170,8 @@ class GRPOTrainer:
     train_prompt_ids = property(lambda self: self.data.prompt_ids)
     eval_rows = property(lambda self: self.held_out.rows)
     group_size = property(lambda self: self.config.group_size)  # entries per prompt in a generation batch
+    # (read from the config when used: a caller may change its run control, max_steps say, between calls)
+    report = property(lambda self: ReportOptions.from_config(self.config))
     engine_shares_weights = property(lambda self: self.is_policy.shares_weights)
     is_in_step = property(lambda self: self.is_policy.in_step)
     needs_old_logp = property(lambda self: self.is_policy.needs_old_logp)
@@ -178,7 +182,7 @@ class GRPOTrainer:
         """Everything from the config: model, reward functions by name, the dataset or built-in task."""
         if not evaluate_only:
             trackers.check_credentials(config.report_to)  # a tracker's login too
-            run_folder.check_start(config)  # before the dataset is read
+            run_folder.check_start(run_folder.RunFolderOptions.from_config(config))  # before the dataset is read
         graded = rollout_mode(config.rollout_mode).graded_per_prompt(config)  # (what the lead reward compares)
         funcs, train_rows, eval_rows, eval_metrics = inputs.inputs_by_name(InputOptions.from_config(config),
                                                                            inputs.reward_options(config, graded))
@@ -198,7 +202,8 @@ class GRPOTrainer:
                 self._resume(self.resume_path)
                 # (at max_steps, a run killed while writing final/ still has that to do: the loop below skips its
                 # steps and writes it)
-                if self.state.step >= c.max_steps and not resume.unfinished(c, self.state.step, self.policy.model):
+                folder = run_folder.RunFolderOptions.from_config(c)
+                if self.state.step >= c.max_steps and not resume.unfinished(folder, self.state.step, self.policy.model):
                     print(f"{self.resume_path} is at step {self.state.step} >= max_steps={c.max_steps}: nothing to "
                           f"train (raise --max_steps to train further)", flush=True)
                     return {}
@@ -211,8 +216,8 @@ class GRPOTrainer:
 
     def _train_loop(self, stop: StopRequests) -> dict:
         c = self.config
-        self.metrics_logger = open_logger(c, self.state, self.world.main)
-        bar = progress(c, self.state.step, self.world.main)
+        self.metrics_logger = open_logger(self.report, c.to_dict(), self.state, self.world.main)
+        bar = progress(self.report, self.state.step, self.world.main)
         if self.world.main:
             bar.print(self.precision_summary())
         last = {}
@@ -238,7 +243,7 @@ class GRPOTrainer:
             self.metrics_logger.close()
             raise TrainingInterrupted(
                 f"{stop.name} at step {self.state.step}: checkpoint saved to {path}; continue with "
-                f"`{resume.resume_command(c, self.world.size)}` (resume_from_checkpoint='latest')", stop.signum)
+                f"`{resume.resume_command(c.output_dir, self.world.size)}` (resume_from_checkpoint='latest')", stop.signum)
         if self.eval_rows is not None and (not self.state.eval_history or self.state.eval_history[-1][0] != self.state.step):
             last = self._log_eval(bar)
         if c.save_final:
@@ -280,12 +285,14 @@ class GRPOTrainer:
                 bar.print(f"{type(err).__name__} while sampling or scoring: progress saved to {path}")
             raise
         stats = {**generated.metrics, **adv_stats, **side.metrics}
-        parts = step.step_slices(batch, c, self.state.step)
-        num_items = step.items_per_step(batch, c, self.options.loss, self.world)  # dapo's normaliser
+        steps = step.StepOptions.from_config(c, group_size=c.group_size)
+        parts = step.step_slices(batch, steps, self.state.step)
+        num_items = step.items_per_step(batch, steps, self.options.loss, self.world)  # dapo's normaliser
         # the round's sampling figures (rollout/*: tokens generated, carried over, ...) count once: they go
         # with the first logged step of the round (as TRL logs a generation's figures once)
         once = {name: stats.pop(name) for name in list(stats) if name.startswith("rollout/")}
-        completions_table.log_completions(batch, step=self.state.step + 1, config=c, reward_funcs=self.data.reward_funcs,
+        completions_table.log_completions(batch, step=self.state.step + 1, options=self.report,
+                                          prompt_column=c.prompt_column, reward_funcs=self.data.reward_funcs,
                                           world=self.world, bar=bar, metrics_logger=self.metrics_logger)
         logged = {}
         for k, part in enumerate(parts):  # train steps
@@ -304,17 +311,19 @@ class GRPOTrainer:
             logged = self._log(step.step_metrics(
                 part, batch, step_metrics, {**stats, **once}, step_times, reward_funcs=self.data.reward_funcs,
                 options=self.options, learning_rate=self.scheduler.get_last_lr()[0], state=self.state), bar)
-            if logs_step(self.state.step, c):
+            if logs_step(self.state.step, self.report):
                 once = {}
             if c.eval_steps and self.state.step % c.eval_steps == 0 and self.eval_rows is not None:
                 logged = self._log_eval(bar) or logged
         if c.save_steps and self.state.step // c.save_steps > first_step // c.save_steps:
             self._save()  # at the round's end (a save_steps multiple was crossed): resumes exactly
-        step.stop_without_signal(self.state, c, self._save if self.state.step != (self._saved_step or 0) else None)
+        step.stop_without_signal(self.state, c.max_signal_free_steps, self._save if self.state.step != (self._saved_step or 0) else None)
         return logged
 
     def _optimizer_step(self, part, num_items: float, bar) -> dict:
-        return step.optimizer_step(part, num_items, bar, self.policy, self.optimizer, self.scheduler, config=self.config,
+        c = self.config
+        return step.optimizer_step(part, num_items, bar, self.policy, self.optimizer, self.scheduler,
+                                   steps=step.StepOptions.from_config(c, group_size=c.group_size),
                                    options=self.options.loss, state=self.state, world=self.world,
                                    importance_weights=self.is_policy.weights if self.is_policy.in_step else None)
 
@@ -354,7 +363,7 @@ class GRPOTrainer:
     def _log(self, metrics: dict, bar) -> dict:
         metrics = distributed.reduce_metrics(metrics, self.world)
         bar.update(self.state.step, metrics)
-        return self.metrics_logger.log(self.state.step, metrics) if logs_step(self.state.step, self.config) else metrics
+        return self.metrics_logger.log(self.state.step, metrics) if logs_step(self.state.step, self.report) else metrics
 
     def _save(self, path: Optional[str] = None, final: bool = False) -> str:
         """A checkpoint of the whole run (or, final=True, the trained model alone into `path`).
@@ -370,8 +379,8 @@ class GRPOTrainer:
         return path
 
     def _resume(self, path: str):
-        self.state = resume.restore(path, TrainState, self.state, config=self.config, world=self.world,
-                                    model=self.policy.model, optimizer=self.optimizer, scheduler=self.scheduler,
+        self.state = resume.restore(path, TrainState, self.state, options=resume.ResumeOptions.from_config(self.config),
+                                    world=self.world, model=self.policy.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                     overrides=self.resume_overrides)
         self._sync_weights()
         self._saved_step = self.state.step

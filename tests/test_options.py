@@ -3,6 +3,7 @@ one declaration, and no record repeats a config default under a name of its own 
 
 import dataclasses
 
+import grpo_fast.trainer  # noqa: F401 (every stage's records registered, those that only mirror fields too)
 from grpo_fast import options
 from grpo_fast.config import GRPOConfig
 

@@ -73,12 +73,12 @@ def unshard_head(head: nn.Module) -> None:
         head.unshard()
 
 
-def check_logit_transforms(config, name: str = "model") -> None:
-    """Raise a ValueError naming the field when a model config transforms the logits after the lm_head
-    (checkable from config.json alone, before any weights load)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+def check_logit_transforms(model_config, name: str = "model") -> None:
+    """Raise a ValueError naming the field when a model config (transformers', config.json's) transforms the
+    logits after the lm_head (checkable from config.json alone, before any weights load)."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     for field in LOGIT_TRANSFORM_FIELDS:
-        value = getattr(config, field, None)
+        value = getattr(text_config, field, None)
         if value is not None and not (field != "final_logit_softcapping" and value == 1.0):
             raise ValueError(
                 f"{name}: config.{field}={value!r} transforms the logits after the lm_head, which the fused loss "

@@ -9,23 +9,25 @@ The adapter is never merged into the training weights. What the engine samples w
 - `adapter_tensors(model)`: the trained A / B (and modules_to_save) in PEFT's file layout, which vLLM's
   LoRA loader reads (the `adapter` sync route).
 
-The lm_head never carries an adapter: the fused loss reads its weight directly.
+The lm_head never carries an adapter: the fused loss reads its weight directly. `LoraOptions` declares the run's
+LoRA options (GRPOConfig's use_peft and lora_* fields, TRL's ModelConfig names).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
+
+from ..bounds import INTEGER_AT_LEAST_1, Bounds
+from ..options import option, options_record
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -36,6 +38,22 @@ BASE_RECORD = "base_model.json"
 POLICY, REFERENCE = "default", "ref"  # the trained adapter's name; a resumed-from adapter kept frozen as the reference
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (0.32)
 
+
+@options_record
+@dataclass(frozen=True)
+class LoraOptions:
+    """The adapter a run trains and how the engine samples it; the fields are named as GRPOConfig's, so the
+    `fields_of_*` dicts below (a peft LoraConfig's, an adapter folder's) build one too."""
+
+    use_peft: bool = option(False, "Train a LoRA adapter (the peft library) instead of every parameter: the optimizer holds the adapter alone, checkpoints hold the adapter and its optimizer state (megabytes), final/ holds adapter_config.json + adapter_model.safetensors (peft and vLLM load it). beta > 0 takes the reference from the same model with the adapter disabled (no second copy). The adapter is never merged into the training weights (lora_sync says how the engine samples it). A `model` that is a PEFT adapter folder trains that adapter on its base, its starting weights frozen as the reference.")
+    lora_r: int = option(16, "use_peft: LoRA rank r.", bounds=INTEGER_AT_LEAST_1)
+    lora_alpha: float = option(32, "use_peft: LoRA alpha; the update is scaled by lora_alpha / lora_r.", bounds=Bounds(low=0, low_open=True, finite=True))
+    lora_dropout: float = option(0.0, "use_peft: dropout on the adapter's input, in the policy's training forward only (the engine, the reference and the no-grad passes run without it). TRL's default is 0.05; here 0.0, so that the trained forward is the one the engine samples and the IS ratio and sync probe compare.", bounds=Bounds(low=0, high=1, high_open=True))
+    lora_target_modules: list = option(["all-linear"], "use_peft: the layers that get an adapter, by name (q_proj,v_proj,...) or all-linear (PEFT's keyword: every linear layer but the output layer). TRL leaves PEFT's per-model default, which for Llama is q_proj and v_proj only. The lm_head is refused (the fused loss reads its weight).")
+    lora_modules_to_save: Optional[list] = option(None, "use_peft: modules trained in full beside the adapter (PEFT's modules_to_save, e.g. a norm). Refused for the lm_head, for models with tied embeddings and with lora_sync='adapter'.")
+    lora_sync: str = option("auto", "use_peft: how the vLLM engine samples the live adapter. merged: the engine's targeted weights are rewritten each step as W_base + (alpha / r) B A, computed in float32 from a base kept untouched (a partial weight update; no LoRA cost in decode). adapter: vLLM's LoRA path (enable_lora), the new A / B delivered after each step as a new adapter version, the old one removed (syncs megabytes, decodes through LoRA kernels). auto: merged, or adapter for a 4-bit base (it cannot take merged weights); docs/design.md has the measurement. The run's first lines say which. The HF engine samples with the policy itself (nothing to sync).", ("auto", "merged", "adapter"))
+    lora_base_model: Optional[str] = option(None, "use_peft, with `model` a PEFT adapter folder: the base model's folder, when the adapter's base_model_name_or_path is not a local folder.")
+    load_in_4bit: bool = option(False, "use_peft: load the base in 4 bits (QLoRA, bitsandbytes on a CUDA GPU); refused where either is missing. The engine then samples through the adapter route or is the HF engine.")
 
 def is_adapter_folder(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
@@ -141,10 +159,10 @@ def _head_name(lm: nn.Module) -> Optional[str]:
     return next((name for name, m in lm.named_modules() if m is head), None)
 
 
-def check_targets(lm: nn.Module, config) -> None:
+def check_targets(lm: nn.Module, options: LoraOptions) -> None:
     """Before wrapping: every lora_target_modules entry names a linear layer of the model (listing those
     there are), neither list reaches the lm_head, and no modules_to_save with tied embeddings."""
-    targets = list(config.lora_target_modules or [])
+    targets = list(options.lora_target_modules or [])
     head = _head_name(lm)
     linear = [n for n in _linear_names(lm) if n != head]
     kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
@@ -162,7 +180,7 @@ def check_targets(lm: nn.Module, config) -> None:
         if not any(hits(n) for n in linear):
             raise ValueError(f"GRPOConfig.lora_target_modules={targets!r}: {t!r} names no linear layer of the model; "
                              f"its linear layers are {kinds} (or 'all-linear')")
-    saved = list(config.lora_modules_to_save or [])
+    saved = list(options.lora_modules_to_save or [])
     modules = [n for n, _ in lm.named_modules()]
     for s in saved:
         if head is not None and _matches(head, s):
@@ -175,13 +193,14 @@ def check_targets(lm: nn.Module, config) -> None:
                          f"trained copy would untie the lm_head from the embedding); set it to None")
 
 
-def lora_config(config):
+def lora_config(options: LoraOptions):
+    """peft's LoraConfig of the options' adapter."""
     from peft import LoraConfig
 
-    targets = list(config.lora_target_modules or [])
-    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+    targets = list(options.lora_target_modules or [])
+    return LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
                       target_modules=targets[0] if targets == ["all-linear"] or is_regex(targets) else targets,
-                      modules_to_save=list(config.lora_modules_to_save) if config.lora_modules_to_save else None,
+                      modules_to_save=list(options.lora_modules_to_save) if options.lora_modules_to_save else None,
                       bias="none", task_type="CAUSAL_LM")
 
 
@@ -195,10 +214,10 @@ def _fields(peft_config) -> dict:
                 lora_modules_to_save=sorted(saved) if saved else None)
 
 
-def config_with(config, peft_config):
-    """The GRPOConfig of a run given a `peft_config=` object: use_peft and the lora_* fields it sets, so the
+def fields_of_peft_config(peft_config) -> dict:
+    """The GRPOConfig fields of a run given a `peft_config=` object: use_peft and the lora_* fields it sets, so the
     saved config (and a resume's check) describes the adapter."""
-    return dataclasses.replace(config, use_peft=True, **_fields(peft_config))
+    return dict(use_peft=True, **_fields(peft_config))
 
 
 def folder_config(path: str):
@@ -208,21 +227,21 @@ def folder_config(path: str):
     return LoraConfig.from_pretrained(path)
 
 
-def config_of_folder(config, path: str):
-    """The GRPOConfig of a run that trains the adapter folder `path`: its shape (r, alpha, targets, modules to
-    save) from the folder, lora_dropout the run's own (dropout is how it is trained, not part of the adapter:
+def fields_of_folder(path: str, lora_dropout: float) -> dict:
+    """The GRPOConfig fields of a run that trains the adapter folder `path`: its shape (r, alpha, targets, modules
+    to save) from the folder, lora_dropout the run's own (dropout is how it is trained, not part of the adapter:
     a TRL adapter's 0.05 would make the trained forward differ from the sampled one)."""
-    fields = {**_fields(folder_config(path)), "lora_dropout": config.lora_dropout}  # (one replace: one config checked)
-    return dataclasses.replace(config, use_peft=True, **fields)
+    return dict(use_peft=True, **{**_fields(folder_config(path)), "lora_dropout": lora_dropout})
 
 
-def config_of_model(config, model):
-    """The GRPOConfig of a run given a PEFT model: its adapter (named POLICY, PEFT's default name) is trained."""
+def fields_of_model(model) -> dict:
+    """The GRPOConfig fields of a run given a PEFT model: its adapter (named POLICY, PEFT's default name) is
+    trained."""
     if POLICY not in model.peft_config:
         raise ValueError(f"model=: a PEFT model whose adapters are {list(model.peft_config)}; grpo_fast trains the one "
                          f"named {POLICY!r} (PEFT's default name)")
     _check_plain(model.peft_config[POLICY], "model= (a PEFT model)")
-    return config_with(config, model.peft_config[POLICY])
+    return fields_of_peft_config(model.peft_config[POLICY])
 
 
 def _check_plain(peft_config, what: str) -> None:
@@ -232,8 +251,9 @@ def _check_plain(peft_config, what: str) -> None:
                          f"LoRA path compute plain LoRA: W + s B A); use plain LoRA")
 
 
-def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_config=None) -> nn.Module:
-    """The PEFT model around `lm`: a fresh adapter (peft_config, else one from the config's lora_* fields),
+def apply_lora(lm: nn.Module, options: Optional[LoraOptions], adapter_path: Optional[str] = None,
+               peft_config=None) -> nn.Module:
+    """The PEFT model around `lm`: a fresh adapter (peft_config, else one from the options' lora_* fields),
     or (adapter_path) that adapter trained on, with a frozen copy of it as the reference adapter
     (`REFERENCE`). Base weights frozen."""
     from peft import PeftModel, get_peft_model
@@ -241,15 +261,15 @@ def apply_lora(lm: nn.Module, config, adapter_path: Optional[str] = None, peft_c
     if adapter_path is None:
         if peft_config is not None:
             _check_plain(peft_config, "peft_config")
-        check_targets(lm, config if peft_config is None else types.SimpleNamespace(**_fields(peft_config)))
-        return get_peft_model(lm, peft_config if peft_config is not None else lora_config(config))
+        check_targets(lm, options if peft_config is None else LoraOptions(**_fields(peft_config)))
+        return get_peft_model(lm, peft_config if peft_config is not None else lora_config(options))
     folder = folder_config(adapter_path)
     _check_plain(folder, f"model={adapter_path!r} (its {ADAPTER_CONFIG})")
-    check_targets(lm, types.SimpleNamespace(**_fields(folder)))
+    check_targets(lm, LoraOptions(**_fields(folder)))
     if folder.modules_to_save:  # (the reference adapter would switch its LoRA layers, not these trained copies)
         raise ValueError(f"model={adapter_path!r}: an adapter with modules_to_save ({folder.modules_to_save}) cannot be "
                          f"trained on: its starting copy of them could not serve as the reference; start a new adapter")
-    folder.lora_dropout = config.lora_dropout  # the run's (config_of_folder)
+    folder.lora_dropout = options.lora_dropout  # the run's (fields_of_folder)
     model = PeftModel.from_pretrained(lm, adapter_path, adapter_name=POLICY, is_trainable=True, config=folder)
     model.load_adapter(adapter_path, adapter_name=REFERENCE, is_trainable=False)
     model.base_model.set_adapter(POLICY)  # (loading may switch the active adapter) the trained one, trainable

@@ -16,6 +16,7 @@ import re
 from ..distributed import gather_objects
 from ..rewards.names import reward_name
 from .metrics import logs_step
+from .options import ReportOptions
 
 
 def table_rows(batch, reward_funcs, prompt_column: str) -> tuple[list[str], list[list]]:
@@ -64,13 +65,14 @@ def render(columns: list[str], rows: list[list], step: int):
     return table
 
 
-def log_completions(batch, *, step: int, config, reward_funcs, world, bar, metrics_logger) -> None:
-    """At a logged step, when `config.log_completions`: the table of `batch` (the generation batch) on
+def log_completions(batch, *, step: int, options: ReportOptions, prompt_column: str, reward_funcs, world, bar,
+                    metrics_logger) -> None:
+    """At a logged step, when `options.log_completions`: the table of `batch` (the generation batch) on
     rank 0's console and trackers, `num_completions_to_print` rows (None: all). Every rank calls it."""
-    if not (config.log_completions and logs_step(step, config)):
+    if not (options.log_completions and logs_step(step, options)):
         return
-    columns, rows = table_rows(batch, reward_funcs, config.prompt_column)
-    rows = [row for part in gather_objects(rows, world) for row in part][: config.num_completions_to_print]
+    columns, rows = table_rows(batch, reward_funcs, prompt_column)
+    rows = [row for part in gather_objects(rows, world) for row in part][: options.num_completions_to_print]
     if world.main:
         bar.print(render(columns, rows, step))
         metrics_logger.log_table(step, columns, rows)

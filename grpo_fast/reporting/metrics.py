@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from .options import ReportOptions
 from .trackers import catch_up, close_all, scalars
 
 logger = logging.getLogger(__name__)
@@ -299,24 +300,25 @@ def timed(times: dict, name: str):
         times[name] = times.get(name, 0.0) + synced_time(start)
 
 
-def logs_step(step: int, config) -> bool:
+def logs_step(step: int, options: ReportOptions) -> bool:
     """Whether optimizer step `step` writes a metrics line."""
-    return step % config.logging_steps == 0 or step == config.max_steps
+    return step % options.logging_steps == 0 or step == options.max_steps
 
 
-def open_logger(config, state, main: bool):
-    """Rank 0's MetricsLogger (resuming at `state.step`, with the trackers of `config.report_to`, continuing
-    the runs in `state.tracker_runs`); other ranks write nothing (rank 0 writes the all-rank means)."""
+def open_logger(options: ReportOptions, params: dict, state, main: bool):
+    """Rank 0's MetricsLogger (resuming at `state.step`, with the trackers of `options.report_to`, continuing
+    the runs in `state.tracker_runs`; `params`: the run's options as the trackers record them, GRPOConfig.to_dict());
+    other ranks write nothing (rank 0 writes the all-rank means)."""
     if not main:
         return OtherRankMetrics()
     from .trackers import open_trackers
 
-    return MetricsLogger(config.output_dir, resume_step=state.step,
-                         trackers=open_trackers(config, state.tracker_runs, state.step))
+    return MetricsLogger(options.output_dir, resume_step=state.step,
+                         trackers=open_trackers(options, params, state.tracker_runs, state.step))
 
 
-def progress(config, step: int, main: bool = True) -> "ProgressBar":
-    return ProgressBar(config.max_steps, step, enabled=main and not config.disable_tqdm, messages=main)
+def progress(options: ReportOptions, step: int, main: bool = True) -> "ProgressBar":
+    return ProgressBar(options.max_steps, step, enabled=main and not options.disable_tqdm, messages=main)
 
 
 class OtherRankMetrics:

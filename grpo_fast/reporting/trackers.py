@@ -20,6 +20,8 @@ import logging
 import os
 from typing import Callable, Optional, Sequence
 
+from .options import ReportOptions
+
 logger = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
@@ -117,16 +119,17 @@ _LOGIN_PROBLEMS: dict[str, Callable[[], Optional[str]]] = {"wandb": _wandb_login
                                                            "trackio": _trackio_login_problem}
 
 
-def open_trackers(config, runs: dict, resume_step: int = 0) -> list:
-    """The trackers of `config.report_to`, started (rank 0 only). `runs`: tracker -> run id of this run
-    (TrainState.tracker_runs: empty on a fresh run); filled with the ids of the runs started here.
-    resume_step: the step this run resumes at (0: a fresh run)."""
+def open_trackers(options: ReportOptions, params: dict, runs: dict, resume_step: int = 0) -> list:
+    """The trackers of `options.report_to`, started (rank 0 only). params: the run's options, as each tracker
+    records them (GRPOConfig.to_dict()). `runs`: tracker -> run id of this run (TrainState.tracker_runs: empty on
+    a fresh run); filled with the ids of the runs started here. resume_step: the step this run resumes at (0: a
+    fresh run)."""
     out = []
-    for name in names(config.report_to):
+    for name in names(options.report_to):
         if not _installed(name):  # the default TensorBoard only: check() refused the others before work
-            logger.warning("report_to=%r: %s is not installed, metrics go to metrics.jsonl only", config.report_to, name)
+            logger.warning("report_to=%r: %s is not installed, metrics go to metrics.jsonl only", options.report_to, name)
             continue
-        out.append(_OPEN[name](config, runs, resume_step))
+        out.append(_OPEN[name](options, params, runs, resume_step))
     return out
 
 
@@ -147,8 +150,8 @@ def catch_up(trackers: Sequence, records: list[dict]) -> None:
                 tracker.log(record["step"], values)
 
 
-def _run_name(config) -> str:
-    return config.run_name or os.path.basename(os.path.abspath(config.output_dir))
+def _run_name(options: ReportOptions) -> str:
+    return options.run_name or os.path.basename(os.path.abspath(options.output_dir))
 
 
 class TensorBoard:
@@ -156,10 +159,10 @@ class TensorBoard:
     being written). A resumed run's writer hides what an interrupted attempt logged past the resumed step
     (`purge_step`: TensorBoard's own rule for a restart; that step is trained and logged again)."""
 
-    def __init__(self, config, runs: dict, resume_step: int = 0):
+    def __init__(self, options: ReportOptions, params: dict, runs: dict, resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = os.path.join(config.output_dir, "tensorboard")
+        self.log_dir = os.path.join(options.output_dir, "tensorboard")
         self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=resume_step + 1)
 
     def held(self, records: list[dict]) -> dict[int, set]:
@@ -191,13 +194,13 @@ class WandB:
     requires increasing steps, so a resumed online run keeps what it logged before the interruption for those
     steps, and since a resume is exact they are the same values)."""
 
-    def __init__(self, config, runs: dict, resume_step: int = 0):
+    def __init__(self, options: ReportOptions, params: dict, runs: dict, resume_step: int = 0):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", config.project), name=_run_name(config),
-                              id=runs.get("wandb"), resume="allow", config=config.to_dict(),
-                              dir=os.environ.get("WANDB_DIR", config.output_dir))
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", options.project), name=_run_name(options),
+                              id=runs.get("wandb"), resume="allow", config=params,
+                              dir=os.environ.get("WANDB_DIR", options.output_dir))
         runs["wandb"] = self.run.id
 
     def held(self, records: list[dict]) -> dict[int, set]:
@@ -225,17 +228,17 @@ class Trackio:
     looked up by its name: two output folders of the same basename (a/r and b/r; two projects' default
     outputs/grpo_fast) give runs of the same name."""
 
-    def __init__(self, config, runs: dict, resume_step: int = 0):
+    def __init__(self, options: ReportOptions, params: dict, runs: dict, resume_step: int = 0):
         import trackio
 
-        self.trackio, self.project = trackio, config.project
+        self.trackio, self.project = trackio, options.project
         saved = runs.get("trackio")
         if saved is not None and not isinstance(saved, dict):
             # (a checkpoint written before runs had ids here saved a name: a new run, which catch_up fills in)
             logger.warning("the checkpoint names its trackio run %r by name only: continuing in a new trackio run", saved)
             saved = None
-        self.run = _trackio_run(trackio, config.project, saved["name"] if saved else _run_name(config),
-                                config.to_dict(), saved["id"] if saved else None)
+        self.run = _trackio_run(trackio, options.project, saved["name"] if saved else _run_name(options), params,
+                                saved["id"] if saved else None)
         runs["trackio"] = {"id": self.run.id, "name": self.run.name}
 
     def held(self, records: list[dict]) -> dict[int, set]:
@@ -263,13 +266,13 @@ class Trackio:
         self.trackio.finish()
 
 
-def _trackio_run(trackio, project: str, name: str, config: dict, run_id: Optional[str]):
+def _trackio_run(trackio, project: str, name: str, params: dict, run_id: Optional[str]):
     """trackio's run `run_id` of `project` under `name` (None: a new run). trackio 0.43's `init` resumes a
     run by name only (the newest run of that name, whichever folder it came from); its runs have had ids
     since gradio-app/trackio#505, and every record a run logs carries its id. So the run is started as a new
     one under its name and given back its saved id before it logs anything: what it logs joins that run and
     no other. (Goes when trackio's `init` takes an id.)"""
-    run = trackio.init(project=project, name=name, config=config, resume="never")
+    run = trackio.init(project=project, name=name, config=params, resume="never")
     if run_id is not None:
         run.id = run_id
     return run
@@ -280,16 +283,16 @@ class MLflow:
     writes through to its store, so a kill loses at most the call in progress: it is taken to hold every step
     (not replayed: mlflow keeps a value logged twice at a step twice)."""
 
-    def __init__(self, config, runs: dict, resume_step: int = 0):
+    def __init__(self, options: ReportOptions, params: dict, runs: dict, resume_step: int = 0):
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", config.project))
-        self.run = mlflow.start_run(run_id=runs.get("mlflow"), run_name=_run_name(config))
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", options.project))
+        self.run = mlflow.start_run(run_id=runs.get("mlflow"), run_name=_run_name(options))
         if "mlflow" not in runs:  # (parameters are written once: mlflow refuses to change one)
-            params = [(k, str(v)[:500]) for k, v in config.to_dict().items()]
-            for start in range(0, len(params), 100):  # (at most 100 per request)
-                mlflow.log_params(dict(params[start:start + 100]))
+            shown = [(k, str(v)[:500]) for k, v in params.items()]
+            for start in range(0, len(shown), 100):  # (at most 100 per request)
+                mlflow.log_params(dict(shown[start:start + 100]))
         runs["mlflow"] = self.run.info.run_id
 
     def held(self, records: list[dict]) -> dict[int, set]:

@@ -8,6 +8,8 @@
 - `RunLock`: an OS lock (`flock`) on `<output_dir>/.lock` for as long as the run writes there. The
   kernel releases it when the process dies, kill -9 included, so no stale lock outlives a run.
 - `clear_run_files`: what `overwrite_output_dir` deletes (only the files a run writes).
+
+`RunFolderOptions`: the folder, what a run keeps in it (checkpoints, final/) and whether it resumes.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import fcntl
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Optional
 
+from ..bounds import INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1
+from ..options import option, options_record
 from .checkpoint import TEMP_PREFIX, list_checkpoints, remove_stale_temp_folders, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -30,7 +35,20 @@ STARTED_FILES = ("run_config.json", "metrics.jsonl")
 _warned_step_zero: set[str] = set()  # output folders whose resume from step 0 this process has announced
 
 
-def check_start(config, warn: bool = True) -> Optional[str]:
+@options_record
+@dataclass(frozen=True)
+class RunFolderOptions:
+    """Where a run writes, what it keeps there and whether it continues the run that folder holds."""
+
+    output_dir: str = option("outputs/grpo_fast", "Folder for metrics.jsonl, TensorBoard events, the reward plot and checkpoints.")
+    save_steps: int = option(0, "Save a checkpoint every this many steps (0: only at the end when save_final is set).", bounds=INTEGER_AT_LEAST_0)
+    save_final: bool = option(True, "Save the trained model (HF format) to output_dir/final at the end.")
+    save_total_limit: Optional[int] = option(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.", bounds=INTEGER_AT_LEAST_1)
+    save_merged: bool = option(False, "use_peft: also write final/merged/, the base with the adapter merged (a plain HF folder).")
+    resume_from_checkpoint: Optional[str] = option(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
+    overwrite_output_dir: bool = option(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
+
+def check_start(options: RunFolderOptions, warn: bool = True) -> Optional[str]:
     """The checkpoint folder to resume from (None: a fresh run, or a resume from step 0), checked
     before any work; stale temporary folders are removed first (rank 0, the folder unlocked).
 
@@ -38,10 +56,10 @@ def check_start(config, warn: bool = True) -> Optional[str]:
     write into an earlier run's folder, and FileNotFoundError when there is nothing to resume.
     warn: say (once per process and folder, rank 0) that a resume starts again from step 0, or passes over
     a damaged newest checkpoint (checkpoint.resolve_checkpoint)."""
-    out = config.output_dir
+    out = options.output_dir
     if os.environ.get("RANK", "0") == "0":
         remove_stale_temp_folders_unless_locked(out)
-    spec = config.resume_from_checkpoint
+    spec = options.resume_from_checkpoint
     if spec is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and (
             list_checkpoints(out) or _started(out)):
         spec = "latest"  # torchrun restarted this worker: continue the run from its own checkpoint
@@ -54,7 +72,7 @@ def check_start(config, warn: bool = True) -> Optional[str]:
     if spec is not None:
         return resolve_checkpoint(spec, out, warn=warn)
     existing = _entries(out)
-    if existing and not config.overwrite_output_dir:
+    if existing and not options.overwrite_output_dir:
         shown = ", ".join(existing[:4]) + (", ..." if len(existing) > 4 else "")
         raise ValueError(f"output_dir {out!r} already holds files ({shown}): pass --resume to continue that run, "
                          f"--overwrite_output_dir to replace it, or choose another --output_dir")

@@ -12,7 +12,7 @@ resumes from step 0 with it). On resume:
   (`LAYOUT`: how the same global batch is spread and computed; free, the global batch is checked
   when the checkpoint loads), or named in `resume_override`. An override takes effect (a new
   learning rate or AdamW option reaches the optimizer and scheduler: `apply_optimizer_overrides`)
-  and is logged. Options the partial-rollout pool depends on (`IN_FLIGHT`) can never change while
+  and is logged: `check_run` returns the overridden fields with their new values, which `restore` applies. Options the partial-rollout pool depends on (`IN_FLIGHT`) can never change while
   groups are in flight, nor the shape of a checkpoint's LoRA adapter (`ADAPTER_SHAPE`: its tensors
   would not be the new model's, and a checkpoint loads strictly).
 - `restore` (`GRPOTrainer.train`): the checkpoint's model, optimizer, schedule, RNG and loop state,
@@ -27,7 +27,11 @@ import json
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Optional
+
+from ..options import mirror, options_record
+from .folder import RunFolderOptions
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,21 @@ IN_FLIGHT = ("model", "dataset", "task", "task_train_size", "prompt_column", "nu
 ADAPTER_SHAPE = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save")
 # The AdamW and schedule options an override pushes into the restored optimizer and scheduler.
 OPTIMIZER_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+
+@options_record
+@dataclass(frozen=True)
+class ResumeOptions:
+    """What `restore` reads of the run besides the checkpoint: the global batch's factors (its message) and
+    AdamW's options (an override pushes them into the restored optimizer)."""
+
+    per_device_train_batch_size: int = mirror(64)
+    gradient_accumulation_steps: int = mirror(1)
+    learning_rate: float = mirror(1e-5)
+    weight_decay: float = mirror(0.0)
+    adam_beta1: float = mirror(0.9)
+    adam_beta2: float = mirror(0.99)
+    adam_epsilon: float = mirror(1e-8)
 
 
 def free_fields() -> tuple[str, ...]:
@@ -147,27 +166,28 @@ def check_resume(config, saved: Optional[dict], source: str, in_flight: bool = F
     return [n for n in override if n in changed]
 
 
-def apply_optimizer_overrides(optimizer, scheduler, config, overridden: list[str]) -> None:
+def apply_optimizer_overrides(optimizer, scheduler, options: ResumeOptions, overridden) -> None:
     """Push overridden AdamW options into the restored optimizer (load_state_dict restored the saved ones)
     and a new learning rate into the scheduler's base, so the next step and the logged value use it."""
     names = [n for n in overridden if n in OPTIMIZER_FIELDS]
     if not names:
         return
     for group in optimizer.param_groups:
-        group["weight_decay"] = config.weight_decay
-        group["betas"] = (config.adam_beta1, config.adam_beta2)
-        group["eps"] = config.adam_epsilon
-        group["initial_lr"] = config.learning_rate
-    scheduler.base_lrs = [config.learning_rate for _ in optimizer.param_groups]
+        group["weight_decay"] = options.weight_decay
+        group["betas"] = (options.adam_beta1, options.adam_beta2)
+        group["eps"] = options.adam_epsilon
+        group["initial_lr"] = options.learning_rate
+    scheduler.base_lrs = [options.learning_rate for _ in optimizer.param_groups]
     factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
     for group, factor in zip(optimizer.param_groups, factors, strict=True):
-        group["lr"] = config.learning_rate * factor
+        group["lr"] = options.learning_rate * factor
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def describe_overrides(saved: Optional[dict], config, overridden: list[str]) -> str:
+def describe_overrides(saved: Optional[dict], overrides: dict) -> str:
+    """One line: each overridden field, its saved value -> its new one (`overrides`: name -> new value)."""
     theirs = _known(saved or {})
-    return "resume_override: " + "; ".join(f"{n}: {theirs.get(n)!r} -> {getattr(config, n)!r}" for n in overridden)
+    return "resume_override: " + "; ".join(f"{n}: {theirs.get(n)!r} -> {value!r}" for n, value in overrides.items())
 
 
 def _known(saved: dict) -> dict:
@@ -200,10 +220,11 @@ def _listing(names: list[str], saved: dict, given: dict) -> str:
 # ---- the trainer's side: check before loading, restore at the start of train() ---------------
 
 
-def check_run(config, resume_path: Optional[str]) -> list[str]:
-    """A resumed run keeps its saved options: refused before any model loads; the overrides."""
+def check_run(config, resume_path: Optional[str]) -> dict:
+    """A resumed run keeps its saved options: refused before any model loads; the overrides (overridden field ->
+    its new value, for `restore`)."""
     if resume_path is None and config.resume_from_checkpoint is None:
-        return []
+        return {}
     saved, in_flight = saved_config(config.output_dir, resume_path)
     source = resume_path or os.path.join(config.output_dir, RUN_CONFIG_FILE)
     overrides = check_resume(config, saved, source, in_flight, checkpoint=resume_path is not None)
@@ -214,32 +235,33 @@ def check_run(config, resume_path: Optional[str]) -> list[str]:
         # checkpoint's adapter records the weights of the base it was trained on)
         if not lora.is_adapter_folder(config.model):  # (a run started from an adapter: its base checked on load)
             lora.check_base(resume_path, config.model or "default")
-    return overrides
+    return {name: getattr(config, name) for name in overrides}
 
 
-def unfinished(config, step: int, model) -> list[str]:
+def unfinished(folder: RunFolderOptions, step: int, model) -> list[str]:
     """What a run resumed at `step` >= max_steps still has to do ([] : nothing, the run had ended): final/
     (and its merged/) when the run was stopped before writing them for this step (killed meanwhile)."""
     from ..models import lora
     from . import checkpoint
 
-    if not config.save_final:
+    if not folder.save_final:
         return []
-    merged = config.save_merged and lora.is_lora(model)
-    final = os.path.join(config.output_dir, "final")
+    merged = folder.save_merged and lora.is_lora(model)
+    final = os.path.join(folder.output_dir, "final")
     return [] if checkpoint.final_written(final, step, merged) else ["final/ with merged/" if merged else "final/"]
 
 
-def resume_command(config, world_size: int) -> str:
+def resume_command(output_dir: str, world_size: int) -> str:
     """The command that continues this run: the output folder holds every other option."""
     ranks = f" --nproc_per_node {world_size}" if world_size > 1 else ""
-    return f"grpo-fast train --output_dir {config.output_dir} --resume{ranks}"
+    return f"grpo-fast train --output_dir {output_dir} --resume{ranks}"
 
 
-def restore(path: str, state_type, current, *, config, world, model, optimizer, scheduler, overrides: list[str]):
+def restore(path: str, state_type, current, *, options: ResumeOptions, world, model, optimizer, scheduler,
+            overrides: dict):
     """Load the checkpoint at `path` into the model, optimizer and scheduler (any world size: resharded),
-    apply the overrides, restore this rank's RNG; returns the loop's state (a `state_type`). `current`:
-    the fresh run's state (its global batch must match the checkpoint's)."""
+    apply the overrides (`check_run`'s: field -> new value), restore this rank's RNG; returns the loop's state (a
+    `state_type`). `current`: the fresh run's state (its global batch must match the checkpoint's)."""
     from . import checkpoint
 
     saved = checkpoint.load_trainer_state(path)
@@ -247,17 +269,17 @@ def restore(path: str, state_type, current, *, config, world, model, optimizer, 
     if state.global_batch and state.global_batch != current.global_batch:  # (0: saved before it was kept)
         raise ValueError(
             f"{path} was trained with {state.global_batch} completions per step over all ranks; this run has "
-            f"per_device_train_batch_size x ranks x gradient_accumulation_steps = {config.per_device_train_batch_size}"
-            f" x {world.size} x {config.gradient_accumulation_steps} = {current.global_batch}: set "
+            f"per_device_train_batch_size x ranks x gradient_accumulation_steps = {options.per_device_train_batch_size}"
+            f" x {world.size} x {options.gradient_accumulation_steps} = {current.global_batch}: set "
             f"per_device_train_batch_size or gradient_accumulation_steps to keep the global batch (the data order "
             f"and the next step depend on it)")
     state.global_batch = current.global_batch  # (a checkpoint from before it was kept: from now on)
     checkpoint.load_model_and_optimizer(path, saved, model, optimizer)  # any world size: resharded
     scheduler.load_state_dict(saved["scheduler"])
     if overrides:
-        apply_optimizer_overrides(optimizer, scheduler, config, overrides)
+        apply_optimizer_overrides(optimizer, scheduler, options, overrides)
         if "entropy_coef" in overrides:
             state.entropy_coef = None  # the new coefficient, not the saved (possibly adapted) one
-        logger.warning("%s", describe_overrides(saved.get("config"), config, overrides))
+        logger.warning("%s", describe_overrides(saved.get("config"), overrides))
     checkpoint.set_rng_state(checkpoint.rank_rng_state(saved, world.rank))
     return state

@@ -2,7 +2,7 @@
 weights that correct for an engine whose log-probs are not the trainer's (TRL's
 vllm_importance_sampling_* semantics).
 
-Who computes the IS weights is decided once, at build (`ISPolicy.resolve`):
+Who computes the IS weights is decided once, at build (`ISPolicy.resolve`, from the run's `ISOptions`):
 
     HF engine              it samples with the policy itself: its log-probs are the trainer's, no IS
     one update per batch   (num_iterations = steps_per_generation = 1) the step's own forward gives
@@ -22,11 +22,27 @@ from typing import Optional
 
 import torch
 
+from ..bounds import Bounds
 from ..generation.batch import Rollouts
 from ..models.precision import default_is_correction
+from ..options import mirror, option, options_record
 from ..reporting.metrics import Pooled
 from .forward import completion_logprobs
 
+
+@options_record
+@dataclass(frozen=True)
+class ISOptions:
+    """What decides where the IS weights come from (`ISPolicy.resolve`): TRL's vllm_importance_sampling_* options,
+    and what makes the batch stale or the update more than one per batch."""
+
+    mode: str  # GRPOConfig.is_mode (vllm_importance_sampling_mode resolved for the loss type): the caller's
+    vllm_importance_sampling_correction: Optional[bool] = option(None, "Correct the sampler/trainer mismatch with importance weights from the engine's sampling log-probs (TRL; costs one no-grad forward per generation batch, or only an lm_head pass per micro-batch when each batch trains once; never with the HF engine, which samples with the policy itself). None: on when the engine (vllm_dtype) or the trainer (its weights, or the decoder under mixed_precision) computes in bf16/fp16 — so on with the bf16 CPU defaults of an AMX or avx512_bf16 CPU — or with max_staleness >= 1 (stale tokens); off when both are float32, where vLLM and the trainer agree.")
+    vllm_importance_sampling_cap: float = option(3.0, "Upper bound C of the IS ratio (TRL's vllm_importance_sampling_cap / _clip_max).", bounds=Bounds(low=0, low_open=True))
+    vllm_importance_sampling_clip_min: Optional[float] = option(None, "Lower bound of the IS ratio (TRL). None: no lower bound.")
+    max_staleness: int = mirror(0)
+    num_iterations: int = mirror(1)
+    steps_per_generation: int = mirror(1)
 
 @dataclass(frozen=True)
 class ISPolicy:
@@ -41,22 +57,22 @@ class ISPolicy:
     clip_min: Optional[float]
 
     @classmethod
-    def resolve(cls, config, engine, model, trainer_dtype: torch.dtype) -> "ISPolicy":
-        """From the config (`vllm_importance_sampling_correction`: None picks by the precisions and
+    def resolve(cls, options: ISOptions, engine, model, trainer_dtype: torch.dtype) -> "ISPolicy":
+        """From the options (`vllm_importance_sampling_correction`: None picks by the precisions and
         staleness), the engine and the trainer's precision; warns where an explicit True cannot apply."""
         shares = engine.shares_weights_with(model)
-        use_is = config.vllm_importance_sampling_correction
+        use_is = options.vllm_importance_sampling_correction
         if use_is is None:
-            use_is = default_is_correction(engine.dtype, trainer_dtype, config.max_staleness)
-        if config.vllm_importance_sampling_correction and shares:
+            use_is = default_is_correction(engine.dtype, trainer_dtype, options.max_staleness)
+        if options.vllm_importance_sampling_correction and shares:
             warnings.warn("vllm_importance_sampling_correction=True has no effect with the HF engine: it samples with "
                           "the policy itself, so its log-probs are the trainer's (the correction stays off)",
                           stacklevel=3)
-        on_policy = config.num_iterations == 1 and config.steps_per_generation == 1
+        on_policy = options.num_iterations == 1 and options.steps_per_generation == 1
         use_is = use_is and not shares
         return cls(shares_weights=shares, use_is=use_is, in_step=use_is and on_policy, needs_old_logp=not on_policy,
-                   mode=config.is_mode, cap=config.vllm_importance_sampling_cap,
-                   clip_min=config.vllm_importance_sampling_clip_min)
+                   mode=options.mode, cap=options.vllm_importance_sampling_cap,
+                   clip_min=options.vllm_importance_sampling_clip_min)
 
     def with_use_is(self, on: bool) -> "ISPolicy":
         return dataclasses.replace(self, use_is=on)

@@ -28,17 +28,20 @@ import contextlib
 import dataclasses
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from .. import objective
+from ..bounds import FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from ..distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
 from ..generation.batch import Rollouts
 from ..loss_types import loss_type
 from ..models.adapter import causal_lm_of, decoder_of
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
+from ..options import mirror, option, options_record
 from .forward import Packer, completion_hidden, policy_parts
 
 __all__ = ["LossOptions", "optimizer_step", "step_metrics", "step_slices", "train_step", "trainable_mask",
@@ -234,13 +237,36 @@ def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages
 # ---- the optimizer steps of a generation batch -----------------------------------------------
 
 
-def step_slices(batch: Rollouts, config, step: int) -> list[Rollouts]:
+@options_record
+@dataclass(frozen=True)
+class StepOptions:
+    """What the optimizer steps of a generation batch read: how the batch is cut into steps, the gradient clip,
+    TRL's token masks, the adaptive entropy controller and when a run without signal stops
+    (`StepOptions.from_config(config, group_size=config.group_size)`)."""
+
+    group_size: int  # trained sequences per prompt (GRPOConfig.group_size, the rollout mode's): the caller's
+    steps_per_generation: int = mirror(1)
+    num_iterations: int = option(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.", bounds=INTEGER_AT_LEAST_1)
+    max_steps: int = mirror(20)
+    max_grad_norm: float = option(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).", bounds=Bounds(low=0))
+    top_entropy_quantile: float = option(1.0, "Train only on the highest-entropy tokens of each micro-batch: this share of them (TRL; 1.0: all). Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=FRACTION_OPEN_LOW)
+    off_policy_mask_threshold: Optional[float] = option(None, "Off-policy sequence mask (DeepSeek-V3.2, TRL): drop a negative-advantage completion from the loss when its mean log-prob gap (sampler minus current policy) exceeds this. None: off. Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=Bounds(low=0))
+    entropy_coef: float = mirror(0.0)  # the starting coefficient (LossOptions declares it)
+    use_adaptive_entropy: bool = option(False, "Adapt entropy_coef each optimizer step (TRL): +entropy_coef_delta when the step's token entropy was <= entropy_target, else -delta; the bonus is applied only while the previous step's entropy was <= entropy_target.")
+    entropy_coef_min: float = option(0.0, "Adaptive entropy: smallest coefficient.", bounds=FINITE_AT_LEAST_0)
+    entropy_coef_max: float = option(1.0, "Adaptive entropy: largest coefficient.", bounds=FINITE_AT_LEAST_0)
+    entropy_coef_delta: float = option(0.005, "Adaptive entropy: change of the coefficient per optimizer step.", bounds=FINITE_AT_LEAST_0)
+    entropy_target: float = option(0.2, "Adaptive entropy: the token entropy (nats) the controller aims at.", bounds=FINITE_AT_LEAST_0)
+    max_signal_free_steps: int = option(10, "Stop with an error after this many steps in a row without a training signal: no finite reward in the whole step, or the step skipped for a non-finite loss (each such step warns). Groups whose rewards all agree are normal and do not count. 0: never stop.", bounds=INTEGER_AT_LEAST_0)
+
+
+def step_slices(batch: Rollouts, options: StepOptions, step: int) -> list[Rollouts]:
     """The optimizer steps a generation batch feeds: μ passes over steps_per_generation slices
     of whole groups, cut short at max_steps (`step`: the optimizer steps done)."""
-    G = config.group_size
-    slices = split_groups(len(batch) // G, config.steps_per_generation)
+    G = options.group_size
+    slices = split_groups(len(batch) // G, options.steps_per_generation)
     parts = [batch.select([g * G + j for g in groups for j in range(G)]) for groups in slices]
-    return (parts * config.num_iterations)[: config.max_steps - step]
+    return (parts * options.num_iterations)[: options.max_steps - step]
 
 
 def split_groups(num_groups: int, parts: int) -> list[list[int]]:
@@ -250,32 +276,31 @@ def split_groups(num_groups: int, parts: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
-def items_per_step(batch: Rollouts, config, options: LossOptions, world) -> float:
+def items_per_step(batch: Rollouts, steps: StepOptions, options: LossOptions, world) -> float:
     """dapo's normaliser (TRL's): the generation batch's trainable tokens shared evenly by its step slices
     (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)."""
     tokens = sum_over_ranks([trainable_tokens(batch, options)], world)[0] / world.size
-    return tokens / min(config.steps_per_generation, len(batch) // config.group_size)
+    return tokens / min(steps.steps_per_generation, len(batch) // steps.group_size)
 
 
-def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, scheduler, *, config, options: LossOptions,
-                   state, world, importance_weights: Optional[Callable] = None) -> dict:
+def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, scheduler, *, steps: StepOptions,
+                   options: LossOptions, state, world, importance_weights: Optional[Callable] = None) -> dict:
     """One optimizer step of `policy` (`models.policy.Policy`) on `part` with the entropy bonus's coefficient now (TRL's adaptive controller
     moves it), then the schedule and the counters in `state` (steps, skipped steps, steps without signal)."""
-    c = config
-    coef = c.entropy_coef if state.entropy_coef is None else state.entropy_coef
-    applied = objective.applied_entropy_coef(coef, state.last_entropy, adaptive=c.use_adaptive_entropy,
-                                             target=c.entropy_target)
+    coef = steps.entropy_coef if state.entropy_coef is None else state.entropy_coef
+    applied = objective.applied_entropy_coef(coef, state.last_entropy, adaptive=steps.use_adaptive_entropy,
+                                             target=steps.entropy_target)
     metrics = train_step(policy.model, optimizer, policy.packer, part, dataclasses.replace(options, entropy_coef=applied),
-                         c.max_grad_norm, num_items_in_batch=max(num_items, 1.0),
-                         top_entropy_quantile=c.top_entropy_quantile, off_policy_mask_threshold=c.off_policy_mask_threshold,
+                         steps.max_grad_norm, num_items_in_batch=max(num_items, 1.0),
+                         top_entropy_quantile=steps.top_entropy_quantile, off_policy_mask_threshold=steps.off_policy_mask_threshold,
                          parallel=policy.parallel, importance_weights=importance_weights)
     bonus_entropy = metrics.pop("bonus_entropy")
-    if c.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
+    if steps.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
         state.entropy_coef = objective.adaptive_entropy_coef(
-            coef, bonus_entropy, target=c.entropy_target, delta=c.entropy_coef_delta, coef_min=c.entropy_coef_min,
-            coef_max=c.entropy_coef_max)
+            coef, bonus_entropy, target=steps.entropy_target, delta=steps.entropy_coef_delta, coef_min=steps.entropy_coef_min,
+            coef_max=steps.entropy_coef_max)
         state.last_entropy = bonus_entropy
-    if c.entropy_coef != 0.0 or c.use_adaptive_entropy:
+    if steps.entropy_coef != 0.0 or steps.use_adaptive_entropy:
         metrics["entropy_coef"] = coef if state.entropy_coef is None else state.entropy_coef
     else:
         metrics.pop("policy_loss")  # = loss without a bonus (TRL logs it only with one)
@@ -303,9 +328,9 @@ def count_signal(part: Rollouts, skipped: bool, state, world, bar) -> None:
               f"{state.signal_free_steps} such step(s) in a row")
 
 
-def stop_without_signal(state, config, save: Optional[Callable[[], str]]) -> None:
+def stop_without_signal(state, max_signal_free_steps: int, save: Optional[Callable[[], str]]) -> None:
     """Stop after max_signal_free_steps steps in a row without a training signal (`save`: keeps the progress)."""
-    limit, count = config.max_signal_free_steps, state.signal_free_steps
+    limit, count = max_signal_free_steps, state.signal_free_steps
     if limit and count >= limit:
         path = save() if save is not None else None
         raise RuntimeError(f"no training signal for {count} steps in a row (max_signal_free_steps={limit}): "

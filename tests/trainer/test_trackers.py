@@ -180,6 +180,7 @@ def test_completions_with_markup_and_control_bytes_are_shown_as_written_in_the_c
     from grpo_fast.generation.batch import Rollouts
     from grpo_fast.reporting.completions_table import log_completions
     from grpo_fast.reporting.metrics import MetricsLogger, ProgressBar
+    from grpo_fast.reporting.options import ReportOptions
     from grpo_fast.reporting.trackers import open_trackers
 
     monkeypatch.setenv("COLUMNS", "400")  # rich's width when the output is not a terminal
@@ -194,11 +195,11 @@ def test_completions_with_markup_and_control_bytes_are_shown_as_written_in_the_c
 
     score_in_brackets.__name__ = "score[v2]"
     c = config(tmp_path, log_completions=True, report_to="trackio", project=project)
-    logger = MetricsLogger(c.output_dir, trackers=open_trackers(c, {}))
+    logger = MetricsLogger(c.output_dir, trackers=open_trackers(ReportOptions.from_config(c), c.to_dict(), {}))
     capsys.readouterr()
     for bar in (ProgressBar(1, enabled=False), ProgressBar(1, enabled=True)):  # print() alone, and the live bar's console
-        log_completions(batch, step=1, config=c, reward_funcs=[score_in_brackets], world=ONE_PROCESS, bar=bar,
-                        metrics_logger=logger)
+        log_completions(batch, step=1, options=ReportOptions.from_config(c), prompt_column=c.prompt_column,
+                        reward_funcs=[score_in_brackets], world=ONE_PROCESS, bar=bar, metrics_logger=logger)
         bar.close()
         out = capsys.readouterr().out
         cells = [[cell.strip() for cell in line.strip("│").split("│")] for line in out.splitlines() if line.startswith("│")]
@@ -216,6 +217,7 @@ def test_completions_with_markup_and_control_bytes_are_shown_as_written_in_the_c
 def test_a_resumed_trackio_run_continues_the_run_its_checkpoint_names_not_the_newest_run_of_that_name(tmp_path):
     """Runs in folders a/r and b/r have the same trackio name (the folder's basename): resuming a/r appended to b/r's
     run, the newest of that name. A resume now continues the run by the id its checkpoint saved."""
+    from grpo_fast.reporting.options import ReportOptions
     from grpo_fast.reporting.trackers import close_all, open_trackers
 
     project = f"grpo-fast-tests-{os.getpid()}-{tmp_path.name}"
@@ -223,7 +225,7 @@ def test_a_resumed_trackio_run_continues_the_run_its_checkpoint_names_not_the_ne
             for folder in "ab")
 
     def attempt(c, runs, steps, base):
-        trackers = open_trackers(c, runs)
+        trackers = open_trackers(ReportOptions.from_config(c), c.to_dict(), runs)
         for step in steps:
             trackers[0].log(step, {"loss": base + step})
         close_all(trackers)
