@@ -23,12 +23,24 @@ MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
+def engine(tiny_model_dir, default_threads):
+    # started on the machine's default thread count, as a trainer starts (the suite runs on one thread, where a
+    # no-op set_num_threads(1) would go unseen); set back to one thread when the module ends
+    torch.set_num_threads(default_threads)
     threads = torch.get_num_threads()
     engine = make_engine("vllm", model_path=tiny_model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
     engine.threads_before_start = threads
     yield engine
     engine.close()
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """The module's other tests on one thread, as the rest of the suite (after the check below, on the count the
+    engine started with)."""
+    if request.function is not test_trainer_keeps_its_torch_threads:
+        torch.set_num_threads(1)
 
 
 def test_trainer_keeps_its_torch_threads(engine):
