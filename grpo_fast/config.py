@@ -45,6 +45,7 @@ from .rewards.judge import JudgeOptions
 from .rewards.sandbox import SandboxOptions
 from .run.folder import RunFolderOptions
 from .train.advantages import AdvantageOptions
+from .train.evaluate import EvalOptions
 from .train.generate import GenerateOptions
 from .train.logprobs import ISOptions
 from .train.optimizer import OptimizerOptions
@@ -54,7 +55,7 @@ from .train.step import StepOptions
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
                      Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
-                     LoraOptions, ReportOptions, RunFolderOptions, StepOptions, ISOptions)
+                     LoraOptions, ReportOptions, RunFolderOptions, StepOptions, ISOptions, EvalOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -225,10 +226,10 @@ class GRPOConfig:
     seed: int = _f(42, "Seed for data order, sampling and initialisation.")
 
     # ---- evaluation, logging, checkpoints ---------------------------------------------------
-    eval_steps: int = _f(5, "Evaluate every this many steps, and after the last (0: only before and after training).", bounds=INTEGER_AT_LEAST_0)
-    eval_before_train: bool = _f(True, "Evaluate once before the first step (the baseline).")
-    eval_max_samples: int = _f(200, "Held-out prompts used by evaluate() (greedy decoding, one completion each).", bounds=INTEGER_AT_LEAST_1)
-    eval_max_completion_length: Optional[int] = _f(None, "Most tokens per eval completion. None: max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    eval_steps: int
+    eval_before_train: bool
+    eval_max_samples: int
+    eval_max_completion_length: Optional[int]
     output_dir: str
     logging_steps: int
     report_to: str

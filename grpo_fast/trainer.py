@@ -348,9 +348,10 @@ class GRPOTrainer:
 
     def evaluate(self, rows: Optional[list] = None) -> dict:
         """Greedy held-out accuracy and rewards (train/evaluate.py); rows: the eval dataset's by default."""
+        c = self.config
         return evaluation.evaluate(self.engine, self.policy.tokenizer, rows if rows is not None else self.eval_rows,
-                                   self.data.reward_funcs, self.held_out.metrics, self.config, self.world,
-                                   self._engine_weights, agent=self.data.agent)
+                                   self.data.reward_funcs, self.held_out.metrics, evaluation.EvalOptions.from_config(c),
+                                   InputOptions.from_config(c), self.world, self._engine_weights, agent=self.data.agent)
 
     def _log_eval(self, bar) -> dict:
         start = time.perf_counter()

@@ -10,9 +10,11 @@ from typing import Optional
 import torch
 
 from .. import distributed
-from ..data import inputs
+from ..bounds import INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1
+from ..data.inputs import InputOptions, encode
 from ..generation.batch import from_engine
 from ..generation.engines.base import GREEDY
+from ..options import mirror, option, options_record
 from ..rewards.names import reward_name
 from .advantages import correct
 from .score import conversational, score, weighted_mean
@@ -26,16 +28,32 @@ class HeldOut:
     metrics: dict = field(default_factory=dict)  # name -> function with the reward signature
 
 
+@options_record
+@dataclass(frozen=True)
+class EvalOptions:
+    """When the loop evaluates (eval_steps, eval_before_train) and what `evaluate` reads: how many held-out prompts,
+    their completion budget, and how they are graded."""
+
+    eval_steps: int = option(5, "Evaluate every this many steps, and after the last (0: only before and after training).", bounds=INTEGER_AT_LEAST_0)
+    eval_before_train: bool = option(True, "Evaluate once before the first step (the baseline).")
+    eval_max_samples: int = option(200, "Held-out prompts used by evaluate() (greedy decoding, one completion each).", bounds=INTEGER_AT_LEAST_1)
+    eval_max_completion_length: Optional[int] = option(None, "Most tokens per eval completion. None: max_completion_length.", bounds=INTEGER_AT_LEAST_1)
+    prompt_column: str = mirror("prompt")
+    max_completion_length: int = mirror(64)
+    reward_timeout: Optional[float] = mirror(None)
+    reward_weights: Optional[list] = mirror(None)
+
+
 @torch.no_grad()
-def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: dict, config, world,
-             engine_weights=contextlib.nullcontext, agent=None) -> dict:
+def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: dict, options: EvalOptions,
+             inputs: InputOptions, world, engine_weights=contextlib.nullcontext, agent=None) -> dict:
     """Greedy completions for the held-out prompts (one each, whatever the rollout mode); accuracy =
     the share of correct answers: the first reward function's value > 0, whatever the shaping.
     Returns eval/accuracy, eval/reward, eval/rewards/<func>/mean, lengths (all, and of the right ones).
     Under torchrun every rank calls it: each grades every world-size-th prompt, the scores are gathered.
     rows: the held-out rows (the first eval_max_samples of them are graded). agent (multi_turn): each
-    prompt answered as one greedy trajectory, with the tools."""
-    c = config
+    prompt answered as one greedy trajectory, with the tools. inputs: how the prompts are encoded (the run's)."""
+    c = options
     rows = (rows or [])[: c.eval_max_samples]
     if not rows:
         raise ValueError("evaluate() needs eval rows: pass eval_dataset to GRPOTrainer or rows= to evaluate()")
@@ -43,7 +61,7 @@ def evaluate(engine, tokenizer, rows: list, reward_funcs: list, eval_metrics: di
     mine = rows[world.rank :: world.size]  # under torchrun each rank grades its share
     rewards = torch.empty(0, len(reward_funcs), dtype=torch.float64)
     lengths, extra = torch.empty(0), torch.empty(0, len(eval_metrics), dtype=torch.float64)
-    prompt_ids = inputs.encode(mine, tokenizer, inputs.InputOptions.from_config(c), agent) if mine else []
+    prompt_ids = encode(mine, tokenizer, inputs, agent) if mine else []
     budget = c.eval_max_completion_length or c.max_completion_length
     with engine_weights():  # (every rank enters, its share empty or not: under FSDP2 gathering is collective)
         if not mine:
