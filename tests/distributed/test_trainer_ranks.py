@@ -120,8 +120,10 @@ def one_process(tiny_model_dir, tmp_path_factory, hf_runs):
 
 
 # (DDP with vLLM ran here too, until the suite's time asked for one vLLM case: FSDP2 covers more, the
-# layer-by-layer sync into each rank's engine; DDP hands the engine the live module, as one process does)
-@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("fsdp2", "hf"), ("fsdp2", "vllm")])
+# layer-by-layer sync into each rank's engine; DDP hands the engine the live module, as one process does. That
+# case, ("fsdp2", "vllm"), runs this test from test_trainer_ranks_vllm.py: a file of its own, so that the two
+# test workers share the ranks' runs)
+@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("fsdp2", "hf")])
 def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, hf_runs,
                                                                      strategy, engine):
     if engine == "vllm":
