@@ -27,6 +27,7 @@ from . import config_checks
 from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from .data.inputs import InputOptions
 from .generation import modes
+from .generation.agents import AgentOptions
 from .generation.agents.loop import LoopOptions
 from .generation.engines import ENGINE_CHOICES  # (light: the engines themselves import lazily)
 from .generation.engines.build import EngineOptions
@@ -55,7 +56,7 @@ from .train.step import StepOptions
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
                      Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
-                     LoraOptions, ReportOptions, RunFolderOptions, StepOptions, ISOptions, EvalOptions)
+                     LoraOptions, ReportOptions, RunFolderOptions, StepOptions, ISOptions, EvalOptions, AgentOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -190,12 +191,12 @@ class GRPOConfig:
     tools: Optional[list] = _f(None, "Tools the model may call, which switches on rollout_mode='multi_turn' (agents): built-in names (calculator) or module:function entries, each a function with type hints and a Google-style docstring with an Args: entry per argument (TRL's GRPOTrainer(tools=...); in Python pass the functions themselves). A trajectory is the model's turns and the tool results as one completion; the loss sees the model's tokens only.")
     environment_factory: Optional[str] = _f(None, "An environment class as module:Class, which switches on rollout_mode='multi_turn' (TRL's environment_factory; in Python pass the class, or a dict {name: class} chosen by a dataset column `environment`): one instance per trajectory (pooled), reset(**row) before its first turn (a returned string extends the prompt), every other public method a tool, an optional get_reward() a reward function named after the class (appended after reward_funcs, weight 1).")
     max_tool_calling_iterations: Optional[int]
-    tool_timeout: float = _f(30.0, "multi_turn: seconds one tool call may take; past it the call is abandoned into an error result (counted in tools/failure_frequency) and the trajectory goes on.", bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
+    tool_timeout: float
     max_tool_response_tokens: int
-    max_tool_calls_per_turn: int = _f(16, "multi_turn: most tool calls run from one assistant turn (TRL has no cap); the calls past it do not run and are answered with an error result each, counted in tools/failure_frequency. 16 is well above the parallel calls chat models make in a turn, and bounds the threads (or workers) one turn starts.", bounds=INTEGER_AT_LEAST_1)
-    tool_isolation: str = _f("thread", "multi_turn: where tools run. thread: in the training process (fast; a tool that crashes natively or calls os._exit ends the run, which then never exits 0). process: each call in a worker process (about 50 ms to start one, reused; a crash, os._exit or a timeout costs that call, counted in tools/failure_frequency, and the worker is replaced). Tools must then be module-level functions; environment_factory runs in-process only.", ("thread", "process"))
-    chat_template_path: Optional[str] = _f(None, "multi_turn: a Jinja chat template file to train with (one that renders `tools` and is prefix-preserving: an earlier message renders the same whatever follows). None: the tokenizer's own if it renders tools, else for ChatML models (SmolLM2) grpo_fast's tool template.")
-    chat_template_kwargs: Optional[dict] = _f(None, "Extra keyword arguments for the chat template (TRL's; JSON on the command line, e.g. '{\"enable_thinking\": false}').")
+    max_tool_calls_per_turn: int
+    tool_isolation: str
+    chat_template_path: Optional[str]
+    chat_template_kwargs: Optional[dict]
 
     lead_alpha: float = _f(0.05, "The `lead` reward (GRPO-LEAD): a correct answer earns exp(-lead_alpha * z), z its length's z-score among its group's correct answers.", bounds=FINITE_AT_LEAST_0)
     lead_wrong_reward: float = _f(-1.0, "The `lead` reward's value for a wrong answer.", bounds=FINITE)

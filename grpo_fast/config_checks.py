@@ -14,46 +14,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 from .generation.engines import allowed_where
 from .generation.modes import modes_where, rollout_mode
 from .loss_types import loss_type
+from .options import OUTSIDE_01, Combination, first_reward  # (the table's row type, light: the modes' rows too)
 
 PARTIAL_ROLLOUTS = "(partial rollouts continue completions, and agents' trajectories, in vLLM's request loop)"
-# first reward functions whose values leave [0, 1] (a wrong answer scores below 0)
-OUTSIDE_01 = {"lead": "-1 for a wrong answer", "math_length": "down to -1 for a wrong answer"}
 
 
 def fail(name: str, value, allowed: str):
     raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: expected {allowed}")
 
 
-@dataclass(frozen=True)
-class Combination:
-    """While `when(c)` holds, GRPOConfig.`field` must satisfy `ok(value)`; the refusal reads
-    "GRPOConfig.<field>=<value> is invalid: expected <allowed> <because>" (one process), or
-    "... is not supported under torchrun (WORLD_SIZE=N) yet: <because>; run it in one process" (`ranks`:
-    a rule of many ranks, checked only there). allowed / because: text, or a function of the config."""
-
-    field: str
-    ok: Callable
-    allowed: Union[str, Callable]
-    when: Callable
-    because: Union[str, Callable]
-    ranks: bool = False
-
-    def text(self, what, c) -> str:
-        return what(c) if callable(what) else what
-
-
 def _equals(value):
     return lambda v: v == value
-
-
-def first_reward(c):
-    return c.reward_funcs[0] if c.reward_funcs else None
 
 
 def _partial(c):

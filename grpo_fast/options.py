@@ -19,13 +19,14 @@ config's: `epsilon` is LossOptions' `epsilon_low`). A config field is declared o
 or by `GRPOConfig`'s own body where no stage owns it; another record that reads it takes it with `mirror`
 (filled by `from_config`, no help of its own). A field that is neither is the caller's (`from_config(config,
 name=...)`). `tests/test_options.py` checks every registered record's defaults against the config's. This
-module is light (dataclasses only): every layer may import it.
+module is light (dataclasses only): every layer may import it. Rules between fields are rows too
+(`Combination`: config_checks' table, and a rollout mode's own `checks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from .bounds import Bounds
 
@@ -125,3 +126,32 @@ def default_of(record, name: str) -> Any:
     """A record field's default (its factory called)."""
     f = record.__dataclass_fields__[name]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+# ---- what combines with what: the rows of config_checks.COMBINATIONS (and of each rollout mode's `checks`) ----
+
+
+@dataclasses.dataclass(frozen=True)
+class Combination:
+    """While `when(c)` holds, GRPOConfig.`field` must satisfy `ok(value)`; the refusal reads
+    "GRPOConfig.<field>=<value> is invalid: expected <allowed> <because>" (one process), or
+    "... is not supported under torchrun (WORLD_SIZE=N) yet: <because>; run it in one process" (`ranks`:
+    a rule of many ranks, checked only there). allowed / because: text, or a function of the config."""
+
+    field: str
+    ok: Callable
+    allowed: Union[str, Callable]
+    when: Callable
+    because: Union[str, Callable]
+    ranks: bool = False
+
+    def text(self, what, c) -> str:
+        return what(c) if callable(what) else what
+
+
+def first_reward(c):
+    return c.reward_funcs[0] if c.reward_funcs else None
+
+
+# first reward functions whose values leave [0, 1] (a wrong answer scores below 0)
+OUTSIDE_01 = {"lead": "-1 for a wrong answer", "math_length": "down to -1 for a wrong answer"}

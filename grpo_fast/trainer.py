@@ -92,7 +92,7 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, reward_funcs: Sequence[Callable], train_dataset, eval_dataset=None,
                  model=None, tokenizer=None, engine=None, eval_metrics: Optional[dict] = None, evaluate_only: bool = False,
                  peft_config=None, tools: Optional[Sequence[Callable]] = None, environment_factory=None):
-        from .generation.agents import build_agent
+        from .generation.agents import AgentOptions, build_agent
         from .generation.agents.parts import agent_parts, config_with_agents
         from .models import lora
 
@@ -131,7 +131,9 @@ class GRPOTrainer:
         model, tokenizer, model_path = prepare_policy(PolicyOptions.from_config(c), precisions, budget, c, model,
                                                       tokenizer, peft_config)
         precision.warn_emulated_bf16(precisions, model, may_read(c.engine, "vllm_dtype"))
-        agent = None if parts is None else build_agent(parts[0], tokenizer, c, parts[1])  # (renders the tools too)
+        agent = None if parts is None else build_agent(  # (renders the tools too)
+            parts[0], tokenizer, AgentOptions.from_config(c, refuse_after=c.completions_per_step * c.steps_per_generation),
+            parts[1])
         prompt_ids = inputs.encode(train_rows, tokenizer, input_options, agent)
         check_prompt_lengths(prompt_ids, budget, model.config, "train_dataset")
         self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge,

@@ -5,7 +5,6 @@ with trajectories in flight trains what the uninterrupted run trains. Environmen
 are rebuilt by replaying their calls, or, where that gives other results, their trajectories start again."""
 
 import copy
-import dataclasses
 import json
 import threading
 import time
@@ -16,7 +15,7 @@ import torch
 
 from grpo_fast.data.inputs import InputOptions, encode
 from grpo_fast.generation import rounds as partial_rollouts
-from grpo_fast.generation.agents import build_agent, rounds
+from grpo_fast.generation.agents import AgentOptions, build_agent, rounds
 from grpo_fast.generation.agents.environments import Environments
 from grpo_fast.generation.agents.loop import Trajectory
 from grpo_fast.generation.agents.tools import Calls
@@ -89,7 +88,7 @@ def test_trajectories_carry_over_mid_turn_and_between_turns(run_a, through_check
     trainer = run_a[0]
     c = SimpleNamespace(prompts_per_generation=2, rollout_overprovision=1.0, num_generations=4, max_staleness=1)
     release = threading.Event()
-    agent = build_agent([_held_add(release), mul], trainer.tokenizer, dataclasses.replace(trainer.config, tool_timeout=30.0))
+    agent = build_agent([_held_add(release), mul], trainer.tokenizer, AgentOptions.from_config(trainer.config, tool_timeout=30.0))
     rows = tool_prompts(40, 2)
     prompts = encode(rows, trainer.tokenizer, InputOptions.from_config(trainer.config), agent)
     members = rounds.Trajectories(agent, trainer.engine, trainer.tokenizer, prompts, rows,
@@ -174,7 +173,7 @@ class Drifting(Counter):
 def test_an_environment_read_back_is_replayed_or_its_trajectory_restarted(run_a, factory, rebuilt):
     trainer = run_a[0]
     environments = Environments(factory, [])
-    agent = build_agent([], trainer.tokenizer, trainer.config, environments)
+    agent = build_agent([], trainer.tokenizer, AgentOptions.from_config(trainer.config), environments)
     loop = agent.loop(trainer.engine, trainer.tokenizer, sampling=SamplingOptions(temperature=0), max_completion_length=200)
     row = tool_prompts(1, 3)[0]
     t = agent.trajectory(encode([row], trainer.tokenizer, InputOptions.from_config(trainer.config), agent)[0], row, seed=5)

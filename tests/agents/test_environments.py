@@ -10,7 +10,7 @@ import os
 import pytest
 
 from grpo_fast.config import GRPOConfig
-from grpo_fast.generation.agents import build_agent, tool_metrics
+from grpo_fast.generation.agents import AgentOptions, build_agent, tool_metrics
 from grpo_fast.generation.agents.environments import Environments
 from grpo_fast.generation.engines.base import SamplingOptions
 from grpo_fast.trainer import GRPOTrainer
@@ -174,7 +174,8 @@ def _rollouts(tool_engine, tmp_path, factory, rows, n=4, **overrides):
     engine, tokenizer = tool_engine
     config = _config(tmp_path, "unused", environment_factory=f"tests.agents.test_environments:{factory.__name__}",
                      **overrides)
-    agent = build_agent([], tokenizer, config, Environments(factory, []))
+    options = AgentOptions.from_config(config, refuse_after=config.completions_per_step * config.steps_per_generation)
+    agent = build_agent([], tokenizer, options, Environments(factory, []))
     batch = agent.rollouts(engine, tokenizer, [[0]] * len(rows), rows, list(range(len(rows))), n,
                            sampling=SamplingOptions(), max_completion_length=200)
     return agent, batch

@@ -3,7 +3,6 @@ test asserts calls and a trajectory of >= 3 turns where it samples freely), tool
 and the IS metrics, the vLLM engine never waiting for a tool, bad tools costing one counted failure each, and
 a few training steps with each engine."""
 
-import dataclasses
 import json
 import math
 import os
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from grpo_fast.config import GRPOConfig
-from grpo_fast.generation.agents import build_agent
+from grpo_fast.generation.agents import AgentOptions, build_agent
 from grpo_fast.generation.agents.loop import MALFORMED, AgentLoop, LoopOptions, Trajectory
 from grpo_fast.generation.batch import Rollouts
 from grpo_fast.generation.engines import vllm_available
@@ -44,8 +43,7 @@ def _trainer(tmp_path, model_dir, **overrides):
 def _run(trainer, tools=None, n=8, *, temperature=1.0, max_completion_length=200, iterations=None, timeout=30.0,
          response_tokens=256) -> tuple[list[Trajectory], AgentLoop]:
     """n trajectories of the run's first prompts through the loop, with `tools` (default: the script's)."""
-    c = dataclasses.replace(trainer.config, tool_timeout=timeout)
-    agent = build_agent(tools or TOOLS, trainer.tokenizer, c)
+    agent = build_agent(tools or TOOLS, trainer.tokenizer, AgentOptions.from_config(trainer.config, tool_timeout=timeout))
     loop = AgentLoop(trainer.engine, trainer.tokenizer, agent.chat, agent.runner, LoopOptions(
         max_completion_length=max_completion_length, max_tool_calling_iterations=iterations,
         max_tool_response_tokens=response_tokens, sampling=SamplingOptions(temperature=temperature)))

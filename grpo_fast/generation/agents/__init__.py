@@ -10,7 +10,8 @@
   the calls parsed with `tokenizer.parse_response`, the token ids between turns;
 - `loop.py`: the trajectories, token-exact, with the engine never waiting for a tool (vLLM).
 
-`Agent` is what the trainer builds once and the generate and evaluate stages use.
+`Agent` is what the trainer builds once (`build_agent`, from the run's `AgentOptions`) and the generate and
+evaluate stages use.
 """
 
 from __future__ import annotations
@@ -18,13 +19,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .tools import Tool, as_tools  # noqa: F401 (the public names)
+from ...bounds import INTEGER_AT_LEAST_1, Bounds
+from ...options import mirror, option, options_record
+from .tools import ISOLATIONS, Tool, as_tools  # noqa: F401 (the public names)
 
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/malformed_frequency",
                 "tools/truncated_frequency", "tools/turns_mean", "tools/time_waiting", "tools/reset_failure_frequency")
 # the counters `Agent.rollouts` leaves in its Rollouts' stats (what TOOL_METRICS are computed from)
 TOOL_COUNTERS = ("tools/calls", "tools/failures", "tools/malformed", "tools/truncated", "tools/turns",
                  "tools/trajectories", "tools/waiting_seconds", "tools/reset_failures")
+
+
+@options_record
+@dataclass(frozen=True)
+class AgentOptions:
+    """What building the run's Agent reads (`refuse_after`: the caller's, a generation batch's trajectories: that
+    many failed environment resets in a row refuse the run; None: environments.py's default)."""
+
+    tool_timeout: float = option(30.0, "multi_turn: seconds one tool call may take; past it the call is abandoned into "
+                                 "an error result (counted in tools/failure_frequency) and the trajectory goes on.",
+                                 bounds=Bounds(low=0, low_open=True, text="seconds > 0"))
+    max_tool_calls_per_turn: int = option(16, "multi_turn: most tool calls run from one assistant turn (TRL has no cap); "
+                                          "the calls past it do not run and are answered with an error result each, "
+                                          "counted in tools/failure_frequency. 16 is well above the parallel calls chat "
+                                          "models make in a turn, and bounds the threads (or workers) one turn starts.",
+                                          bounds=INTEGER_AT_LEAST_1)
+    tool_isolation: str = option("thread", "multi_turn: where tools run. thread: in the training process (fast; a tool "
+                                 "that crashes natively or calls os._exit ends the run, which then never exits 0). "
+                                 "process: each call in a worker process (about 50 ms to start one, reused; a crash, "
+                                 "os._exit or a timeout costs that call, counted in tools/failure_frequency, and the "
+                                 "worker is replaced). Tools must then be module-level functions; environment_factory "
+                                 "runs in-process only.", ISOLATIONS)
+    chat_template_path: Optional[str] = option(None, "multi_turn: a Jinja chat template file to train with (one that "
+                                               "renders `tools` and is prefix-preserving: an earlier message renders the "
+                                               "same whatever follows). None: the tokenizer's own if it renders tools, "
+                                               "else for ChatML models (SmolLM2) grpo_fast's tool template.")
+    chat_template_kwargs: Optional[dict] = option(None, "Extra keyword arguments for the chat template (TRL's; JSON on "
+                                                  "the command line, e.g. '{\"enable_thinking\": false}').")
+    max_tool_calling_iterations: Optional[int] = mirror(None)
+    max_tool_response_tokens: int = mirror(256)
+    prompt_column: str = mirror("prompt")
+    refuse_after: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -156,9 +191,9 @@ def tool_metrics(stats: dict, world=None) -> dict:
             "tools/reset_failure_frequency": counted["tools/reset_failures"] / n}  # environments whose reset raised
 
 
-def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None) -> Agent:
+def build_agent(tools: Sequence[Callable], tokenizer, options: AgentOptions, environments=None) -> Agent:
     """The run's Agent: the tools checked, the chat template chosen and checked (it renders the tools and is
-    prefix-preserving; `config.chat_template_path` replaces the tokenizer's), before any work. environments:
+    prefix-preserving; `options.chat_template_path` replaces the tokenizer's), before any work. environments:
     `environments.Environments` (environment_factory), built."""
     from .chat import ChatTemplate
     from .tools import ToolRunner
@@ -169,13 +204,13 @@ def build_agent(tools: Sequence[Callable], tokenizer, config, environments=None)
     if not shown:
         raise ValueError("tools: rollout_mode='multi_turn' needs at least one tool (tools=, --tools, or an environment "
                          "with public methods)")
-    chat = ChatTemplate(tokenizer, shown, path=config.chat_template_path, kwargs=config.chat_template_kwargs)
-    runner = ToolRunner(checked, config.tool_timeout, isolation=config.tool_isolation,
-                        max_chars=chat.char_bound(config.max_tool_response_tokens),
-                        max_calls=config.max_tool_calls_per_turn)
-    if environments is not None:  # (every reset of a generation batch failing: the class is broken, not a row)
-        environments.refuse_after = config.completions_per_step * config.steps_per_generation
+    chat = ChatTemplate(tokenizer, shown, path=options.chat_template_path, kwargs=options.chat_template_kwargs)
+    runner = ToolRunner(checked, options.tool_timeout, isolation=options.tool_isolation,
+                        max_chars=chat.char_bound(options.max_tool_response_tokens),
+                        max_calls=options.max_tool_calls_per_turn)
+    if environments is not None and options.refuse_after is not None:  # (every reset of a generation batch failing:
+        environments.refuse_after = options.refuse_after               # the class is broken, not a row)
     return Agent(chat=chat, runner=runner,
-                 max_tool_calling_iterations=config.max_tool_calling_iterations,
-                 max_tool_response_tokens=config.max_tool_response_tokens, environments=environments,
-                 prompt_column=config.prompt_column)
+                 max_tool_calling_iterations=options.max_tool_calling_iterations,
+                 max_tool_response_tokens=options.max_tool_response_tokens, environments=environments,
+                 prompt_column=options.prompt_column)

@@ -65,7 +65,7 @@ class RolloutMode:
     takes_agent: bool = False  # `sample` takes agent= (grpo_fast/generation/agents: the tools, the chat template, the runner)
 
     def checks(self) -> tuple:
-        """config_checks.Combination rows that hold while this mode is chosen (checked before the table's)."""
+        """`options.Combination` rows that hold while this mode is chosen (config_checks checks them before its table's)."""
         return ()
 
     def group_size(self, c) -> int:

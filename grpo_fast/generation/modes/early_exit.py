@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...bounds import INTEGER_AT_LEAST_1
-from ...options import mirror, option, options_record
+from ...options import OUTSIDE_01, Combination, first_reward, mirror, option, options_record
 from ..engines.base import SamplingOptions, prompt_seeds
 from . import RolloutMode, register
 
@@ -55,8 +55,6 @@ class EarlyExit(RolloutMode):
         return c.max_completion_length + len(c.early_exit_text.encode()) + c.early_exit_answer_length
 
     def checks(self) -> tuple:
-        from ...config_checks import OUTSIDE_01, Combination, first_reward
-
         return (
             Combination("num_generations", None, lambda c: (
                 f"early_exit_points + 1 = {c.early_exit_points + 1} with rollout_mode='early_exit' (a serial group is "

@@ -5,6 +5,7 @@ advantages as GRPO's parallel groups, of the outcome's rewards."""
 
 from __future__ import annotations
 
+from ...options import Combination
 from . import register
 from .parallel import Parallel
 
@@ -23,8 +24,6 @@ class MultiTurn(Parallel):
     streams_groups = False
 
     def checks(self) -> tuple:
-        from ...config_checks import Combination
-
         return (
             Combination("tools", None, lambda c: (
                 "at least one tool with rollout_mode='multi_turn' (its trajectories call tools): give --tools "
