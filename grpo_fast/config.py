@@ -44,7 +44,6 @@ from .options import from_records
 from .reporting.options import ReportOptions
 from .rewards.judge import JudgeOptions
 from .rewards.sandbox import SandboxOptions
-from .run.folder import RunFolderOptions
 from .train.advantages import AdvantageOptions
 from .train.evaluate import EvalOptions
 from .train.generate import GenerateOptions
@@ -56,7 +55,7 @@ from .train.step import StepOptions
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
                      Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
-                     LoraOptions, ReportOptions, RunFolderOptions, StepOptions, ISOptions, EvalOptions, AgentOptions)
+                     LoraOptions, ReportOptions, StepOptions, ISOptions, EvalOptions, AgentOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -117,7 +116,7 @@ class GRPOConfig:
     lora_modules_to_save: Optional[list]
     lora_sync: str
     lora_base_model: Optional[str]
-    save_merged: bool
+    save_merged: bool = _f(False, "use_peft: also write final/merged/, the base with the adapter merged (a plain HF folder).")
     load_in_4bit: bool
 
     # ---- generation --------------------------------------------------------------------------
@@ -231,19 +230,19 @@ class GRPOConfig:
     eval_before_train: bool
     eval_max_samples: int
     eval_max_completion_length: Optional[int]
-    output_dir: str
+    output_dir: str = _f("outputs/grpo_fast", "Folder for metrics.jsonl, TensorBoard events, the reward plot and checkpoints.")
     logging_steps: int
     report_to: str
     run_name: Optional[str]
     project: str
     log_completions: bool
     num_completions_to_print: Optional[int]
-    save_steps: int
-    save_final: bool
-    save_total_limit: Optional[int]
-    resume_from_checkpoint: Optional[str]
+    save_steps: int = _f(0, "Save a checkpoint every this many steps (0: only at the end when save_final is set).", bounds=INTEGER_AT_LEAST_0)
+    save_final: bool = _f(True, "Save the trained model (HF format) to output_dir/final at the end.")
+    save_total_limit: Optional[int] = _f(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.", bounds=INTEGER_AT_LEAST_1)
+    resume_from_checkpoint: Optional[str] = _f(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
     resume_override: Optional[list] = _f(None, "Resume only: config fields to change from the run's saved values (e.g. learning_rate,beta); the new values take effect (a learning rate or AdamW option reaches the restored optimizer and scheduler) and are logged. A resumed run otherwise keeps every option it was trained with, and a differing one is refused, except run control (max_steps, max_train_minutes, save_*, logging_steps, eval_*, log_level, report_to, run_name, project, log_completions, num_completions_to_print, disable_tqdm, sampling_check_steps, max_signal_free_steps, output_dir) and the execution layout (per_device_train_batch_size and gradient_accumulation_steps at the same global batch, distributed_strategy, max_tokens_per_microbatch, loss_backend, gradient_checkpointing, vllm_gpu_memory_utilization, vllm_enable_sleep_mode), which may change freely. While partial rollouts have groups in flight, model, dataset, task, prompt_column, num_generations, max_prompt_length, max_completion_length, max_staleness, rollout_mode and seed cannot be overridden.")
-    overwrite_output_dir: bool
+    overwrite_output_dir: bool = _f(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
     max_signal_free_steps: int
     log_level: str = _f("warning", "Log level of grpo_fast and of vLLM (the CLI sets vLLM's before it starts). warning keeps vLLM's repeated CPU notices out of a run's log.", LOG_LEVELS)
     disable_tqdm: bool

@@ -21,8 +21,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from ..bounds import INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1
-from ..options import option, options_record
+from ..options import mirror, options_record
 from .checkpoint import TEMP_PREFIX, list_checkpoints, remove_stale_temp_folders, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -38,15 +37,16 @@ _warned_step_zero: set[str] = set()  # output folders whose resume from step 0 t
 @options_record
 @dataclass(frozen=True)
 class RunFolderOptions:
-    """Where a run writes, what it keeps there and whether it continues the run that folder holds."""
+    """Where a run writes, what it keeps there and whether it continues the run that folder holds (GRPOConfig
+    declares these fields itself: the run's folder is the config's, read above it)."""
 
-    output_dir: str = option("outputs/grpo_fast", "Folder for metrics.jsonl, TensorBoard events, the reward plot and checkpoints.")
-    save_steps: int = option(0, "Save a checkpoint every this many steps (0: only at the end when save_final is set).", bounds=INTEGER_AT_LEAST_0)
-    save_final: bool = option(True, "Save the trained model (HF format) to output_dir/final at the end.")
-    save_total_limit: Optional[int] = option(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.", bounds=INTEGER_AT_LEAST_1)
-    save_merged: bool = option(False, "use_peft: also write final/merged/, the base with the adapter merged (a plain HF folder).")
-    resume_from_checkpoint: Optional[str] = option(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
-    overwrite_output_dir: bool = option(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
+    output_dir: str = mirror("outputs/grpo_fast")
+    save_steps: int = mirror(0)
+    save_final: bool = mirror(True)
+    save_total_limit: Optional[int] = mirror(2)
+    save_merged: bool = mirror(False)
+    resume_from_checkpoint: Optional[str] = mirror(None)
+    overwrite_output_dir: bool = mirror(False)
 
 def check_start(options: RunFolderOptions, warn: bool = True) -> Optional[str]:
     """The checkpoint folder to resume from (None: a fresh run, or a resume from step 0), checked
