@@ -46,8 +46,21 @@ from .engines.base import Continuation, SamplingOptions, awake, hashed_seed
 class RoundOptions:
     """What a round of partial rollouts reads (`prompts_per_generation`: the config's, given by the caller)."""
 
-    max_staleness: int = option(0, "Partial rollouts (AReaL, verl's partial rollout): 0 samples each batch whole, waiting for its longest completion. k >= 1: generation runs in rounds that keep prompts_per_generation x (1 + rollout_overprovision) groups' worth of sequences running (new prompts join as sequences finish, while fewer than (k + 1) x prompts_per_generation groups are ahead of the trainer); a round ends once prompts_per_generation groups are complete and none still running would be more than k weight syncs stale next round; the oldest complete groups train, the unfinished completions continue under the next weights (tokens, sampling log-probs and policy versions kept; the IS correction defaults on). A group that still got too stale is dropped (rollout/dropped_stale). Larger k: a busier engine, staler tokens. vLLM engine, parallel rollouts, one process.", bounds=INTEGER_AT_LEAST_0)
-    rollout_overprovision: float = option(0.5, "Partial rollouts: the sequences kept running in a round beyond prompts_per_generation x num_generations, as a share of it.", bounds=FINITE_AT_LEAST_0)
+    max_staleness: int = option(
+        0, "Partial rollouts (AReaL, verl's partial rollout): 0 samples each batch whole, waiting for its "
+        "longest completion. k >= 1: generation runs in rounds that keep prompts_per_generation x (1 + "
+        "rollout_overprovision) groups' worth of sequences running (new prompts join as sequences finish, "
+        "while fewer than (k + 1) x prompts_per_generation groups are ahead of the trainer); a round ends "
+        "once prompts_per_generation groups are complete and none still running would be more than k weight "
+        "syncs stale next round; the oldest complete groups train, the unfinished completions continue under "
+        "the next weights (tokens, sampling log-probs and policy versions kept; the IS correction defaults "
+        "on). A group that still got too stale is dropped (rollout/dropped_stale). Larger k: a busier engine, "
+        "staler tokens. vLLM engine, parallel rollouts, one process.",
+        bounds=INTEGER_AT_LEAST_0)
+    rollout_overprovision: float = option(
+        0.5, "Partial rollouts: the sequences kept running in a round beyond prompts_per_generation x "
+        "num_generations, as a share of it.",
+        bounds=FINITE_AT_LEAST_0)
     num_generations: int = mirror(8)
     max_completion_length: int = mirror(64)
     prompts_per_generation: int = 8  # (GRPOConfig.prompts_per_generation: the batch's prompts)

@@ -12,6 +12,7 @@ and the mode stream groups, each group is scored as it finishes (`score.GroupSco
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..bounds import INTEGER_AT_LEAST_1
+from ..data.inputs import InputOptions, thought_end
 from ..distributed import World
 from ..generation import rounds
 from ..generation.agents import tool_metrics
@@ -69,13 +71,17 @@ class GenerateOptions:
     group_size: int = 8  # (GRPOConfig.group_size: trained sequences per prompt, as the mode samples them)
     prompts_per_generation: int = 8  # (GRPOConfig.prompts_per_generation)
     mode: Any = None  # the rollout mode's options record (`RolloutMode.options`): what its sampling reads
-    rounds: Optional[RoundOptions] = None  # partial rollouts' (max_staleness 0: batches sampled whole)
+    rounds: Optional[RoundOptions] = None  # partial rollouts' (its max_staleness 0: batches sampled whole)
 
     @classmethod
     def from_config(cls, config) -> "GenerateOptions":
+        record = rollout_mode(config.rollout_mode).options
+        # a mode's option the inputs resolve (multi_answer's thought_end None: the built-in task's own)
+        resolved = {"thought_end": thought_end(InputOptions.from_config(config))}
+        mode = record.from_config(config, **{f.name: resolved[f.name] for f in dataclasses.fields(record)
+                                             if f.name in resolved})
         return read_config(cls, config, group_size=config.group_size, prompts_per_generation=config.prompts_per_generation,
-                           mode=rollout_mode(config.rollout_mode).options.from_config(config),
-                           rounds=RoundOptions.from_config(config, prompts_per_generation=config.prompts_per_generation))
+                           mode=mode, rounds=RoundOptions.from_config(config, prompts_per_generation=config.prompts_per_generation))
 
 
 @dataclass(frozen=True)

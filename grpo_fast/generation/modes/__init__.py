@@ -11,7 +11,7 @@ The built-in modes, one file each (its sampling, its advantages, what it support
 independent completions), early_exit.py (S-GRPO's serial groups), multi_answer.py (GRPO-MA's thoughts and
 answers), multi_turn.py (agents: trajectories that call tools). A new mode is one file with one class and
 one `register()` call (tests/test_rollout_mode_registry.py defines one in the test alone and trains a step
-with it; tests/test_rollout_mode_partial.py one that runs partial rollouts).
+with it, and one that also runs partial rollouts).
 
 This module is light (no torch at import): `GRPOConfig` reads the registry for its choices.
 """

@@ -26,7 +26,8 @@ from . import RolloutMode, register
 @options_record
 @dataclass(frozen=True)
 class MultiAnswerOptions:
-    """What multi_answer's sampling reads (`task`, `dataset`: where thought_end=None finds the task's own)."""
+    """What multi_answer's sampling reads. thought_end as its builder resolved it (the generate stage: None in the
+    config is the built-in task's own, data/inputs.thought_end)."""
 
     num_generations: int = mirror(8)
     max_completion_length: int = mirror(64)
@@ -38,15 +39,6 @@ class MultiAnswerOptions:
                                         "the start of its answer), else '</think>'.")
     max_thought_length: int = option(48, "multi_answer: most tokens of a thought; answers get max_completion_length "
                                      "tokens each.", bounds=INTEGER_AT_LEAST_1)
-    task: str = mirror("arithmetic")
-    dataset: Optional[str] = mirror(None)
-
-    @property
-    def thought_end_text(self) -> str:
-        """The text that ends a thought: thought_end, else the built-in task's, else '</think>'."""
-        from ...data.inputs import thought_end
-
-        return thought_end(self)
 
 
 class MultiAnswer(RolloutMode):
@@ -67,7 +59,8 @@ class MultiAnswer(RolloutMode):
         return f"num_generations x (1 + answers_per_thought) = {self.group_size(c)} with rollout_mode='multi_answer'"
 
     def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed):
-        return thoughts_and_answers(engine, tokenizer, prompts, rows, c, c.thought_end_text, seed, sampling=sampling)
+        assert c.thought_end is not None, "multi_answer samples with thought_end resolved (GenerateOptions.from_config)"
+        return thoughts_and_answers(engine, tokenizer, prompts, rows, c, c.thought_end, seed, sampling=sampling)
 
     def advantages(self, batch, c, judge=None, *, world=None):
         import torch
