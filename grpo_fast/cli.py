@@ -28,7 +28,7 @@ import time
 import typing
 from typing import Optional
 
-from . import launcher
+from . import launcher, processes
 from .config import GRPOConfig, field_types, read_yaml
 
 
@@ -249,7 +249,7 @@ def _command(args: argparse.Namespace, argv) -> int:
     """The command in this process; its exit code."""
     if args.command == "train":
         if "WORLD_SIZE" in os.environ:  # a rank under torchrun: it ends with its launcher, kill -9 included
-            launcher.die_with_launcher()
+            processes.die_with_launcher()
         _remove_stale_temp_folders(args)  # before any refusal below
     if args.command == "train" and args.nproc_per_node != 1 and "WORLD_SIZE" not in os.environ:
         return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv), args)

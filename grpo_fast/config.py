@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import config_checks
-from .bounds import FINITE, FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
+from .bounds import FINITE, FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from .data.inputs import InputOptions
 from .generation import modes
 from .generation.agents import AgentOptions
 from .generation.agents.loop import LoopOptions
 from .generation.engines import ENGINE_CHOICES  # (light: the engines themselves import lazily)
+from .generation.engines.base import SamplingOptions
 from .generation.engines.build import EngineOptions
 from .generation.modes import ModeOptions
 from .generation.modes.early_exit import EarlyExitOptions
@@ -55,7 +56,7 @@ from .train.step import StepOptions
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
                      Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
-                     LoraOptions, ReportOptions, StepOptions, ISOptions, EvalOptions, AgentOptions)
+                     LoraOptions, ReportOptions, StepOptions, ISOptions, EvalOptions, AgentOptions, SamplingOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -126,8 +127,8 @@ class GRPOConfig:
     prompt_truncation: str
     max_completion_length: int
     temperature: float
-    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).", bounds=FRACTION_OPEN_LOW)
-    top_k: int = _f(0, "Keep only the k most likely tokens when sampling (0: off).", bounds=INTEGER_AT_LEAST_0)
+    top_p: float
+    top_k: int
     vllm_gpu_memory_utilization: float
     vllm_enable_sleep_mode: bool
     vllm_max_model_length: Optional[int]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import settle_fsdp_root
+from .processes import die_with_launcher
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,6 @@ def join(strategy: str = "auto") -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
         return ONE_PROCESS
-    from .launcher import die_with_launcher
-
     die_with_launcher()  # (grpo-fast's ranks set it at start; a script of the user's under torchrun here)
     if not dist.is_initialized():
         if torch.cuda.is_available():  # NCCL for the gradients, gloo for the small CPU reductions below
@@ -128,15 +127,6 @@ def gather_objects(obj, world: World) -> list:
 
 def any_rank(flag: bool, world: World) -> bool:
     return bool(sum_over_ranks([float(flag)], world)[0])
-
-
-def reduce_metrics(metrics: dict, world: World) -> dict:
-    """One value per metric over every rank's values, as `metrics.combine` declares it (sums for
-    counts, min / max for extremes, pooled means and stds from all ranks' values, else the mean
-    over the ranks); one process: its own values, `Pooled` ones resolved."""
-    from .reporting.metrics import combine
-
-    return combine(gather_objects(metrics, world))
 
 
 def barrier(world: World) -> None:

@@ -6,7 +6,7 @@ agent in this process for N ranks; processes that die with their parent; one lin
 - N ranks: the launcher checks what it can before any rank starts (the CLI: options, the output folder,
   what many ranks do not run), then runs torchrun's agent here (`torch.distributed.run`, the code
   of the `torchrun` command), so this process is the ranks' parent.
-- Each rank asks the kernel for SIGKILL when its parent dies (`die_with_launcher`, PR_SET_PDEATHSIG):
+- Each rank asks the kernel for SIGKILL when its parent dies (`processes.die_with_launcher`, PR_SET_PDEATHSIG):
   a kill -9 of the launcher ends every rank at once, and with it the output folder's lock. (torchrun
   starts each rank in its own session, so a signal to the launcher's process group does not reach them.)
 - How it ended, one line in all: a rank's error is that rank's own line (a rank that sees a peer die
@@ -26,34 +26,7 @@ import sys
 import threading
 import time
 
-# the launcher's pid, for a rank to tell whether its parent is still the launcher (`die_with_launcher`)
-LAUNCHER_PID_ENV = "GRPO_FAST_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_launcher() -> None:
-    """Under torchrun (Linux): SIGKILL this process when its parent, torchrun's agent, dies.
-
-    The kernel sends the signal when the *thread* that forked this process exits; torchrun's agent
-    starts its workers from its main thread (and `run_torchrun` runs the agent on this process's
-    main thread), so that is when the launcher ends. A launcher that died before this call is caught
-    by comparing the parent with the pid it left in the environment. Idempotent; a no-op elsewhere."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not _die_with_parent():
-        return  # (no prctl: nothing else to try; the ranks then outlive a killed launcher, as before)
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and os.getppid() != int(launcher):
-        print(f"grpo-fast train: the launcher (pid {launcher}) has ended: rank {os.environ.get('RANK', '?')} stops",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-
-
-def _die_with_parent() -> bool:
-    """Ask the kernel for SIGKILL when this process's parent ends (Linux); whether it was granted."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+from .processes import LAUNCHER_PID_ENV, die_with_parent, how_it_ended
 
 
 def run_torchrun(nproc: int, argv: list[str], debug: bool = False) -> int:
@@ -77,16 +50,6 @@ def run_torchrun(nproc: int, argv: list[str], debug: bool = False) -> int:
             raise
         return _failure_code(err.failures, nproc)
     return 0
-
-
-def how_it_ended(code: int) -> str:
-    """A child's end in words, from its exit code (negative: the signal that killed it, as subprocess gives it)."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def _failure_code(failures: dict, nproc: int) -> int:
@@ -225,7 +188,7 @@ def supervised_child():
         return None
     parent, fd = (int(x) for x in value.split(":"))
     os.set_inheritable(fd, False)
-    _die_with_parent()  # (a kill -9 of the supervisor ends this process too)
+    die_with_parent()  # (a kill -9 of the supervisor ends this process too)
     if os.getppid() != parent:  # (it ended before the line above)
         os._exit(1)
     if threading.current_thread() is threading.main_thread():

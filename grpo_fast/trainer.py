@@ -32,7 +32,7 @@ from .data import inputs
 from .data.inputs import InputOptions
 from .generation.engines import build as engine_build
 from .generation.engines import may_read
-from .generation.engines.base import SamplingOptions, check_engine
+from .generation.engines.base import SamplingOptions, asleep, check_engine
 from .generation.modes import rollout_mode
 from .loss_types import loss_type
 from .models import precision
@@ -48,7 +48,7 @@ from .models.policy import (
 from .models.precision import Precision
 from .objective import LossOptions
 from .reporting import completions_table, trackers
-from .reporting.metrics import logs_step, open_logger, progress, synced_time, timed
+from .reporting.metrics import logs_step, open_logger, progress, reduce_metrics, synced_time, timed
 from .reporting.options import ReportOptions
 from .run import checkpoint, resume
 from .run import folder as run_folder
@@ -237,7 +237,8 @@ class GRPOTrainer:
                 if late:
                     bar.print(f"max_train_minutes={c.max_train_minutes} reached after {self.state.step} steps: stopping")
                     break
-                last = self._train_generation_batch(bar, stop) or last
+                with contextlib.ExitStack() as training_passes:  # (sleep mode: the engine asleep in it, woken on the way out)
+                    last = self._train_generation_batch(bar, stop, training_passes) or last
         finally:
             bar.close()
         if stop.signum is not None:
@@ -256,7 +257,7 @@ class GRPOTrainer:
         self.metrics_logger.close()
         return last
 
-    def _train_generation_batch(self, bar, stop: StopRequests) -> dict:
+    def _train_generation_batch(self, bar, stop: StopRequests, training_passes: contextlib.ExitStack) -> dict:
         """One generation batch through every stage; returns the last logged metrics.
 
         Sampling and scoring change nothing but counters: a signal or an error there rewinds the
@@ -268,6 +269,8 @@ class GRPOTrainer:
                 generated = generate.generation_batch(self.engine, policy.tokenizer, self.data, self.state, self.generation,
                                                       self.options.sampling, self.world, self._engine_weights)  # generate, score
                 batch, times = generated.batch, dict(generated.times)
+                # sleep mode: the engine's memory is the training passes' until the weight sync wakes it
+                training_passes.enter_context(asleep(self.engine, c.vllm_enable_sleep_mode))
                 adv, adv_stats = advantages.advantages(  # advantages
                     batch, self.options.advantages, self.data.judge, prompt_column=c.prompt_column,
                     conversational=conversational(batch.rows[0][c.prompt_column]), world=self.world)
@@ -303,13 +306,14 @@ class GRPOTrainer:
             step_times = {name: t / len(parts) for name, t in times.items()}  # round costs, spread over its steps
             step_times["time/train"] = synced_time(start)
             if k == len(parts) - 1:
+                training_passes.close()  # (the engine awake again)
                 with timed(step_times, "time/weight_sync"):
                     self._sync_weights()  # sync
                     self.state.policy_version += 1
                 with timed(step_times, "time/sync_check"):
                     step_metrics.update(sync.check_engine_sync(
                         self.engine, policy, part, world=self.world, shares_weights=self.is_policy.shares_weights,
-                        backend=c.loss_backend, sleep_mode=c.vllm_enable_sleep_mode, step=self.state.step))
+                        backend=c.loss_backend, step=self.state.step))
             logged = self._log(step.step_metrics(
                 part, batch, step_metrics, {**stats, **once}, step_times, reward_funcs=self.data.reward_funcs,
                 options=self.options, learning_rate=self.scheduler.get_last_lr()[0], state=self.state), bar)
@@ -335,7 +339,7 @@ class GRPOTrainer:
 
     def _sync_weights(self):
         sync.sync_weights(self.engine, self.policy, shares_weights=self.is_policy.shares_weights,
-                          sleep_mode=self.config.vllm_enable_sleep_mode, version=self.state.policy_version + 1)
+                          version=self.state.policy_version + 1)
 
     def precision_summary(self) -> str:
         """One line: what the precision settings resolved to on this machine ("auto" depends on it)."""
@@ -364,7 +368,7 @@ class GRPOTrainer:
         return self.metrics_logger.log(self.state.step, metrics)
 
     def _log(self, metrics: dict, bar) -> dict:
-        metrics = distributed.reduce_metrics(metrics, self.world)
+        metrics = reduce_metrics(metrics, self.world)
         bar.update(self.state.step, metrics)
         return self.metrics_logger.log(self.state.step, metrics) if logs_step(self.state.step, self.report) else metrics
 

@@ -46,7 +46,8 @@ PACKAGE = "grpo_fast"
 LONG_FILE = 400
 LAYERS = [  # (layer name, path prefixes relative to grpo_fast/), lowest first: the data path of a step
     #   (docs/design.md, "Layout"); the old homes of a51fb0f's flat layout are listed beside the new ones
-    ("base", ["errors.py", "bounds.py", "registry.py", "compat.py", "objective.py", "loss_types.py", "options.py"]),
+    ("base", ["errors.py", "bounds.py", "registry.py", "compat.py", "objective.py", "loss_types.py", "options.py",
+              "processes.py"]),
     ("kernels", ["ops/", "kernels/", "_C/"]),
     ("models and ranks", ["models/", "distributed.py"]),
     ("generation", ["generation/", "rollout/", "modes/", "agents/"]),

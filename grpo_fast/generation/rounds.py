@@ -38,7 +38,7 @@ import torch
 from ..bounds import FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0
 from ..options import mirror, option, options_record
 from .batch import Rollouts
-from .engines.base import Continuation, SamplingOptions, awake, hashed_seed
+from .engines.base import Continuation, SamplingOptions, hashed_seed
 
 
 @options_record
@@ -204,10 +204,10 @@ def run_round(members, pool: list[Group], draw: Callable[[int], list[Group]], op
 
 
 def partial_round(engine, members, in_flight: list[Group], draw_prompts: Callable[[int], tuple[list[int], list[int]]],
-                  options: RoundOptions, *, version: int, sleeps: bool) -> tuple[Rollouts, list[Group], dict, list[Group]]:
+                  options: RoundOptions, *, version: int) -> tuple[Rollouts, list[Group], dict, list[Group]]:
     """A round of partial rollouts from the groups in flight: the too-stale ones dropped, the rest made ready
-    (`members.prepare`), new groups from draw_prompts(n) (n prompt indices of the data order, a seed each), the
-    engine woken for the round (sleeps: sleep mode). (the trained groups as Rollouts, the groups left in flight,
+    (`members.prepare`), new groups from draw_prompts(n) (n prompt indices of the data order, a seed each).
+    (the trained groups as Rollouts, the groups left in flight,
     the round's rollout/ metrics, the trained groups in the Rollouts' order.)"""
     pool, dropped = drop_stale(in_flight, version, options.max_staleness)
     ready = members.prepare(pool)
@@ -216,8 +216,7 @@ def partial_round(engine, members, in_flight: list[Group], draw_prompts: Callabl
         prompts, seeds = draw_prompts(n)
         return new_groups(prompts, seeds, options.num_generations, members.new_member)
 
-    with awake(engine, sleeps):
-        trained, left, stats = run_round(members, pool, draw, options, version=version)
+    trained, left, stats = run_round(members, pool, draw, options, version=version)
     return members.as_rollouts(trained), left, {**stats, "rollout/dropped_stale": dropped, **ready}, trained
 
 

@@ -337,3 +337,12 @@ class OtherRankMetrics:
 
     def close(self) -> None:
         pass
+
+
+def reduce_metrics(metrics: dict, world) -> dict:
+    """One value per metric over every rank's values (`world`: distributed.World), as `combine` declares it
+    (sums for counts, min / max for extremes, pooled means and stds from all ranks' values, else the mean over
+    the ranks); one process: its own values, `Pooled` ones resolved."""
+    from ..distributed import gather_objects  # (torch: this module stays light)
+
+    return combine(gather_objects(metrics, world))

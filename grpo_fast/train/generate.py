@@ -25,7 +25,7 @@ from ..distributed import World
 from ..generation import rounds
 from ..generation.agents import tool_metrics
 from ..generation.batch import Rollouts, from_engine
-from ..generation.engines.base import SamplingOptions, awake, prompt_seeds
+from ..generation.engines.base import SamplingOptions, prompt_seeds
 from ..generation.modes import rollout_mode, sample_groups
 from ..generation.rounds import RoundOptions
 from ..options import mirror, option, options_record, read_config
@@ -55,7 +55,7 @@ class TrainData:
 @dataclass(frozen=True)
 class GenerateOptions:
     """What the generate stage reads, built once (`from_config`): the data order, dynamic sampling, what
-    scoring reads, sleep mode, and the records of the rollout mode (its `options`) and of partial rollouts."""
+    scoring reads, and the records of the rollout mode (its `options`) and of partial rollouts."""
 
     seed: int = mirror(42)
     shuffle_dataset: bool = mirror(True)
@@ -66,7 +66,6 @@ class GenerateOptions:
     prompt_column: str = mirror("prompt")
     reward_weights: Optional[list] = mirror(None)
     reward_timeout: Optional[float] = mirror(None)
-    vllm_enable_sleep_mode: bool = mirror(False)
     rollout_mode: str = mirror("parallel")
     group_size: int = 8  # (GRPOConfig.group_size: trained sequences per prompt, as the mode samples them)
     prompts_per_generation: int = 8  # (GRPOConfig.prompts_per_generation)
@@ -155,7 +154,7 @@ def _closed_on_error(scorer: Optional[GroupScorer]):
 def sampled(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, options: GenerateOptions,
             sampling: SamplingOptions, engine_weights) -> tuple[Rollouts, Optional[Callable[[], Scores]]]:
     """The prompts `prompt_index` sampled as the rollout mode samples them (`first`: the batch position of the
-    first; sleep mode: the engine woken for it), and, where both the engine (vLLM) and the mode stream groups,
+    first), and, where both the engine (vLLM) and the mode stream groups,
     a call that waits for their scores (each group scored as it finished, while the rest decoded); else None."""
     mode = rollout_mode(options.rollout_mode)
     prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
@@ -163,7 +162,7 @@ def sampled(engine, tokenizer, data: TrainData, prompt_index: list[int], first: 
     if engine.streams_groups and mode.streams_groups:
         scorer = _scorer(data, options, rows[0], lambda indices, groups: from_engine(
             groups, [prompts[i] for i in indices], [rows[i] for i in indices]))
-    with _closed_on_error(scorer), awake(engine, options.vllm_enable_sleep_mode), engine_weights():
+    with _closed_on_error(scorer), engine_weights():
         batch = sample_groups(mode, engine, tokenizer, prompts, rows, first, options.mode, sampling,
                               lambda: next_seed(state, options), on_group=scorer.on_group if scorer is not None else None,
                               agent=data.agent)
@@ -189,8 +188,7 @@ def scored_round(engine, tokenizer, data: TrainData, state, options: GenerateOpt
 
     with _closed_on_error(scorer):
         batch, state.in_flight, stats, trained = rounds.partial_round(
-            engine, members, state.in_flight, draw, options.rounds, version=state.policy_version,
-            sleeps=options.vllm_enable_sleep_mode)
+            engine, members, state.in_flight, draw, options.rounds, version=state.policy_version)
     if scorer is None:
         return batch, stats, None
     G = options.group_size

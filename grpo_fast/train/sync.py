@@ -54,7 +54,7 @@ def probe_gap(engine, model, packer, token_ids: list[int], *, backend: str) -> f
     return (trainer - engine_logp).abs().mean().item()
 
 
-def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool, version: int = 0) -> None:
+def sync_weights(engine, policy, *, shares_weights: bool, version: int = 0) -> None:
     """The policy's weights (`models.policy.Policy`) into the engine (none to copy where it samples with the policy itself).
     With a LoRA adapter only what it changes travels: the adapted layers merged from the untouched base
     (a partial update), or the adapter itself as `version` (vLLM's LoRA path)."""
@@ -62,8 +62,6 @@ def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool, vers
 
     if shares_weights:
         return
-    if sleep_mode:  # (woken, not `awake`: it stays awake for the sync probe and any evaluation after it; the next
-        engine.wake()  # generation puts it back to sleep: generate.py)
     if policy.lora_route == "merged":
         engine.update_weights(lora.engine_weights(policy.model, merged=True, only_adapted=True), partial=True)
     elif policy.lora_route == "adapter":
@@ -72,7 +70,7 @@ def sync_weights(engine, policy, *, shares_weights: bool, sleep_mode: bool, vers
         engine.update_weights(policy.parallel.full_weights() if policy.parallel.sharded else policy.model)
 
 
-def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, backend: str, sleep_mode: bool,
+def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, backend: str,
                       step: int) -> dict:
     """The engine's log-probs of a short greedy probe against the trainer's (`models.policy.Policy`), after a sync;
     one re-sync when they differ beyond the tolerance of their precisions, then an error."""
@@ -89,7 +87,7 @@ def check_engine_sync(engine, policy, part, *, world, shares_weights: bool, back
     if any_rank(gap > limit, world):  # (every rank re-syncs: under FSDP2 a sync is collective)
         logger.warning("engine log-probs differ from the trainer's by %.3g (> %.3g) after a weight sync: syncing again",
                        gap, limit)
-        sync_weights(engine, policy, shares_weights=shares_weights, sleep_mode=sleep_mode)
+        sync_weights(engine, policy, shares_weights=shares_weights)
         gap = gap_now()
         if any_rank(gap > limit, world):
             raise RuntimeError(f"the rollout engine is out of sync with the policy after step {step}: its "

@@ -53,3 +53,27 @@ def test_a_new_engine_kind_is_a_choice_its_checks_read_and_the_trainer_trains_a_
     last = trainer.train()
     assert isinstance(trainer.engine, CountingEngine) and trainer.engine.generate_calls >= 1
     assert last["loss"] == last["loss"], last  # a number: the step trained on the row's samples
+
+
+def test_asleep_wakes_the_engine_also_when_the_block_raises():
+    from grpo_fast.generation.engines.base import asleep
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def sleep(self):
+            self.calls.append("sleep")
+
+        def wake(self):
+            self.calls.append("wake")
+
+    engine = Engine()
+    with pytest.raises(RuntimeError, match="a training pass failed"):
+        with asleep(engine, True):
+            engine.calls.append("train")
+            raise RuntimeError("a training pass failed")
+    assert engine.calls == ["sleep", "train", "wake"]
+    with asleep(engine, False):  # (not in sleep mode: never put to sleep)
+        engine.calls.append("train")
+    assert engine.calls == ["sleep", "train", "wake", "train"]

@@ -75,7 +75,7 @@ def test_after_each_sync_the_engine_samples_the_trainers_adapter(tiny_model_dir,
         initial_sync(engine, model, route)
         for version in range(1, 4):
             _a_step(model, g)
-            sync.sync_weights(engine, policy, shares_weights=False, sleep_mode=False, version=version)
+            sync.sync_weights(engine, policy, shares_weights=False, version=version)
             engine_logp, trainer_logp = torch.tensor(engine.prompt_logprobs(PROBE)), _trainer_logp(model)
             gap = (engine_logp - trainer_logp).abs().mean().item()
             assert gap <= TOLERANCE, f"{route}: the engine differs from the trainer by {gap:.3g} after sync {version}"
@@ -84,7 +84,7 @@ def test_after_each_sync_the_engine_samples_the_trainers_adapter(tiny_model_dir,
         # for a prompt under the previous weights is reused (the prompt's sampled log-probs are the trainer's)
         engine.generate([PROBE], n=1, max_new_tokens=1, seed=0)  # (the prompt's blocks now cached)
         _a_step(model, g)
-        sync.sync_weights(engine, policy, shares_weights=False, sleep_mode=False, version=3)
+        sync.sync_weights(engine, policy, shares_weights=False, version=3)
         again = engine.generate([PROBE], n=1, max_new_tokens=8, seed=0)[0][0]
         trainer_logp = completion_logprobs(model, Packer(model, max_tokens=64), [PROBE], [again.token_ids],
                                            temperature=1.0, backend="cpu")[0]
@@ -96,8 +96,7 @@ def test_after_each_sync_the_engine_samples_the_trainers_adapter(tiny_model_dir,
         setattr(engine, update, lambda *a, **k: None)
         part = types.SimpleNamespace(prompt_ids=[PROBE[:8]], completion_ids=[PROBE[8:]])
         with pytest.raises(RuntimeError, match="out of sync with the policy"):
-            sync.check_engine_sync(engine, policy, part, world=ONE_PROCESS, shares_weights=False, backend="cpu",
-                                   sleep_mode=False, step=4)
+            sync.check_engine_sync(engine, policy, part, world=ONE_PROCESS, shares_weights=False, backend="cpu", step=4)
         delattr(engine, update)
         # the trainer on this engine: every step's probe within the float32 bound, the base untouched. The adapter
         # route trains with partial rollouts: completions carried into the next round are continued under the
@@ -178,7 +177,7 @@ def test_200_syncs_of_a_bf16_engine_leave_no_drift(tiny_model_dir, route):
         initial_sync(engine, model, route)
         for version in range(1, 201):
             _a_step(model, g, scale=0.01)
-            sync.sync_weights(engine, policy, shares_weights=False, sleep_mode=False, version=version)
+            sync.sync_weights(engine, policy, shares_weights=False, version=version)
             if version % 50 == 0:
                 engine.prompt_logprobs(PROBE)  # (the adapter route loads an adapter into its slot at a request)
         adapter = {n: t.clone() for n, t in lora.adapter_tensors(model).items()}

@@ -168,7 +168,7 @@ class WorkerPool:
         except (EOFError, OSError):  # the worker died during the call
             self._drop(worker)
             # (imported here, in the trainer: a worker runs the standard library only)
-            from grpo_fast.launcher import how_it_ended
+            from ...processes import how_it_ended
 
             raise ToolFailed(f"the tool's worker process {how_it_ended(worker.proc.returncode)} during the call (a new "
                              f"worker runs the next call)") from None

@@ -16,6 +16,9 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Optional, Sequence, Union
 
+from ...bounds import FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0
+from ...options import mirror, option, options_record
+
 if TYPE_CHECKING:
     import torch
 
@@ -68,6 +71,7 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy ints too
 
 
+@options_record
 @dataclass(frozen=True)
 class SamplingOptions:
     """How the engine samples: one frozen object, checked once here, built once by the trainer
@@ -78,16 +82,18 @@ class SamplingOptions:
     top_p: keep the smallest token set with this much probability (1.0: off).
     top_k: keep the k most likely tokens (-1, or 0, for off; stored as -1).
 
-    A new sampling knob (say `min_p`) touches 3 files: `config.py` (the GRPOConfig field, named as
-    here), this class (the field and its check), and `generation/engines/hf_engine.py` (`_warpers`: its logits
-    processor). `from_config` reads every field by its name; `generation/engines/vllm_engine.py` passes every
-    field to vLLM's `SamplingParams` by its name (so the fields take vLLM's names); the trainer, the
-    rollout modes and partial rollouts hand the object on without looking inside.
+    A new sampling knob (say `min_p`) is declared here (`option`: its default, help and range; its check
+    below), named bare in `GRPOConfig`'s body where --help should list it, and given its logits processor in
+    `generation/engines/hf_engine.py` (`_warpers`). `from_config` reads every field by its name;
+    `generation/engines/vllm_engine.py` passes every field to vLLM's `SamplingParams` by its name (so the fields
+    take vLLM's names); the trainer, the rollout modes and partial rollouts hand the object on without looking
+    inside.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = mirror(1.0)  # (declared by LossOptions: the loss takes log-probs under it too)
+    top_p: float = option(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).",
+                          bounds=FRACTION_OPEN_LOW)
+    top_k: int = option(0, "Keep only the k most likely tokens when sampling (0: off).", bounds=INTEGER_AT_LEAST_0)
 
     def __post_init__(self):
         t, p, k = self.temperature, self.top_p, self.top_k
@@ -100,11 +106,6 @@ class SamplingOptions:
         object.__setattr__(self, "temperature", float(t))  # frozen: the checked values, normalised once
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "top_k", -1 if k in (0, -1) else int(k))
-
-    @classmethod
-    def from_config(cls, config) -> SamplingOptions:
-        """The options of a run: each field read from the config field of the same name (GRPOConfig)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     @property
     def greedy(self) -> bool:
@@ -397,21 +398,22 @@ class RolloutEngine:
         raise NotImplementedError
 
     def sleep(self) -> None:
-        """Release memory between rollouts where the platform supports it (use `awake`, not sleep/wake pairs)."""
+        """Release memory between rollouts where the platform supports it (use `asleep`, not sleep/wake pairs)."""
 
     def wake(self) -> None:
         """Restore what `sleep` released."""
 
 
 @contextlib.contextmanager
-def awake(engine: "RolloutEngine", sleeps: bool):
-    """The engine woken for the block and put back to sleep after it, also when the block raises (sleep mode,
-    `vllm_enable_sleep_mode`: the engine's memory freed for the training passes); nothing where it does not sleep."""
+def asleep(engine: "RolloutEngine", sleeps: bool):
+    """The engine asleep for the block (sleep mode, `vllm_enable_sleep_mode`: its memory freed for the training
+    passes) and woken after it, also when the block raises, so whatever follows (the weight sync, its probe, an
+    evaluation, the next generation) finds it awake; nothing where it does not sleep."""
     if not sleeps:
         yield engine
         return
-    engine.wake()
+    engine.sleep()
     try:
         yield engine
     finally:
-        engine.sleep()
+        engine.wake()
