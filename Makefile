@@ -7,7 +7,7 @@ setup:
 	@./scripts/setup_env.sh
 test: setup
 	$(VENV)/bin/ruff check grpo_fast kernels tests benchmarks
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests  # two workers (the 2-core machines), one test file each at a time
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests  # two workers (the 2-core machines), one test file each at a time, the longest files first (tests/conftest.py)
 train: setup
 	$(VENV)/bin/grpo-fast train --overwrite_output_dir  # the default run replaces its own earlier run
 bench: setup

@@ -24,7 +24,34 @@ if "TRACKIO_DIR" not in os.environ:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The longest test files, longest first (seconds of one test process on the shared 2-core machine, 1771584): `make
+# test` hands its 2 workers whole files in collection order (--dist loadfile --no-loadscope-reorder), so these start
+# first and the short files fill in behind them, and the workers end together. (xdist's own order, most tests first,
+# left these few-test files for last, where one could hold a worker long after the other had run out of files.)
+LONGEST_FIRST = (
+    "tests/distributed/test_trainer_ranks.py",  # 116
+    "tests/distributed/test_trainer_ranks_vllm.py",  # 82
+    "tests/faults/test_kill_resume.py",  # 70
+    "tests/faults/test_launcher.py",  # 58
+    "tests/golden/test_golden_run.py",  # 45
+    "tests/rollout/test_vllm_lora.py",  # 38
+    "tests/integrations/test_trl_distributed.py",  # 28
+    "tests/agents/test_multi_turn.py",  # 21 (and the tool model's build, ~14, for the first file that needs it)
+    "tests/sandbox/test_code_tests.py",  # 22
+    "tests/trainer/test_partial_rollouts.py",  # 21
+    "tests/rollout/test_vllm_engine.py",  # 21
+    "tests/integrations/test_trl_training.py",  # 18
+    "tests/faults/test_tracker_resume.py",  # 17
+    "tests/rewards/test_judge.py",  # 15
+    "tests/sandbox/test_escapes.py",  # 15
+    "tests/sandbox/test_reward_hacking.py",  # 15
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {path: k for k, path in enumerate(LONGEST_FIRST)}
+    # (a stable sort: the other files, and each file's tests, keep their order)
+    items.sort(key=lambda item: first.get(item.nodeid.partition("::")[0], len(first)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; its CPU twin runs through the Triton interpreter")
