@@ -24,13 +24,12 @@ if "TRACKIO_DIR" not in os.environ:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# The longest test files, longest first (seconds of one test process on the shared 2-core machine, 1771584): `make
-# test` hands its 2 workers whole files in collection order (--dist loadfile --no-loadscope-reorder), so these start
-# first and the short files fill in behind them, and the workers end together. (xdist's own order, most tests first,
-# left these few-test files for last, where one could hold a worker long after the other had run out of files.)
+# The longest test files, longest first (seconds, each file run alone on the shared 2-core machine): `make test`
+# hands its 2 workers whole files in collection order (--dist loadfile --no-loadscope-reorder), so these start first
+# and the short files fill in behind them, and the workers end together. (xdist's own order, most tests first, left
+# these few-test files for last, where one could hold a worker long after the other had run out of files.)
 LONGEST_FIRST = (
-    "tests/distributed/test_trainer_ranks.py",  # 116
-    "tests/distributed/test_trainer_ranks_vllm.py",  # 82
+    "tests/distributed/test_trainer_ranks.py",  # 134
     "tests/faults/test_kill_resume.py",  # 70
     "tests/faults/test_launcher.py",  # 58
     "tests/golden/test_golden_run.py",  # 45

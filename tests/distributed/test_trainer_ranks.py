@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from grpo_fast.generation.engines import vllm_available
 from grpo_fast.reporting.metrics import reduction
 
 pytestmark = pytest.mark.slow
@@ -50,15 +51,6 @@ def _jobs(jobs):
     return args
 
 
-def _one(tiny_model_dir, out, engine, *overrides):
-    return _run([sys.executable, SCRIPT, tiny_model_dir, str(out), "16", engine, *overrides], out)
-
-
-def _two(tiny_model_dir, out, engine, *overrides):
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
-                 tiny_model_dir, str(out), "8", engine, *overrides], out)
-
-
 def _sampled(out, world):
     """Per reward call (train and eval), the completions every rank sampled, as one sorted list."""
     ranks = [json.loads((out / f"sampled-rank{r}.json").read_text()) for r in range(world)]
@@ -80,60 +72,51 @@ BF16_GRADIENT, BF16_UPDATE = 1e-3, 1e-1
 
 
 @pytest.fixture(scope="module")
-def hf_runs(tiny_model_dir, tool_model_dir, tmp_path_factory):
-    """Every HF-engine run of the equality tests below, in three launches (one process; 2 ranks; one
-    process again for what resumes the 2-rank checkpoints), by name: (folder, seen, metrics, weights)."""
-    root = tmp_path_factory.mktemp("hf")
+def runs(tiny_model_dir, tool_model_dir, tmp_path_factory):
+    """Every run of the equality tests below, in three launches (one process; 2 ranks; one process again for
+    what resumes the 2-rank checkpoints), by name: (folder, seen, metrics, weights). A process's later jobs cost
+    ~0.5 s each, its start ~5 s: the vLLM engine's two runs come last in the first two launches (closing the
+    engine is the last thing a rank does)."""
+    root = tmp_path_factory.mktemp("runs")
     agents = f"tool_model={tool_model_dir}"
+    vllm = vllm_available()
     launches = [
         (1, [("one", "16", "hf"), ("one-global-stats", "16", "hf", *GLOBAL_STATS), ("one-lora", "16", "hf", *LORA),
-             ("one-agents", "16", "hf", agents), ("one-bf16", "16", "hf", *BF16)]),
+             ("one-agents", "16", "hf", agents), ("one-bf16", "16", "hf", *BF16),
+             *([("one-vllm", "16", "vllm")] if vllm else [])]),
         (2, [("ddp", "8", "hf", "distributed_strategy=ddp"), ("fsdp2", "8", "hf", "distributed_strategy=fsdp2"),
              ("ddp-bf16", "8", "hf", "distributed_strategy=ddp", *BF16),
              ("ddp-lora", "8", "hf", "distributed_strategy=ddp", *LORA), ("ddp-agents", "8", "hf", "distributed_strategy=ddp", agents),
              ("two-global-stats", "8", "hf", *GLOBAL_STATS),  # and 1 -> 2: a one-process checkpoint sharded over two ranks
-             ("fsdp2-resumed2", "8", "hf", "distributed_strategy=fsdp2", f"resume_from_checkpoint={root / 'one' / 'checkpoint-1'}")]),
+             ("fsdp2-resumed2", "8", "hf", "distributed_strategy=fsdp2", f"resume_from_checkpoint={root / 'one' / 'checkpoint-1'}"),
+             *([("fsdp2-vllm", "8", "vllm", "distributed_strategy=fsdp2")] if vllm else [])]),
         (1, [(f"{s}-resumed", "16", "hf", f"resume_from_checkpoint={root / s / 'checkpoint-1'}") for s in ("ddp", "fsdp2")]),
     ]
-    runs = {}
+    results = {}
     for ranks, jobs in launches:
         jobs = [(root / name, *rest) for name, *rest in jobs]
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         cmd = [*(torchrun if ranks > 1 else [sys.executable]), SCRIPT, tiny_model_dir, *_jobs(jobs)]
         outs = [job[0] for job in jobs]
-        runs.update({out.name: (out, *result) for out, result in zip(outs, _launch(cmd, outs), strict=True)})
-    return runs
+        results.update({out.name: (out, *result) for out, result in zip(outs, _launch(cmd, outs), strict=True)})
+    return results
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_model_dir, tmp_path_factory, hf_runs):
-    """The reference runs, made once per engine: one process, 16 completions per step."""
-    references = {"hf": hf_runs["one"]}
-
-    def run(engine: str):
-        if engine not in references:
-            out = tmp_path_factory.mktemp(f"one-{engine}") / "run"
-            references[engine] = (out, *_one(tiny_model_dir, out, engine))
-        return references[engine]
-
-    return run
+def one_process(runs):
+    """The reference run of an engine: one process, 16 completions per step."""
+    return lambda engine: runs["one" if engine == "hf" else f"one-{engine}"]
 
 
 # (DDP with vLLM ran here too, until the suite's time asked for one vLLM case: FSDP2 covers more, the
-# layer-by-layer sync into each rank's engine; DDP hands the engine the live module, as one process does. That
-# case, ("fsdp2", "vllm"), runs this test from test_trainer_ranks_vllm.py: a file of its own, so that the two
-# test workers share the ranks' runs)
-@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("fsdp2", "hf")])
-def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, hf_runs,
+# layer-by-layer sync into each rank's engine; DDP hands the engine the live module, as one process does)
+@pytest.mark.parametrize("strategy, engine", [("ddp", "hf"), ("fsdp2", "hf"), ("fsdp2", "vllm")])
+def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir, one_process, runs,
                                                                      strategy, engine):
     if engine == "vllm":
         pytest.importorskip("vllm")
     one, seen1, steps1, weights1 = one_process(engine)
-    if engine == "hf":  # made with the other HF runs, in their launches
-        two, seen2, steps2, weights2 = hf_runs[strategy]
-    else:
-        two = tmp_path / "two"
-        seen2, steps2, weights2 = _two(tiny_model_dir, two, engine, f"distributed_strategy={strategy}")
+    two, seen2, steps2, weights2 = runs[strategy if engine == "hf" else f"{strategy}-{engine}"]
     assert _sampled(two, 2) == _sampled(one, 1), "2 ranks sample exactly what one process samples"
     assert seen1 == {"world": 1, "step": 2, "strategy": "none"}
     assert seen2 == {"world": 2, "step": 2, "strategy": strategy} | ({"all_reduce_after_close": 2.0} if engine == "vllm" else {})
@@ -148,10 +131,10 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
         assert len(gaps) == 2 and max(gaps) <= 1e-3, gaps
         return
     # one checkpoint format for any number of ranks: 2 -> 1 with the same global batch
-    _, _, steps3, weights3 = hf_runs[f"{strategy}-resumed"]
+    _, _, steps3, weights3 = runs[f"{strategy}-resumed"]
     _assert_resumed_like(steps3, weights3, steps1, weights1, initial)
     if strategy == "fsdp2":  # and 1 -> 2: a one-process checkpoint sharded over two ranks
-        _, _, steps4, weights4 = hf_runs["fsdp2-resumed2"]
+        _, _, steps4, weights4 = runs["fsdp2-resumed2"]
         _assert_resumed_like(steps4, weights4, steps1, weights1, initial)
         return
     other = subprocess.run([sys.executable, SCRIPT, tiny_model_dir, str(tmp_path / "other"), "8", engine,
@@ -161,12 +144,12 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
     assert "per_device_train_batch_size x ranks x gradient_accumulation_steps = 8 x 1 x 1 = 8" in other.stderr
 
 
-def test_agents_on_two_ranks_train_like_one_process(hf_runs, tool_model_dir):
+def test_agents_on_two_ranks_train_like_one_process(runs, tool_model_dir):
     """Multi-turn trajectories (the tiny tool-calling model, its tools, HF engine): each rank runs its share's
     trajectories and tools; the 2 ranks sample what one process samples and make the same updates, and log the
     tools/* rates one process logs (counters summed over the ranks)."""
-    one, seen1, steps1, weights1 = hf_runs["one-agents"]
-    two, seen2, steps2, weights2 = hf_runs["ddp-agents"]
+    one, seen1, steps1, weights1 = runs["one-agents"]
+    two, seen2, steps2, weights2 = runs["ddp-agents"]
     assert _sampled(two, 2) == _sampled(one, 1), "2 ranks run exactly the trajectories one process runs"
     assert seen2 == {"world": 2, "step": 2, "strategy": "ddp"}
     trained = [s for s in steps1 if "loss" in s]
@@ -240,9 +223,9 @@ def _assert_same_counts_extremes_and_stds(a: dict, b: dict):
         assert b[name] == pytest.approx(a[name], rel=1e-6), (name, a["step"], a[name], b[name])
 
 
-def test_a_lora_adapter_on_two_ranks_trains_like_one_process(hf_runs):
-    one, seen1, steps1, weights1 = hf_runs["one-lora"]
-    two, seen2, steps2, weights2 = hf_runs["ddp-lora"]
+def test_a_lora_adapter_on_two_ranks_trains_like_one_process(runs):
+    one, seen1, steps1, weights1 = runs["one-lora"]
+    two, seen2, steps2, weights2 = runs["ddp-lora"]
     assert seen2 == {"world": 2, "step": 2, "strategy": "ddp"}
     assert _sampled(two, 2) == _sampled(one, 1), "2 ranks sample exactly what one process samples"
     initial = load_file(one / "initial_adapter.safetensors")
@@ -255,14 +238,14 @@ def test_a_lora_adapter_on_two_ranks_trains_like_one_process(hf_runs):
     assert kl[0] == 0 and kl[-1] > 0, f"the reference (adapter disabled) must leave the policy once it trains: {kl}"
 
 
-def test_bf16_autocast_on_two_ranks_trains_like_one_process_within_the_stated_tolerance(hf_runs, tiny_model_dir):
+def test_bf16_autocast_on_two_ranks_trains_like_one_process_within_the_stated_tolerance(runs, tiny_model_dir):
     """The tolerance docs/design.md states for a rank-count change under bf16 autocast (the default decoder precision
     on CPUs with bf16 hardware), checked with bf16 forced on every CPU kind: the gradient within BF16_GRADIENT, the
     update within BF16_UPDATE. The update is the loose one: AdamW's first step moves every weight by about +-lr
     whatever its gradient's size, so a weight whose gradient is within bf16 noise of 0 moves by the sign of that
     noise (0.06% of the weights here, each 2 lr apart): no per-tensor bound holds, the whole update's does."""
-    one, seen1, steps1, weights1 = hf_runs["one-bf16"]
-    two, seen2, steps2, weights2 = hf_runs["ddp-bf16"]
+    one, seen1, steps1, weights1 = runs["one-bf16"]
+    two, seen2, steps2, weights2 = runs["ddp-bf16"]
     assert seen1 == {"world": 1, "step": 1, "strategy": "none", "autocast": "torch.bfloat16"}
     assert seen2 == {"world": 2, "step": 1, "strategy": "ddp", "autocast": "torch.bfloat16"}
     calls = _sampled(one, 1)
@@ -276,10 +259,10 @@ def test_bf16_autocast_on_two_ranks_trains_like_one_process_within_the_stated_to
                          whole=BF16_UPDATE)
 
 
-def test_global_statistics_and_side_passes_train_like_one_process(tiny_model_dir, hf_runs):
+def test_global_statistics_and_side_passes_train_like_one_process(tiny_model_dir, runs):
     overrides = GLOBAL_STATS
-    one, _, steps1, weights1 = hf_runs["one-global-stats"]
-    two, _, steps2, weights2 = hf_runs["two-global-stats"]
+    one, _, steps1, weights1 = runs["one-global-stats"]
+    two, _, steps2, weights2 = runs["two-global-stats"]
     _assert_trained_alike(steps1, weights1, steps2, weights2, load_file(Path(tiny_model_dir) / "model.safetensors"))
     # a judge_rank reward: each rank's judge sees its own groups once, together one process's
     asked = [json.loads((two / f"judge-rank{r}.json").read_text()) for r in range(2)]
