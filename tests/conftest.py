@@ -29,20 +29,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # and the short files fill in behind them, and the workers end together. (xdist's own order, most tests first, left
 # these few-test files for last, where one could hold a worker long after the other had run out of files.)
 LONGEST_FIRST = (
-    "tests/distributed/test_trainer_ranks.py",  # 134
+    "tests/distributed/test_trainer_ranks.py",  # 102 (the tool model's build, 13, with it: its first user)
     "tests/faults/test_kill_resume.py",  # 70
-    "tests/faults/test_launcher.py",  # 58
-    "tests/golden/test_golden_run.py",  # 45
-    "tests/rollout/test_vllm_lora.py",  # 38
-    "tests/integrations/test_trl_distributed.py",  # 28
-    "tests/agents/test_multi_turn.py",  # 21 (and the tool model's build, ~14, for the first file that needs it)
+    "tests/golden/test_golden_run.py",  # 37
+    "tests/faults/test_launcher.py",  # 36
+    "tests/rollout/test_vllm_lora.py",  # 31
+    "tests/agents/test_multi_turn.py",  # 24
     "tests/sandbox/test_code_tests.py",  # 22
-    "tests/trainer/test_partial_rollouts.py",  # 21
-    "tests/rollout/test_vllm_engine.py",  # 21
-    "tests/integrations/test_trl_training.py",  # 18
-    "tests/faults/test_tracker_resume.py",  # 17
-    "tests/rewards/test_judge.py",  # 15
-    "tests/sandbox/test_escapes.py",  # 15
+    "tests/trainer/test_partial_rollouts.py",  # 22
+    "tests/faults/test_tracker_resume.py",  # 21
+    "tests/integrations/test_trl_training.py",  # 19
+    "tests/integrations/test_trl_distributed.py",  # 19
+    "tests/rollout/test_vllm_engine.py",  # 18
+    "tests/rewards/test_judge.py",  # 17
+    "tests/sandbox/test_escapes.py",  # 16
+    "tests/agents/test_agent_rounds.py",  # 15
     "tests/sandbox/test_reward_hacking.py",  # 15
 )
 
