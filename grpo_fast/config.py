@@ -306,13 +306,6 @@ class GRPOConfig:
             return self.lora_sync
         return "adapter" if self.load_in_4bit else "merged"
 
-    @property
-    def use_bf16(self) -> Optional[bool]:
-        """True/False when bf16 or dtype decides; None when the device decides (dtype='auto')."""
-        if self.bf16 is not None:
-            return self.bf16
-        return None if self.dtype == "auto" else self.dtype == "bfloat16"
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
