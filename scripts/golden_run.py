@@ -1,6 +1,9 @@
 """One golden run: a fixed-seed `grpo-fast train` of the tests' tiny model for 3 steps, summarised.
 
-    python scripts/golden_run.py CASE OUT_DIR        # writes OUT_DIR/summary.json and prints its path
+    python scripts/golden_run.py CASE OUT_DIR [CASE OUT_DIR ...]   # each OUT_DIR/summary.json, its path printed
+
+Several cases run one after the other in one process (each seeds itself: the same summaries as a process each),
+which saves the tests a process start and vLLM's imports per case.
 
 CASE is one of CASES below (multi_turn and agents_partial train the tiny tool-calling model, tests/agents/tool_model.py). The summary holds the run's metrics.jsonl rows (times and memory left out)
 and, per weight tensor of final/, its float64 sum, sum of magnitudes and norm, plus one sha256 over all the weights'
@@ -115,6 +118,8 @@ def summarise(run_dir: str) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.*
-    if len(sys.argv) != 3 or sys.argv[1] not in CASES:
-        raise SystemExit(f"usage: python scripts/golden_run.py {{{','.join(CASES)}}} OUT_DIR")
-    print(run(sys.argv[1], sys.argv[2]))
+    pairs = sys.argv[1:]
+    if not pairs or len(pairs) % 2 or any(case not in CASES for case in pairs[::2]):
+        raise SystemExit(f"usage: python scripts/golden_run.py {{{','.join(CASES)}}} OUT_DIR [CASE OUT_DIR ...]")
+    for case, out in zip(pairs[::2], pairs[1::2], strict=True):
+        print(run(case, out), flush=True)
