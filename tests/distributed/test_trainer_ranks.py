@@ -4,10 +4,13 @@ process samples (per-prompt seeds from the position in the global batch) and mak
 up to float reduction order; rank 0 alone writes metrics, checkpoints and the final model; closing
 a rank's vLLM engine leaves the trainer's process group alive."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -24,13 +27,30 @@ SCRIPT = str(ROOT / "tests" / "distributed" / "train_ranks.py")
 def _launch(cmd, outs):
     """Run `cmd` (one launch of train_ranks.py, one job per folder of `outs`): per job, (what rank 0
     printed, the metrics lines, the final weights)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = _in_this_process(cmd[2:]) if cmd[:2] == [sys.executable, SCRIPT] else subprocess.run(
+        cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), cwd=ROOT, capture_output=True, text=True,
+        timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     seen = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert len(seen) == len(outs), done.stdout[-2000:]
     return [(s, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], _final(out))
             for s, out in zip(seen, outs, strict=True)]
+
+
+def _in_this_process(args) -> subprocess.CompletedProcess:
+    """`python train_ranks.py ARGS` as one plain process runs it, in this one (a test process is one plain process;
+    starting another costs ~5 s of imports, and ~7 s more of vLLM's): its exit status, stdout and stderr."""
+    from tests.distributed import train_ranks
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train_ranks.main(*args)
+            code = 0
+        except Exception:  # (as the interpreter would: the traceback on stderr, exit status 1)
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _final(out):
@@ -137,9 +157,8 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path, t
         _, _, steps4, weights4 = runs["fsdp2-resumed2"]
         _assert_resumed_like(steps4, weights4, steps1, weights1, initial)
         return
-    other = subprocess.run([sys.executable, SCRIPT, tiny_model_dir, str(tmp_path / "other"), "8", engine,
-                            f"resume_from_checkpoint={two / 'checkpoint-1'}"], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
+    other = _in_this_process([tiny_model_dir, str(tmp_path / "other"), "8", engine,
+                              f"resume_from_checkpoint={two / 'checkpoint-1'}"])
     assert other.returncode != 0 and "with 16 completions per step over all ranks" in other.stderr
     assert "per_device_train_batch_size x ranks x gradient_accumulation_steps = 8 x 1 x 1 = 8" in other.stderr
 

@@ -10,7 +10,7 @@ a fault for the elastic-restart test; judge_rank=hf, a judge_rank reward whose r
 tool_model=DIR, an agents run: the tiny tool-calling model of DIR, its tools and prompts, multi-turn trajectories);
 the global batch is per_device_train_batch_size x ranks. Each
 rank writes the completion ids it sampled, per reward call (train and eval), to OUT/sampled-rank<r>.json; rank 0
-prints one JSON line per job, in order."""
+prints one JSON line per job, in order. A one-process launch may also run as `main(...)` inside a test's process."""
 
 import json
 import os
@@ -84,8 +84,9 @@ def run(model_dir: str, output_dir: str, per_device: int, engine: str, *override
         seen["attempt"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = trainer.world.rank
     (Path(output_dir) / f"sampled-rank{rank}.json").write_text(json.dumps(sampled))
-    if engine == "vllm" and trainer.world.size > 1:  # closing an engine leaves the trainer's process group alive
+    if engine == "vllm":  # (its memory with it: test_trainer_ranks.py runs one-process launches in its own process)
         trainer.engine.close()
+    if engine == "vllm" and trainer.world.size > 1:  # closing an engine leaves the trainer's process group alive
         total = torch.tensor([1.0])
         torch.distributed.all_reduce(total)
         seen["all_reduce_after_close"] = total.item()
