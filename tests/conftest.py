@@ -8,6 +8,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,22 +86,33 @@ def tiny_model_dir(tiny_path) -> str:
     return tiny_path
 
 
-@pytest.fixture(scope="session")
-def tool_model_dir(tmp_path_factory, worker_id) -> str:
-    """The tiny model made to call tools (tests/agents/tool_model.py), built once per test run: under pytest-xdist
-    the first worker to need it builds it in the run's shared temporary folder while the others wait on a lock
-    (two builds at once on two cores took ~30 s each instead of ~8 s)."""
+def built_once(tmp_path_factory, worker_id: str, name: str, build, last_file: str) -> Path:
+    """The folder `name` that `build(folder)` fills, built once per test run: under pytest-xdist the first worker to
+    need it builds it in the run's shared temporary folder while the others wait on a lock (a session fixture is
+    per worker: two builds at once on two cores cost each of them double). `last_file`, relative to the folder, is
+    written last by `build`: there, the build is complete."""
     from filelock import FileLock
 
+    if worker_id == "master":  # (no xdist: this process is the run)
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    path = tmp_path_factory.getbasetemp().parent / name  # (the run's folder, shared by its workers)
+    with FileLock(str(path) + ".lock"):
+        if not (path / last_file).exists():
+            shutil.rmtree(path, ignore_errors=True)  # (a build that failed part way)
+            path.mkdir()
+            build(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory, worker_id) -> str:
+    """The tiny model made to call tools (tests/agents/tool_model.py), built once per test run (two builds at
+    once on two cores took ~30 s each instead of ~8 s)."""
     from tests.agents.tool_model import build_tool_model
 
-    if worker_id == "master":  # (no xdist: this process is the run)
-        return build_tool_model(tmp_path_factory.mktemp("tiny_tool_model"))
-    path = tmp_path_factory.getbasetemp().parent / "tiny_tool_model"  # (the run's folder, shared by its workers)
-    with FileLock(str(path) + ".lock"):
-        if not (path / "tokenizer_config.json").exists():  # (written last: a complete model)
-            build_tool_model(path)
-    return str(path)
+    return str(built_once(tmp_path_factory, worker_id, "tiny_tool_model", build_tool_model, "tokenizer_config.json"))
 
 
 @pytest.fixture

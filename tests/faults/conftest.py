@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.conftest import built_once
 from tests.trainer.conftest import one_thread  # noqa: F401 - the same autouse fixture here
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,9 +44,11 @@ def fault_args(tiny_path, prompts_file, out, *extra):
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, tiny_path, prompts_file):
-    """`fault_args` run uninterrupted, in one process: what every interrupted-then-resumed run must equal."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    code, _, err = run(fault_args(tiny_path, prompts_file, out))
-    assert code == 0, err
-    return str(out)
+def reference(tmp_path_factory, worker_id, tiny_path, prompts_file):
+    """`fault_args` run uninterrupted, in one process: what every interrupted-then-resumed run must equal. Once per
+    test run (the workers' tiny models and prompt files are the same bytes: seeded)."""
+    def train(folder):
+        code, _, err = run(fault_args(tiny_path, prompts_file, folder / "run"))
+        assert code == 0, err
+
+    return str(built_once(tmp_path_factory, worker_id, "reference", train, "run/summary.json") / "run")
