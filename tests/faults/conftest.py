@@ -1,5 +1,7 @@
 """Fixtures of the fault tests: a prompt file, `grpo-fast` in a subprocess, one thread per test."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -34,6 +36,17 @@ def run(argv, fault=None, timeout=300):
     return proc.returncode, out, err
 
 
+def run_here(argv):
+    """`run(argv)` without a fault, in this process (one torch thread, as the driver's; a test process is one plain
+    process, and starting another costs ~5 s of imports): (return code, stdout, stderr)."""
+    from tests.faults import driver
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = driver.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
 def fault_args(tiny_path, prompts_file, out, *extra):
     """The fault tests' run: 4 steps of the tiny model on the HF engine, a checkpoint every step."""
     return ["train", "--disable_tqdm", "--model", tiny_path, "--engine", "hf", "--dataset", prompts_file,
@@ -48,7 +61,7 @@ def reference(tmp_path_factory, worker_id, tiny_path, prompts_file):
     """`fault_args` run uninterrupted, in one process: what every interrupted-then-resumed run must equal. Once per
     test run (the workers' tiny models and prompt files are the same bytes: seeded)."""
     def train(folder):
-        code, _, err = run(fault_args(tiny_path, prompts_file, folder / "run"))
+        code, _, err = run_here(fault_args(tiny_path, prompts_file, folder / "run"))
         assert code == 0, err
 
     return str(built_once(tmp_path_factory, worker_id, "reference", train, "run/summary.json") / "run")

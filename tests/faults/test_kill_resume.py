@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tests.faults.conftest import fault_args, run, start
+from tests.faults.conftest import fault_args, run, run_here, start
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,7 @@ def test_a_lora_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_one
     hold the adapter, not the model), and the last resume writes the final/ and merged/ the run had left to write."""
     args = lambda out, *extra: fault_args(tiny_path, prompts_file, out, *LORA, *extra)  # noqa: E731
     reference = tmp_path / "reference"
-    code, _, err = run(args(reference))
+    code, _, err = run_here(args(reference))
     assert code == 0, err
     out = tmp_path / "run"
     code, _, _ = run(args(out), fault="after_step:2")
