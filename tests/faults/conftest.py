@@ -3,9 +3,11 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -38,12 +40,17 @@ def run(argv, fault=None, timeout=300):
 
 def run_here(argv):
     """`run(argv)` without a fault, in this process (one torch thread, as the driver's; a test process is one plain
-    process, and starting another costs ~5 s of imports): (return code, stdout, stderr)."""
+    process, and starting another costs ~5 s of imports): (return code, stdout, stderr). What the command logs goes
+    to its stderr only where this process had set up no logging before."""
     from tests.faults import driver
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = driver.main(list(argv))
+    handlers = logging.root.handlers[:]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        try:
+            code = driver.main(list(argv))
+        finally:  # (the command's logging.basicConfig handler writes to `err`: not to be left to later tests)
+            logging.root.handlers[:] = handlers
     return code, out.getvalue(), err.getvalue()
 
 
