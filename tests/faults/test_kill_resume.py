@@ -74,7 +74,7 @@ def test_sigterm_while_training_saves_a_checkpoint_and_resume_equals_uninterrupt
     assert proc.returncode == 128 + sig, err
     last = err.strip().splitlines()[-1]
     assert "checkpoint saved" in last and "--resume" in last, last
-    code, _, err = run(fault_args(tiny_path, prompts_file, out, "--resume"))
+    code, _, err = run_here(fault_args(tiny_path, prompts_file, out, "--resume"))
     assert code == 0, err
     _assert_same_run(str(out), reference)
 
@@ -135,7 +135,7 @@ def test_a_lora_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_one
     code, _, _ = run(args(out, "--resume"), fault="in_final:1")
     assert code == -signal.SIGKILL
     assert (out / "checkpoint-4").is_dir() and not (out / "final").exists(), "the kill did not hit the final/ write"
-    code, printed, err = run(args(out, "--resume"))  # it said "nothing to train" and never wrote final/
+    code, printed, err = run_here(args(out, "--resume"))  # it said "nothing to train" and never wrote final/
     assert code == 0, err
     assert "nothing to train" not in printed
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
