@@ -30,10 +30,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # and the short files fill in behind them, and the workers end together. (xdist's own order, most tests first, left
 # these few-test files for last, where one could hold a worker long after the other had run out of files.)
 LONGEST_FIRST = (
-    "tests/distributed/test_trainer_ranks.py",  # 102 (the tool model's build, 13, with it: its first user)
-    "tests/faults/test_kill_resume.py",  # 70
-    "tests/golden/test_golden_run.py",  # 37
+    "tests/distributed/test_trainer_ranks.py",  # 97 (the tool model's build, 13, with it: its first user)
+    "tests/faults/test_kill_resume.py",  # 56 (the uninterrupted reference's run with it: its first user)
     "tests/faults/test_launcher.py",  # 36
+    "tests/golden/test_golden_run.py",  # 27
     "tests/rollout/test_vllm_lora.py",  # 31
     "tests/agents/test_multi_turn.py",  # 24
     "tests/sandbox/test_code_tests.py",  # 22
