@@ -1,4 +1,5 @@
-"""Fixtures of the fault tests: a prompt file, `grpo-fast` in a subprocess, one thread per test."""
+"""Fixtures of the fault tests: a prompt file, `grpo-fast` in a subprocess (or, with no fault to inject, in the
+test's own process), one thread per test."""
 
 import contextlib
 import io
