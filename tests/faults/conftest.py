@@ -41,16 +41,17 @@ def run(argv, fault=None, timeout=300):
 
 def run_here(argv):
     """`run(argv)` without a fault, in this process (one torch thread, as the driver's; a test process is one plain
-    process, and starting another costs ~5 s of imports): (return code, stdout, stderr). What the command logs goes
-    to its stderr only where this process had set up no logging before."""
+    process, and starting another costs ~5 s of imports): (return code, stdout, stderr), what it logs and warns
+    included."""
     from tests.faults import driver
 
     out, err = io.StringIO(), io.StringIO()
     handlers = logging.root.handlers[:]
+    logging.root.handlers[:] = []  # (so that the command's logging.basicConfig writes to `err`, as in its own process)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
         try:
             code = driver.main(list(argv))
-        finally:  # (the command's logging.basicConfig handler writes to `err`: not to be left to later tests)
+        finally:  # (this process's logging as it was, for the tests after this one)
             logging.root.handlers[:] = handlers
     return code, out.getvalue(), err.getvalue()
 

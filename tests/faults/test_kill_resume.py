@@ -52,7 +52,7 @@ def test_kill9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, tiny_
     *previous, newest = sorted((p for p in out.iterdir() if p.name.startswith("checkpoint-")), key=lambda p: int(p.name[11:]))
     shard = newest / "distributed" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size // 2)
-    code, _, err = run(args("--resume"))
+    code, _, err = run_here(args("--resume"))
     assert code == 0, err
     assert "torn last line" in err
     fallback = [line for line in err.splitlines() if f"{newest.name} is damaged" in line]
