@@ -33,8 +33,8 @@ LONGEST_FIRST = (
     "tests/distributed/test_trainer_ranks.py",  # 97 (the tool model's build, 13, with it: its first user)
     "tests/faults/test_kill_resume.py",  # 56 (the uninterrupted reference's run with it: its first user)
     "tests/faults/test_launcher.py",  # 36
-    "tests/golden/test_golden_run.py",  # 27
     "tests/rollout/test_vllm_lora.py",  # 31
+    "tests/golden/test_golden_run.py",  # 27
     "tests/agents/test_multi_turn.py",  # 24
     "tests/sandbox/test_code_tests.py",  # 22
     "tests/trainer/test_partial_rollouts.py",  # 22

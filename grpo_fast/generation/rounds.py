@@ -207,8 +207,8 @@ def partial_round(engine, members, in_flight: list[Group], draw_prompts: Callabl
                   options: RoundOptions, *, version: int) -> tuple[Rollouts, list[Group], dict, list[Group]]:
     """A round of partial rollouts from the groups in flight: the too-stale ones dropped, the rest made ready
     (`members.prepare`), new groups from draw_prompts(n) (n prompt indices of the data order, a seed each).
-    (the trained groups as Rollouts, the groups left in flight,
-    the round's rollout/ metrics, the trained groups in the Rollouts' order.)"""
+    (the trained groups as Rollouts, the groups left in flight, the round's rollout/ metrics, the trained groups
+    in the Rollouts' order.)"""
     pool, dropped = drop_stale(in_flight, version, options.max_staleness)
     ready = members.prepare(pool)
 

@@ -75,10 +75,10 @@ class GenerateOptions:
     @classmethod
     def from_config(cls, config) -> "GenerateOptions":
         record = rollout_mode(config.rollout_mode).options
-        # a mode's option the inputs resolve (multi_answer's thought_end None: the built-in task's own)
-        resolved = {"thought_end": thought_end(InputOptions.from_config(config))}
-        mode = record.from_config(config, **{f.name: resolved[f.name] for f in dataclasses.fields(record)
-                                             if f.name in resolved})
+        # multi_answer's thought_end as the inputs resolve it (None: the built-in task's own)
+        resolved = ({"thought_end": thought_end(InputOptions.from_config(config))}
+                    if "thought_end" in {f.name for f in dataclasses.fields(record)} else {})
+        mode = record.from_config(config, **resolved)
         return read_config(cls, config, group_size=config.group_size, prompts_per_generation=config.prompts_per_generation,
                            mode=mode, rounds=RoundOptions.from_config(config, prompts_per_generation=config.prompts_per_generation))
 
@@ -154,8 +154,8 @@ def _closed_on_error(scorer: Optional[GroupScorer]):
 def sampled(engine, tokenizer, data: TrainData, prompt_index: list[int], first: int, state, options: GenerateOptions,
             sampling: SamplingOptions, engine_weights) -> tuple[Rollouts, Optional[Callable[[], Scores]]]:
     """The prompts `prompt_index` sampled as the rollout mode samples them (`first`: the batch position of the
-    first), and, where both the engine (vLLM) and the mode stream groups,
-    a call that waits for their scores (each group scored as it finished, while the rest decoded); else None."""
+    first), and, where both the engine (vLLM) and the mode stream groups, a call that waits for their scores
+    (each group scored as it finished, while the rest decoded); else None."""
     mode = rollout_mode(options.rollout_mode)
     prompts, rows = [data.prompt_ids[i] for i in prompt_index], [data.rows[i] for i in prompt_index]
     scorer = None
