@@ -163,6 +163,7 @@ class GRPOConfig:
     entropy_coef_max: float
     entropy_coef_delta: float
     entropy_target: float
+    router_aux_loss_coef: Optional[float]
     scale_rewards: str
     advantage_std: str
     multi_objective_aggregation: str

@@ -613,3 +613,64 @@ def partial_credit_rewards(rewards, correct, step_scores, num_generations: int, 
                          f"[{float(s.min())}, {float(s.max())}]")
     none_correct = ~ok.any(1, keepdim=True)
     return torch.where(none_correct, torch.sigmoid(beta * (s - gamma)), r).reshape(-1).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# The MoE router's load-balancing loss (Switch Transformer; TRL's aux_loss)
+# ----------------------------------------------------------------------------------------------
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        token_mask: Optional[torch.Tensor] = None, *, return_assignments: bool = False):
+    """The Switch Transformer's load-balancing loss of one forward (a float32 scalar), as transformers' MoE
+    causal LMs define it (`load_balancing_loss_func` of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, ...,
+    5.19): every layer's routed tokens pooled into one set, p = softmax over the experts of a token's router
+    logits (in float32),
+
+        f_e = sum_{l,t} m_t [e in top_k(p_lt)] / (n L)    (the share of tokens sent to e; sums to top_k over e)
+        P_e = sum_{l,t} m_t p_lte / (n L)                 (the mean probability of e)
+        loss = E sum_e f_e P_e                            (top_k when the routing is uniform)
+
+    router_logits: one [N, E] tensor per MoE layer (E = num_experts), row t the router logits of the
+    forward's t-th token (its rows flattened: a packed row's L tokens, or a padded [B, L] batch's B L);
+    token_mask: 1-D [N], which rows are real tokens (None: all), m above; n = sum_t m_t, L the layers.
+    The gradient flows through P only. transformers' function takes a 2-D padding mask, and the causal
+    LM's forward hands it the forward's own attention mask (which a packed row's 4-D block mask breaks):
+    a 1-D mask over the forward's rows gives a packed row and a padded batch one definition, equal to the
+    model's own value on the same real tokens. Layer by layer, as transformers does: O(N E) beside the logits.
+
+    return_assignments: also return `[layers, E]` float32 (no grad), per layer how many of the real
+    tokens' top-k choices went to each expert (`max_expert_load` reads them)."""
+    if not router_logits:
+        raise ValueError("router_logits: expected one [tokens, experts] tensor per MoE layer, got none")
+    shapes = {tuple(x.shape) for x in router_logits}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[1] != num_experts:
+        raise ValueError(f"router_logits: expected every layer's as [tokens, {num_experts}], got shapes {sorted(shapes)}")
+    n = next(iter(shapes))[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if token_mask is not None and tuple(token_mask.shape) != (n,):
+        raise ValueError(f"token_mask: expected shape [{n}] (one flag per router row), got {list(token_mask.shape)}")
+    device = router_logits[0].device
+    mask = torch.ones(n, device=device) if token_mask is None else token_mask.to(device, torch.float32)
+    assignments = torch.zeros(len(router_logits), num_experts, device=device)
+    prob_sum = torch.zeros(num_experts, device=device)
+    for layer, logits in enumerate(router_logits):
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = probs.detach().topk(top_k, dim=-1).indices  # [N, top_k]
+        assignments[layer].scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * mask[:, None]).sum(0)
+    rows = mask.sum() * len(router_logits)
+    loss = num_experts * (assignments.sum(0) / rows * prob_sum / rows).sum()
+    return (loss, assignments) if return_assignments else loss
+
+
+def max_expert_load(assignments: torch.Tensor) -> float:
+    """The busiest expert's load against a balanced one, in the worst layer: max over layers of
+    max_e a_le / mean_e a_le, for `assignments [layers, E]` (`load_balancing_loss`'s, summed over a step's
+    forwards). 1 = balanced; E / top_k = one expert takes every token of a layer. NaN without tokens."""
+    counts = torch.as_tensor(assignments, dtype=torch.float64)
+    per_layer = counts.sum(-1)
+    if not counts.numel() or not bool((per_layer > 0).all()):
+        return float("nan")
+    return float((counts.max(-1).values / (per_layer / counts.shape[-1])).max())

@@ -35,7 +35,8 @@ from .generation.engines import may_read
 from .generation.engines.base import SamplingOptions, asleep, check_engine
 from .generation.modes import rollout_mode
 from .loss_types import loss_type
-from .models import precision
+from .models import moe, precision
+from .models.adapter import causal_lm_of
 from .models.policy import (
     ContextBudget,
     Policy,
@@ -130,6 +131,7 @@ class GRPOTrainer:
                                c.eval_max_completion_length, c.vllm_max_model_length)
         model, tokenizer, model_path = prepare_policy(PolicyOptions.from_config(c), precisions, budget, c, model,
                                                       tokenizer, peft_config)
+        moe.router_loss(causal_lm_of(model), c.router_aux_loss_coef)  # an MoE router loss we compute, or none asked for
         precision.warn_emulated_bf16(precisions, model, may_read(c.engine, "vllm_dtype"))
         agent = None if parts is None else build_agent(  # (renders the tools too)
             parts[0], tokenizer, AgentOptions.from_config(c, refuse_after=c.completions_per_step * c.steps_per_generation),

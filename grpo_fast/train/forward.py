@@ -14,6 +14,7 @@ import torch
 
 from ..compat import attention_implementation
 from ..models.adapter import causal_lm_of, decoder_of, output_head, unshard_head
+from ..models.moe import router_logits_of
 from ..ops import masked_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
 from .packing import PackedMicroBatch, pack_sequences, plan_micro_batches
@@ -38,19 +39,30 @@ def policy_parts(model):
     return decoder_of(lm), weight, bias
 
 
-def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtype] = None, forward=None) -> torch.Tensor:
+def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtype] = None, forward=None, *,
+                      router_logits: bool = False):
     """(b, Tc, H): for each sequence, the hidden states predicting its completion tokens.
 
     amp_dtype: run the decoder under `torch.autocast` in this dtype (mixed precision: matmuls in
     bf16, weights and the residual stream as they are); the hidden states come back in the
     weights' dtype, so the fused op after it computes as without autocast. forward: what to call
     instead of `base` itself (the DDP-wrapped policy, whose forward is the decoder's).
+    router_logits: an MoE decoder's router logits of the same forward too, `(hidden, router logits)`:
+    one [L, E] tensor per MoE layer, a row per token of the packed row (all real: no padding there).
     """
     param = next(base.parameters())
     attention = packed_attention(base) if mb.attention == "packed" else contextlib.nullcontext()
+    inputs = mb.model_inputs()
+    if mb.attention == "mask" and attention_implementation(base.config) == "eager":
+        # eager attention adds the mask to the scores: a bool mask would add 1 and 0 (a packed tiny GPT-OSS's hidden
+        # states were off by up to 0.97, a Llama's by 4.5), so it gets the additive form transformers builds
+        inputs["attention_mask"] = torch.zeros(mb.attention_mask.shape, dtype=param.dtype, device=param.device
+                                               ).masked_fill(~mb.attention_mask, torch.finfo(param.dtype).min)
+    extra = {"output_router_logits": True} if router_logits else {}
     with attention, torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-        hidden = (forward or base)(**mb.model_inputs()).last_hidden_state  # (1, L, H)
-    return hidden[0][mb.hidden_index].to(param.dtype)
+        out = (forward or base)(**inputs, **extra)
+    hidden = out.last_hidden_state[0][mb.hidden_index].to(param.dtype)  # (1, L, H) -> (b, Tc, H)
+    return (hidden, router_logits_of(out)) if router_logits else hidden
 
 
 def attention_mode(model) -> str:

@@ -13,6 +13,13 @@ The entropy bonus (TRL's): each micro-batch subtracts `entropy_coef x` its maske
 divided by the number of micro-batches, whatever the loss type. cispo and vespo aggregate like
 dapo, sapo like grpo, luspo like grpo's sequence mean of token sums.
 
+The MoE router load-balancing loss (TRL's `aux_loss`; on by models/moe.py's rule): one Switch loss per
+micro-batch over the tokens of its packed row (each sample's prompt + completion but the last token, a
+target only, which never enters the decoder), times `router_aux_loss_coef` / the number of micro-batches.
+TRL adds one per forward chunk (its `per_device_train_batch_size` padded sequences) times the coefficient /
+the accumulation steps (whose forward routes each completion's last token too): the micro-batches here are
+the token-budget groups above, and the step's router loss is their mean, as TRL's is its chunks' mean.
+
 TRL's token masks: `top_entropy_quantile < 1` (train on a micro-batch's highest-entropy tokens) and
 `off_policy_mask_threshold` (drop negative-advantage sequences far from the sampler) need the
 current policy's log-probs and entropies before the loss: one extra no-grad lm_head pass per
@@ -39,6 +46,7 @@ from ..distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over
 from ..generation.batch import Rollouts
 from ..loss_types import loss_type
 from ..models.adapter import causal_lm_of, decoder_of
+from ..models.moe import RouterStats, router_loss
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
 from ..options import mirror, option, options_record
@@ -62,7 +70,7 @@ def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
                num_items_in_batch: Optional[float] = None, *, top_entropy_quantile: float = 1.0,
                off_policy_mask_threshold: Optional[float] = None, parallel: Optional[Parallel] = None,
-               importance_weights: Optional[Callable] = None) -> dict:
+               importance_weights: Optional[Callable] = None, router_aux_loss_coef: Optional[float] = None) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
     (loss, kl, entropy, the loss type's metrics, policy_loss, grad_norm, skipped, num_tokens) and
     `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
@@ -75,10 +83,13 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     importance_weights: on-policy IS correction (one update per generation batch): `f(trainer_logp [C],
     sampling_logp [C]) -> IS weights [C]` of a completion, applied to the log-probs of this step's own
     forward (a no-grad lm_head pass per micro-batch), which are the old policy's here: no separate
-    old-policy pass. Adds the `sampling/...` diagnostics of the engine-trainer gap to the metrics."""
+    old-policy pass. Adds the `sampling/...` diagnostics of the engine-trainer gap to the metrics.
+    router_aux_loss_coef: the MoE router loss's weight (TRL's; None: the model config's, models/moe.py);
+    when on, adds `aux_loss` (the micro-batches' mean Switch loss, all ranks) and `moe/max_expert_load`."""
     world = ONE_PROCESS if parallel is None else parallel.world
     wrapped = None if parallel is None else parallel.forward  # DDP module or FSDP2 root: its forward is the decoder's
     base = decoder_of(causal_lm_of(model))  # (the lm_head weight is read after each forward: FSDP2 unshards it there)
+    router = router_loss(causal_lm_of(model), router_aux_loss_coef)  # None: a dense model, or the MoE's loss off
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
@@ -87,13 +98,17 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
     sampling_gap = _SamplingGap()  # with importance_weights: the engine-trainer log-prob gap and IS ratios
+    router_stats = RouterStats()  # with router: the micro-batches' Switch losses and the experts' loads
     for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
         _zero_backward(model, wrapped, base, packer)  # the collectives of the passes this rank lacks
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         no_sync = parallel is not None and parallel.strategy == "ddp" and not last
         with wrapped.no_sync() if no_sync else contextlib.nullcontext():  # one all-reduce a step
-            hidden = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped)
+            if router is None:
+                hidden = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped)
+            else:
+                hidden, router_logits = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped, router_logits=True)
             _, weight, bias = policy_parts(model)  # after the forward: FSDP2 has unsharded the root by now
             mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
             if batch.loss_mask is not None:
@@ -132,6 +147,11 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
                 bonus_entropy[0] += float((entropy * entropy_mask).sum())
                 bonus_entropy[1] += float(entropy_mask.sum())
             loss = loss * scale
+            if router is not None:  # TRL's: coef x the forward's router loss / the accumulation steps
+                aux, assignments = objective.load_balancing_loss(router_logits, router.num_experts, router.top_k,
+                                                                 return_assignments=True)
+                loss = loss + router.coef * aux / len(micro_batches)
+                router_stats.add(aux, assignments)
             if not torch.isfinite(loss):
                 skipped = True
                 if wrapped is None:
@@ -159,6 +179,8 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
     out["policy_loss"] = policy_sum if not skipped else float("nan")
     out.update(sampling_gap.metrics(world))
+    if router is not None:
+        out.update(router_stats.metrics(world))
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
                num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
     return out
@@ -248,6 +270,7 @@ class StepOptions:
     steps_per_generation: int = mirror(1)
     num_iterations: int = option(1, "Updates per generation batch (μ). > 1 computes old log-probs once per generation batch.", bounds=INTEGER_AT_LEAST_1)
     max_steps: int = mirror(20)
+    router_aux_loss_coef: Optional[float] = option(None, "MoE models: weight of the router load-balancing loss (Switch Transformer, TRL's aux_loss, logged with moe/max_expert_load) added to the loss. None: the model config's router_aux_loss_coef (0 where it declares none: off); 0: off. Refused for a model that is not mixture-of-experts. Costs the router's softmax over the experts per layer and token.", bounds=FINITE_AT_LEAST_0)
     max_grad_norm: float = option(1.0, "Clip the global gradient norm to this (0: no clipping, the norm is still logged).", bounds=Bounds(low=0))
     top_entropy_quantile: float = option(1.0, "Train only on the highest-entropy tokens of each micro-batch: this share of them (TRL; 1.0: all). Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=FRACTION_OPEN_LOW)
     off_policy_mask_threshold: Optional[float] = option(None, "Off-policy sequence mask (DeepSeek-V3.2, TRL): drop a negative-advantage completion from the loss when its mean log-prob gap (sampler minus current policy) exceeds this. None: off. Costs a no-grad log-prob pass of the lm_head per micro-batch.", bounds=Bounds(low=0))
@@ -293,7 +316,8 @@ def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, sch
     metrics = train_step(policy.model, optimizer, policy.packer, part, dataclasses.replace(options, entropy_coef=applied),
                          steps.max_grad_norm, num_items_in_batch=max(num_items, 1.0),
                          top_entropy_quantile=steps.top_entropy_quantile, off_policy_mask_threshold=steps.off_policy_mask_threshold,
-                         parallel=policy.parallel, importance_weights=importance_weights)
+                         parallel=policy.parallel, importance_weights=importance_weights,
+                         router_aux_loss_coef=steps.router_aux_loss_coef)
     bonus_entropy = metrics.pop("bonus_entropy")
     if steps.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
         state.entropy_coef = objective.adaptive_entropy_coef(
