@@ -40,6 +40,7 @@ from .loss_types import loss_type
 from .models.lora import LoraOptions
 from .models.policy import PolicyOptions
 from .models.precision import Precision
+from .models.routing import RoutingOptions
 from .objective import LossOptions, option_warnings
 from .options import from_records
 from .reporting.options import ReportOptions
@@ -56,7 +57,8 @@ from .train.step import StepOptions
 DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions, LoopOptions,
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
                      Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
-                     LoraOptions, ReportOptions, StepOptions, ISOptions, EvalOptions, AgentOptions, SamplingOptions)
+                     LoraOptions, ReportOptions, StepOptions, ISOptions, EvalOptions, AgentOptions, SamplingOptions,
+                     RoutingOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -133,6 +135,8 @@ class GRPOConfig:
     vllm_enable_sleep_mode: bool
     vllm_max_model_length: Optional[int]
     vllm_dtype: str
+    routing_replay: bool
+    record_routing: bool
 
     # ---- batch -------------------------------------------------------------------------------
     per_device_train_batch_size: int = _f(64, "Completions per gradient-accumulation step (TRL). A step trains on this x gradient_accumulation_steps completions; micro-batches are cut by token budget.", bounds=INTEGER_AT_LEAST_1)

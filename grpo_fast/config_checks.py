@@ -58,6 +58,14 @@ def _named(names: list[str]) -> str:
     return " or ".join(repr(n) for n in names)
 
 
+def _records_routing(c) -> bool:
+    return c.routing_replay or c.record_routing
+
+
+def _routing(c) -> str:
+    return "routing_replay=True" if c.routing_replay else "record_routing=True"
+
+
 COMBINATIONS = (
     # rollout modes that shape their own groups (a mode's own rows: its `checks()`, checked first)
     _parallel_only("dynamic_sampling", False),
@@ -85,6 +93,15 @@ COMBINATIONS = (
                 lambda c: _named(modes_where(lambda m: m.supports_partial_rollouts)), lambda c: c.max_staleness > 0,
                 _partial),
     Combination("dynamic_sampling", _equals(False), "False", lambda c: c.max_staleness > 0, _partial),
+    # routing replay (models/routing.py): the engine records each generated token's experts, the batch keeps them
+    Combination("engine", lambda v: v in allowed_where(lambda k: k.records_routing),
+                lambda c: _named(allowed_where(lambda k: k.records_routing)), _records_routing,
+                lambda c: f"with {_routing(c)}: the engine records the experts each generated token is routed to"),
+    Combination("rollout_mode", _modes_with(lambda m: m.carries_routing),
+                lambda c: _named(modes_where(lambda m: m.carries_routing)), _records_routing,
+                lambda c: f"with {_routing(c)}: only its batches keep the engine's routing records"),
+    Combination("max_staleness", _equals(0), "0", _records_routing,
+                lambda c: f"with {_routing(c)}: partial rollouts do not carry the engine's routing across rounds yet"),
     # loss types that fold the vLLM importance ratio into their own weight (vespo) need a token-level mode
     Combination("vllm_importance_sampling_mode", lambda v: v in (None, "token_truncate", "token_mask"),
                 lambda c: (f"'token_truncate' or 'token_mask' with loss_type={c.loss_type!r} (it folds the per-token "

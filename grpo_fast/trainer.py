@@ -35,7 +35,7 @@ from .generation.engines import may_read
 from .generation.engines.base import SamplingOptions, asleep, check_engine
 from .generation.modes import rollout_mode
 from .loss_types import loss_type
-from .models import moe, precision
+from .models import moe, precision, routing
 from .models.adapter import causal_lm_of
 from .models.policy import (
     ContextBudget,
@@ -132,6 +132,9 @@ class GRPOTrainer:
         model, tokenizer, model_path = prepare_policy(PolicyOptions.from_config(c), precisions, budget, c, model,
                                                       tokenizer, peft_config)
         moe.router_loss(causal_lm_of(model), c.router_aux_loss_coef)  # an MoE router loss we compute, or none asked for
+        routes = routing.RoutingOptions.from_config(c)
+        if routes.records:  # routing replay: an MoE whose routing can be recorded and replayed
+            routing.check_replayable(causal_lm_of(model))
         precision.warn_emulated_bf16(precisions, model, may_read(c.engine, "vllm_dtype"))
         agent = None if parts is None else build_agent(  # (renders the tools too)
             parts[0], tokenizer, AgentOptions.from_config(c, refuse_after=c.completions_per_step * c.steps_per_generation),
@@ -147,8 +150,11 @@ class GRPOTrainer:
             engine_build.initial_sync(self.engine, model, c.lora_route)  # an engine passed in samples the adapted policy
         if c.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
             engine_build.check_partial_rollouts(self.engine, c.max_staleness)
+        if routes.records:
+            routing.check_engine(self.engine)
         cuda = next(model.parameters()).is_cuda
-        packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=precisions.amp_dtype(cuda))
+        packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=precisions.amp_dtype(cuda),
+                        routing_replay=routes.routing_replay)
         self.options = Options(LossOptions.from_config(c), AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
         self.generation = generate.GenerateOptions.from_config(c)  # the generate stage's (the mode's, the rounds')
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike

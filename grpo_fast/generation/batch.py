@@ -41,6 +41,9 @@ class Rollouts:
     # (what conversational reward functions receive); None: the completion is one assistant message
     messages: Optional[list[list[dict]]] = None
     environments: Optional[list] = None  # multi_turn with environment_factory: each completion's environment
+    # routing replay (models/routing.py): the experts the engine routed each completion token's step to,
+    # [C_i, num_hidden_layers, top_k] int16 each (row t: the position predicting token t); None: not recorded
+    routed_experts: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -112,8 +115,10 @@ class Entries:
 
 
 def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollouts:
-    """Flatten the engine's groups (one list of n Completion per prompt) into a Rollouts."""
+    """Flatten the engine's groups (one list of n Completion per prompt) into a Rollouts (with their routing
+    records when every completion carries one)."""
     flat = [(p, r, c) for p, r, group in zip(prompt_ids, rows, groups, strict=True) for c in group]
+    routed = [c.routed_experts for _, _, c in flat]
     return Rollouts(
         prompt_ids=[p for p, _, _ in flat],
         completion_ids=[list(c.token_ids) for _, _, c in flat],
@@ -121,4 +126,5 @@ def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollou
         finish_reason=[c.finish_reason for _, _, c in flat],
         completion_texts=[c.text for _, _, c in flat],
         rows=[r for _, r, _ in flat],
+        routed_experts=routed if flat and all(x is not None for x in routed) else None,
     )

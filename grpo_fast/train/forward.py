@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..compat import attention_implementation
+from ..models import routing
 from ..models.adapter import causal_lm_of, decoder_of, output_head, unshard_head
 from ..models.moe import router_logits_of
 from ..ops import masked_linear_logprobs
@@ -78,18 +79,21 @@ class Packer:
     """Cuts a list of samples into packed micro-batches of at most `max_tokens` tokens.
 
     Also carries how their decoder forward runs (`amp_dtype`, see `completion_hidden`), so the
-    training, old-policy and reference passes run it alike.
+    training, old-policy and reference passes run it alike; routing_replay: micro-batches given the engine's
+    routing records route their completion tokens by them (else only compare: models/routing.py).
     """
 
-    def __init__(self, model, max_tokens: int, amp_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model, max_tokens: int, amp_dtype: Optional[torch.dtype] = None, routing_replay: bool = False):
         self.model = model
         self.max_tokens = max_tokens
         self.attention: Optional[str] = None  # None: attention_mode(model) at each call
         self.device = next(model.parameters()).device
         self.amp_dtype = amp_dtype
+        self.routing_replay = routing_replay
 
-    def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None):
-        """Yield PackedMicroBatch over samples with a completion (and `include[i]` when given)."""
+    def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None, routed_experts=None):
+        """Yield PackedMicroBatch over samples with a completion (and `include[i]` when given); with the engine's
+        routing records (`Rollouts.routed_experts`), each carries its `routing.Replay`."""
         lengths = [
             0 if (include is not None and not include[i]) or not completion_ids[i]
             else len(prompt_ids[i]) + len(completion_ids[i]) - 1
@@ -97,20 +101,26 @@ class Packer:
         ]
         attention = self.attention or attention_mode(self.model)  # checkpointing may be switched on later
         for rows in plan_micro_batches(lengths, self.max_tokens):
-            yield pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=attention)
+            mb = pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=attention)
+            if routed_experts is not None:
+                mb.routing = routing.Replay.of(mb, routed_experts, replay=self.routing_replay)
+            yield mb
 
 
 @torch.no_grad()
-def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, temperature: float, backend: str) -> list[torch.Tensor]:
+def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, temperature: float, backend: str,
+                        routed_experts=None) -> list[torch.Tensor]:
     """Per-sample log-probs `[C_i]` (float32, CPU) of the completion tokens under `model`, no grad.
 
     Used for the old-policy and reference passes: hidden states, then the fused linear op, so no
     logits tensor exists here either. Samples with an empty completion get an empty tensor.
+    routed_experts: the engine's routing records (routing replay: `Packer.routing_replay`).
     """
     base, weight, bias = policy_parts(model)
     out = [torch.zeros(0) for _ in prompt_ids]
-    for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids)):
-        hidden = completion_hidden(base, mb, packer.amp_dtype)
+    for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids, routed_experts=routed_experts)):
+        with routing.replaying(base, mb.routing):
+            hidden = completion_hidden(base, mb, packer.amp_dtype)
         logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.completion_mask, bias=bias,
                                       temperature=temperature, backend=backend)
         for i, values in zip(mb.rows, mb.unpad(logp), strict=True):

@@ -104,15 +104,17 @@ class SideInputs:
 def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: float, backend: str, check: bool) -> SideInputs:
     """Old-policy log-probs (where needed, or `check`: the sampling diagnostics' pass), IS weights
     (unless the step computes them), reference log-probs (beta > 0). No grad, no logits.
-    trained: the policy (`models.policy.Policy`: model, packer, parallel, reference)."""
-    compute = lambda m: completion_logprobs(m, trained.packer, batch.prompt_ids, batch.completion_ids,  # noqa: E731
-                                           temperature=temperature, backend=backend)
+    trained: the policy (`models.policy.Policy`: model, packer, parallel, reference). The policy's pass replays the
+    engine's routing where the batch carries it (routing replay); the reference routes by its own router."""
+    compute = lambda m, routed=None: completion_logprobs(m, trained.packer, batch.prompt_ids,  # noqa: E731
+                                                         batch.completion_ids, temperature=temperature,
+                                                         backend=backend, routed_experts=routed)
     reference = trained.reference
     metrics = {}
     old_logp = is_weights = ref_logp = None
     if policy.needs_old_logp or check:
         with trained.parallel.gathered():  # FSDP2: one all-gather for the pass; ranks run their own micro-batches
-            trainer_logp = compute(trained.model)
+            trainer_logp = compute(trained.model, batch.routed_experts)
         metrics.update(sampling_stats(trainer_logp, batch.sampling_logp))
         # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
         old_logp = trainer_logp if policy.needs_old_logp else None

@@ -59,7 +59,8 @@ class PackedMicroBatch:
     attention_mask: (1, 1, L, L) bool with attention="mask", else None;
     hidden_index: (b, Tc) long, the packed position whose hidden state predicts completion token t
     (0 where t is past the completion); target_ids: (b, Tc) long; completion_mask: (b, Tc) bool.
-    rows: which samples of the caller's list the b sequences are.
+    rows: which samples of the caller's list the b sequences are. routing: the engine's routing of the completion
+    tokens (`models.routing.Replay`: routing replay), set by the Packer; None: the model routes them itself.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +72,7 @@ class PackedMicroBatch:
     target_ids: torch.Tensor
     completion_mask: torch.Tensor
     rows: list[int]
+    routing: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:

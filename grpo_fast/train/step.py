@@ -45,6 +45,7 @@ from ..bounds import FINITE_AT_LEAST_0, FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, I
 from ..distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over_ranks
 from ..generation.batch import Rollouts
 from ..loss_types import loss_type
+from ..models import routing as routing_replay
 from ..models.adapter import causal_lm_of, decoder_of
 from ..models.moe import RouterStats, router_loss
 from ..objective import LossOptions
@@ -93,7 +94,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
-    micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include))
+    micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include, batch.routed_experts))
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
@@ -104,7 +105,8 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         no_sync = parallel is not None and parallel.strategy == "ddp" and not last
-        with wrapped.no_sync() if no_sync else contextlib.nullcontext():  # one all-reduce a step
+        # one all-reduce a step; the engine's routing replayed (R3) through the backward too (checkpointing's recompute)
+        with wrapped.no_sync() if no_sync else contextlib.nullcontext(), routing_replay.replaying(base, mb.routing):
             if router is None:
                 hidden = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped)
             else:
@@ -179,6 +181,8 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
     out["policy_loss"] = policy_sum if not skipped else float("nan")
     out.update(sampling_gap.metrics(world))
+    if batch.routed_experts is not None:  # the engine's routing against this step's forwards (all ranks record)
+        out.update(routing_replay.metrics(sum_over_ranks(routing_replay.counts(mb.routing for mb in micro_batches), world)))
     if router is not None:
         out.update(router_stats.metrics(world))
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),

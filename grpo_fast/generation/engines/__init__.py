@@ -44,6 +44,7 @@ class EngineKind:
     loads_weights: bool  # from a folder, then kept in sync by copies (else: samples with the policy itself)
     runs_partial_rollouts: bool  # implements generate_until (max_staleness >= 1)
     sleeps: bool  # sleep() frees its memory between rollouts (vllm_enable_sleep_mode)
+    records_routing: bool = False  # built with record_routing=True, its completions carry their experts (routing replay)
     reads: tuple = ()  # the GRPOConfig options it reads
     available: Callable[[], bool] = lambda: True  # installed here ("auto" skips a kind that is not)
 
@@ -129,7 +130,7 @@ def _build_vllm(model=None, tokenizer=None, model_path=None, **options) -> Rollo
     return VLLMEngine(model_path, **options)
 
 
-HF_OPTIONS = ("max_model_len", "batch_size")  # HFEngine's keyword options
+HF_OPTIONS = ("max_model_len", "batch_size", "record_routing")  # HFEngine's keyword options
 
 
 def _build_hf(model=None, tokenizer=None, model_path=None, **options) -> RolloutEngine:
@@ -146,12 +147,13 @@ def _build_hf(model=None, tokenizer=None, model_path=None, **options) -> Rollout
 
 register(EngineKind(
     name="vllm", summary="in-process vLLM: loads the model from a folder, takes the new weights in place each step",
-    build=_build_vllm, loads_weights=True, runs_partial_rollouts=True, sleeps=True, available=vllm_available,
+    build=_build_vllm, loads_weights=True, runs_partial_rollouts=True, sleeps=True, records_routing=True,
+    available=vllm_available,
     reads=("vllm_dtype", "vllm_max_model_length", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "seed",
            "load_in_4bit")))
 register(EngineKind(
     name="hf", summary="transformers generate on the policy itself (shares its weights: nothing to sync)",
-    build=_build_hf, loads_weights=False, runs_partial_rollouts=False, sleeps=False,
+    build=_build_hf, loads_weights=False, runs_partial_rollouts=False, sleeps=False, records_routing=True,
     reads=("vllm_max_model_length",)))
 
 

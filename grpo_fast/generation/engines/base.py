@@ -34,12 +34,16 @@ class Completion:
     finish_reason: "stop" (EOS or a stop token) or "length" (max_new_tokens or max_model_len reached);
                None: still running when a partial-rollout round stopped (`generate_until`).
     text:      the decoded completion, special tokens skipped ("" from `generate_until`).
+    routed_experts: with routing recorded (an engine built with record_routing, an MoE policy), the experts of
+               each sampled token's step, [len(token_ids), num_hidden_layers, top_k] int16 (models/routing.py);
+               else None.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Optional[FinishReason]
     text: str
+    routed_experts: Optional["torch.Tensor"] = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,7 @@ class RolloutEngine:
     dtype: torch.dtype
     runs_partial_rollouts = False  # implements `_generate_until`
     streams_groups = False  # `_generate` calls on_group itself, as each group finishes (else: after the call)
+    records_routing = False  # its completions carry `routed_experts` (routing replay; built with record_routing)
 
     def shares_weights_with(self, model) -> bool:
         """Whether it samples with `model`'s own weights (then nothing is synced and no IS is needed)."""

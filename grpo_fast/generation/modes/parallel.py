@@ -15,6 +15,7 @@ class Parallel(RolloutMode):
     shapes_parallel_groups = True
     runs_on_many_ranks = True
     streams_groups = True
+    carries_routing = True  # its batch is the engine's completions as they came (from_engine)
 
     def sequence_text(self, c, longest=False) -> str:
         return "max_completion_length"
