@@ -22,6 +22,7 @@ import harness
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout, not installed
+from grpo_fast.objective import LogitMap  # noqa: E402  (light: no Triton, no kernels)
 
 VOCAB = 151936  # Qwen2.5
 
@@ -51,7 +52,7 @@ def make(n, hd, vocab, seed=0):
 
 def check_values(K, h, w, target, g, rows=512):
     """Max error of fused logp / entropy / grad_hidden on the first rows against fp32 math."""
-    logp, entropy, gh, gw, _ = K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e])
+    logp, entropy, gh, gw, _ = K.fused(h, w, None, target, LogitMap(), lambda s, e, lp: g[s:e])
     z = h[:rows].float() @ w.float().t()
     lsm = torch.log_softmax(z, -1)
     exp_logp = lsm.gather(-1, target[:rows, None]).squeeze(-1)
@@ -83,11 +84,11 @@ def measure(K, n, hd, vocab, peak):
     floor = matmul_floor(h, w)
     torch.cuda.empty_cache()
     floor_ms = sum(floor.values())
-    _, _, lse = K.forward(h, w, None, target, 1.0)
-    fwd = bench_ms(lambda: K.forward(h, w, None, target, 1.0))
-    bwd = bench_ms(lambda: K.backward(h, w, None, target, lse, g, 1.0))
+    _, _, lse = K.forward(h, w, None, target, LogitMap())
+    fwd = bench_ms(lambda: K.forward(h, w, None, target, LogitMap()))
+    bwd = bench_ms(lambda: K.backward(h, w, None, target, lse, g, LogitMap()))
     with harness.PeakMemory("cuda") as memory:
-        fused = bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]))
+        fused = bench_ms(lambda: K.fused(h, w, None, target, LogitMap(), lambda s, e, lp: g[s:e]))
     extra_gib = memory.extra_bytes / 2**30
     values = check_values(K, h, w, target, g)
     row = {
@@ -121,7 +122,7 @@ def sweep(K, n, hd, vocab):
     (storing its logit tiles) and in-place gradient kernels, the fused path in all, and the
     recomputing backward kernel on a 4096-row chunk; milliseconds, bf16."""
     h, w, target, g = make(n, hd, vocab)
-    _, _, lse = K.forward(h, w, None, target, 1.0)
+    _, _, lse = K.forward(h, w, None, target, LogitMap())
     slab = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
     default = K.GPU_CONFIGS[torch.bfloat16]
     rows = []
@@ -144,10 +145,10 @@ def _time_roles(K, cfg, h, w, target, g, lse, slab, chunk=4096):
     (n, hd), vocab = h.shape, w.shape[0]
     tile_max = torch.empty(n, -(-vocab // cfg.block_v), device="cuda", dtype=torch.float32)
     row = {
-        "forward_ms": bench_ms(lambda: K.forward(h, w, None, target, 1.0), rep_ms=200),
+        "forward_ms": bench_ms(lambda: K.forward(h, w, None, target, LogitMap()), rep_ms=200),
         "store_forward_ms": bench_ms(lambda: K._launch_fwd(h, w, None, target, 1.0, slab, tile_max), rep_ms=200),
-        "to_grad_ms": bench_ms(lambda: K._launch_logits_to_grad(slab, tile_max, target, lse, g, 1.0), rep_ms=200),
-        "fused_ms": bench_ms(lambda: K.fused(h, w, None, target, 1.0, lambda s, e, lp: g[s:e]), rep_ms=300),
+        "to_grad_ms": bench_ms(lambda: K._launch_logits_to_grad(slab, tile_max, target, lse, g, LogitMap()), rep_ms=200),
+        "fused_ms": bench_ms(lambda: K.fused(h, w, None, target, LogitMap(), lambda s, e, lp: g[s:e]), rep_ms=300),
         "bwd_kernel_ms": bench_ms(
             lambda: K._launch_bwd(h[:chunk], w, None, target[:chunk], lse[:chunk], g[:chunk], 1.0, slab[:chunk]),
             rep_ms=200),

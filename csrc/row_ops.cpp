@@ -125,6 +125,46 @@ GRPO_CLONES void grad_row_entropy(float* x, int64_t vocab, float inv_t, float ls
     }
 }
 
+// Soft-capped rows (Gemma 2's final_logit_softcapping; objective.LogitMap): z = post * tanh(pre * x),
+// tanh by exp_approx (1 - 2 / (exp(2y) + 1): absolute error ~1e-7, the same order as z's float rounding;
+// exp_approx saturates for y > 44, where tanh is 1 in float anyway), so these loops vectorise too.
+inline __attribute__((always_inline)) float softcapped(float x, float pre, float post) {
+    return post * (1.0f - 2.0f / (exp_approx(2.0f * pre * x) + 1.0f));
+}
+
+// One row: max, sum of exp(z - m) and of exp(z - m) (z - m) (tanh is increasing: max z is z of max x).
+GRPO_CLONES void stats_row_softcap(const float* x, int64_t vocab, float pre, float post, float* sum_out,
+                                   float* tsum_out, float* max_out) {
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < vocab; ++j) mx = x[j] > mx ? x[j] : mx;
+    const float m = softcapped(mx, pre, post);
+    float s = 0.f, t = 0.f;
+#pragma omp simd reduction(+ : s, t)
+    for (int64_t j = 0; j < vocab; ++j) {
+        const float d = softcapped(x[j], pre, post) - m;
+        const float e = exp_approx(d);
+        s += e;
+        t += e * d;
+    }
+    *sum_out = s;
+    *tsum_out = t;
+    *max_out = m;
+}
+
+// One row in place: x <- -p (g + g_h (log p + H)) dz/dx, dz/dx = pre (post - z) (post + z) / post
+// (= pre post (1 - tanh^2), factored: post - z^2 / post cancels near saturation);
+// g_h = 0 without the entropy's gradient (the target entry is fixed by the caller).
+GRPO_CLONES void grad_row_softcap(float* x, int64_t vocab, float pre, float post, float lse, float g, float g_h,
+                                  float h) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) {
+        const float z = softcapped(x[j], pre, post);
+        const float logp = z - lse;
+        x[j] = -exp_approx(logp) * (g + g_h * (logp + h)) * pre * (post - z) * (post + z) / post;
+    }
+}
+
 // Row r of the slab as float32: the row itself, or its widened copy in `buf` for bf16.
 inline const float* row_f32(const float* logits, int64_t r, int64_t vocab, float*) { return logits + r * vocab; }
 inline const float* row_f32(const bf16_t* logits, int64_t r, int64_t vocab, float* buf) {
@@ -132,8 +172,16 @@ inline const float* row_f32(const bf16_t* logits, int64_t r, int64_t vocab, floa
     return buf;
 }
 
+// The logit map (objective.LogitMap): z = post * tanh(pre * x) when softcap, else z = pre * x (pre = 1 / T
+// for a bare temperature; post unused).
+struct LogitMap {
+    float pre, post;
+    bool softcap;
+    float operator()(float x) const { return softcap ? softcapped(x, pre, post) : x * pre; }
+};
+
 template <typename T>
-void row_stats_impl(const T* logits, const int64_t* target, int64_t rows, int64_t vocab, float inv_t, float* logp,
+void row_stats_impl(const T* logits, const int64_t* target, int64_t rows, int64_t vocab, LogitMap map, float* logp,
                     float* entropy, float* lse_out) {
 #pragma omp parallel
     {
@@ -142,24 +190,45 @@ void row_stats_impl(const T* logits, const int64_t* target, int64_t rows, int64_
         for (int64_t r = 0; r < rows; ++r) {
             const float* x = row_f32(logits, r, vocab, buf.data());
             float s, t, m;
-            stats_row(x, vocab, inv_t, &s, &t, &m);
+            if (map.softcap)
+                stats_row_softcap(x, vocab, map.pre, map.post, &s, &t, &m);
+            else
+                stats_row(x, vocab, map.pre, &s, &t, &m);
             const float log_s = std::log(s);
             lse_out[r] = m + log_s;
-            logp[r] = x[target[r]] * inv_t - lse_out[r];
+            logp[r] = map(x[target[r]]) - lse_out[r];
             entropy[r] = log_s - t / s;  // = lse - E_p[z]
         }
     }
 }
 
+// A soft-capped row: the map's slope differs per logit, so the target entry, like the others, takes it from z.
+void grad_softcap(float* x, int64_t target, int64_t vocab, LogitMap map, float lse, float g, float g_h, float h) {
+    const float z_target = map(x[target]);
+    const float logp_target = z_target - lse;
+    const float p_target = exp_approx(logp_target);
+    grad_row_softcap(x, vocab, map.pre, map.post, lse, g, g_h, h);
+    // onehot - p at the target as 1 - p in fp32, before any rounding to bf16
+    x[target] = (g * (1.0f - p_target) - g_h * p_target * (logp_target + h)) * map.pre * (map.post - z_target) *
+                (map.post + z_target) / map.post;
+}
+
 template <typename T>
-void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab, float inv_t, const float* lse,
+void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab, LogitMap map, const float* lse,
                    const float* g, const float* g_entropy, const float* entropy) {
+    const float inv_t = map.pre;
 #pragma omp parallel
     {
         std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; ++r) {
             float* x = const_cast<float*>(row_f32(logits, r, vocab, buf.data()));
+            if (map.softcap) {
+                grad_softcap(x, target[r], vocab, map, lse[r], g[r], g_entropy ? g_entropy[r] : 0.0f,
+                             entropy ? entropy[r] : 0.0f);
+                if (!std::is_same<T, float>::value) narrow(x, reinterpret_cast<bf16_t*>(logits) + r * vocab, vocab);
+                continue;
+            }
             const float scale = g[r] * inv_t;
             // onehot - p at the target as 1 - p in fp32, before any rounding to bf16
             const float logp_target = x[target[r]] * inv_t - lse[r];
@@ -181,24 +250,31 @@ void check_dtype(int bits) {
     if (bits != 32 && bits != 16) throw std::invalid_argument("row ops take float32 (32) or bfloat16 (16) logits");
 }
 
+LogitMap logit_map(double pre, double post, bool softcap) {
+    if (!(pre > 0) || (softcap && !(post > 0))) throw std::invalid_argument("row ops: the logit map's pre and post must be > 0");
+    return LogitMap{static_cast<float>(pre), static_cast<float>(post), softcap};
+}
+
+// pre, post, softcap: the logit map z = post * tanh(pre * x) (softcap) or pre * x (objective.LogitMap)
 void row_stats(std::uintptr_t logits_p, int dtype_bits, std::uintptr_t target_p, int64_t rows, int64_t vocab,
-               double temperature, std::uintptr_t logp_p, std::uintptr_t entropy_p, std::uintptr_t lse_p) {
+               double pre, double post, bool softcap, std::uintptr_t logp_p, std::uintptr_t entropy_p,
+               std::uintptr_t lse_p) {
     check_dtype(dtype_bits);
     const auto* target = reinterpret_cast<const int64_t*>(target_p);
     auto* logp = reinterpret_cast<float*>(logp_p);
     auto* entropy = reinterpret_cast<float*>(entropy_p);
     auto* lse = reinterpret_cast<float*>(lse_p);
-    const float inv_t = static_cast<float>(1.0 / temperature);
+    const LogitMap map = logit_map(pre, post, softcap);
     pybind11::gil_scoped_release release;
     if (dtype_bits == 32)
-        row_stats_impl(reinterpret_cast<const float*>(logits_p), target, rows, vocab, inv_t, logp, entropy, lse);
+        row_stats_impl(reinterpret_cast<const float*>(logits_p), target, rows, vocab, map, logp, entropy, lse);
     else
-        row_stats_impl(reinterpret_cast<const bf16_t*>(logits_p), target, rows, vocab, inv_t, logp, entropy, lse);
+        row_stats_impl(reinterpret_cast<const bf16_t*>(logits_p), target, rows, vocab, map, logp, entropy, lse);
 }
 
 // g_entropy_p, entropy_p: the entropy's incoming gradient and the entropy per row, or both 0 (none)
 void row_grad_(std::uintptr_t logits_p, int dtype_bits, std::uintptr_t target_p, int64_t rows, int64_t vocab,
-               double temperature, std::uintptr_t lse_p, std::uintptr_t g_p, std::uintptr_t g_entropy_p,
+               double pre, double post, bool softcap, std::uintptr_t lse_p, std::uintptr_t g_p, std::uintptr_t g_entropy_p,
                std::uintptr_t entropy_p) {
     check_dtype(dtype_bits);
     if ((g_entropy_p == 0) != (entropy_p == 0))
@@ -208,12 +284,12 @@ void row_grad_(std::uintptr_t logits_p, int dtype_bits, std::uintptr_t target_p,
     const auto* g = reinterpret_cast<const float*>(g_p);
     const auto* g_entropy = reinterpret_cast<const float*>(g_entropy_p);
     const auto* entropy = reinterpret_cast<const float*>(entropy_p);
-    const float inv_t = static_cast<float>(1.0 / temperature);
+    const LogitMap map = logit_map(pre, post, softcap);
     pybind11::gil_scoped_release release;
     if (dtype_bits == 32)
-        row_grad_impl(reinterpret_cast<float*>(logits_p), target, rows, vocab, inv_t, lse, g, g_entropy, entropy);
+        row_grad_impl(reinterpret_cast<float*>(logits_p), target, rows, vocab, map, lse, g, g_entropy, entropy);
     else
-        row_grad_impl(reinterpret_cast<bf16_t*>(logits_p), target, rows, vocab, inv_t, lse, g, g_entropy, entropy);
+        row_grad_impl(reinterpret_cast<bf16_t*>(logits_p), target, rows, vocab, map, lse, g, g_entropy, entropy);
 }
 
 // exp_approx over a float32 buffer, so the tests can measure its error against exp in float64.
@@ -226,9 +302,11 @@ void exp_approx_(std::uintptr_t x_p, int64_t n) {
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "grpo_fast C++ CPU kernels (row passes over logit chunks)";
-    m.def("row_stats", &row_stats, "lse, target log-prob and entropy per row of logits / T (f32 or bf16 logits)");
+    m.def("row_stats", &row_stats,
+          "lse, target log-prob and entropy per row of z = map(logits), map: pre * x or post * tanh(pre * x) "
+          "(f32 or bf16 logits)");
     m.def("row_grad_", &row_grad_,
-          "in place: logits <- [g (onehot - p) - g_entropy p (log p + H)] / T, p = softmax(logits / T) (f32 or bf16 "
-          "logits; g_entropy, entropy pointers 0: no entropy term)");
+          "in place: logits <- [g (onehot - p) - g_entropy p (log p + H)] dz/dx, p = softmax(z), z = map(logits) "
+          "(f32 or bf16 logits; g_entropy, entropy pointers 0: no entropy term)");
     m.def("exp_approx_", &exp_approx_, "in place: x <- exp_approx(x), the vectorised exp of the row passes");
 }

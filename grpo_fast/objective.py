@@ -3,7 +3,8 @@
 Every kernel and backend in grpo_fast is tested against this file, so it stays short and obviously
 right. Semantics follow TRL's `GRPOTrainer` (see docs/design.md, "The objective"):
 
-    lp      log-prob of the sampled token under logits / temperature
+    lp      log-prob of the sampled token under logits / temperature (after the model's own scale and
+            soft-cap: `LogitMap`)
     ratio   w = exp(lp - old)                                   (token level)
             w = exp(sum_t M (lp - old) / sum_t M)               (sequence level, GSPO)
     loss    l = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)  (w first clamped to <= delta)
@@ -102,6 +103,10 @@ class LossOptions:
                                      bounds=FINITE_AT_LEAST_0)
     vespo_k_neg: float = option(3.0, "vespo: k where the advantage is < 0 (TRL).", bounds=FINITE_AT_LEAST_0)
     vespo_lambda_neg: float = option(2.0, "vespo: lambda where the advantage is < 0 (TRL).", bounds=FINITE_AT_LEAST_0)
+    logit_scale: float = _bounded(1.0, POSITIVE_FINITE)
+    logit_softcap: Optional[float] = _bounded(None, POSITIVE_FINITE)
+    """The model's own logit transform (`LogitMap`), not user options: set from the model's config where the
+    policy is built (`models.adapter.logit_transform`), so the loss's log-probs are the sampler's."""
     use_bias_correction_kl: bool = False
     """Multiply the KL term by the (differentiable) importance ratio, as TRL does by default; off
     here (the plain k3 estimator), on in `GRPOConfig` (TRL's default, declared there: the defaults differ)."""
@@ -132,6 +137,10 @@ class LossOptions:
         its gradient is known as soon as that log-prob is: token-level ratios, and not vespo, whose
         weight needs the whole sequence's ratio first."""
         return self.importance_sampling_level == "token" and loss_type(self.loss_type).token_local
+
+    @property
+    def logit_map(self) -> LogitMap:
+        return LogitMap(self.temperature, self.logit_scale, self.logit_softcap)
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -264,9 +273,52 @@ def weighted_rewards(rewards: torch.Tensor, weights: Optional[Sequence[float]]) 
 # ----------------------------------------------------------------------------------------------
 
 
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0):
-    """Log-prob of `target_ids` and entropy under `logits / temperature`, both float32 `[...]`."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+@dataclass(frozen=True)
+class LogitMap:
+    """The lm_head's output `r` -> the logits the sampler draws from, in this order (vLLM's: the model's
+    `compute_logits` scales and soft-caps, the sampler then divides by the temperature):
+
+        z = r * scale / T                              without soft-capping
+        z = softcap * tanh(r * scale / softcap) / T    with it (Gemma 2's final_logit_softcapping)
+
+    written `z = post * tanh(pre * r)` (or `pre * r`), the two coefficients every backend takes.
+    `scale` is the model's multiplier (Cohere's logit_scale; a divisor such as Granite's logits_scaling is
+    its inverse: models/adapter.py reads the config). The truncated-sampling kept set comes after the
+    temperature."""
+
+    temperature: float = 1.0
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    def __post_init__(self):
+        for name in ("temperature", "scale", "softcap"):
+            value = getattr(self, name)
+            if not (value is None and name == "softcap") and not POSITIVE_FINITE.holds(value):
+                raise ValueError(f"{name} must be a positive finite number{' or None' if name == 'softcap' else ''}, "
+                                 f"got {value!r}")
+
+    @property
+    def pre(self) -> float:
+        """The factor on `r` before tanh (or the whole linear map without soft-capping)."""
+        return self.scale / (self.temperature if self.softcap is None else self.softcap)
+
+    @property
+    def post(self) -> float:
+        """The factor after tanh (1 without soft-capping)."""
+        return 1.0 if self.softcap is None else self.softcap / self.temperature
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.softcap is not None:
+            return torch.tanh(logits * self.pre) * self.post
+        # (a bare temperature divides, as before the map existed: the same bits)
+        return logits / self.temperature if self.scale == 1.0 else logits * self.pre
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0, *,
+                   logit_scale: float = 1.0, logit_softcap: Optional[float] = None):
+    """Log-prob of `target_ids` and entropy under `LogitMap(temperature, logit_scale, logit_softcap)(logits)`
+    (`logits / temperature` by default), both float32 `[...]`."""
+    logp = torch.log_softmax(LogitMap(temperature, logit_scale, logit_softcap)(logits.float()), dim=-1)
     lp = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return lp, entropy
@@ -460,7 +512,8 @@ def grpo_loss_reference(
     check_loss_inputs(logits.shape[:-1], options, target_ids=target_ids, advantages=advantages, mask=mask,
                       old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
                       entropy_weights=entropy_weights)
-    logp, entropy = token_logprobs(logits, target_ids, options.temperature)
+    logp, entropy = token_logprobs(logits, target_ids, options.temperature, logit_scale=options.logit_scale,
+                                   logit_softcap=options.logit_softcap)
     entropy = entropy if options.entropy_coef != 0.0 else entropy.detach()
     return grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy, old_logp=old_logp,
                                    ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,

@@ -2,7 +2,8 @@
 
 The `triton` backend of `grpo_fast.ops` (protocol in `grpo_fast/ops/backends.py`). Shapes, all
 flattened: hidden `[N, H]`, weight `[V, H]` (contiguous), bias `[V]` or None, target `[N]` int64;
-logits are `z = (hidden @ weight.T + bias) / temperature`.
+logits are `z = (hidden @ weight.T + bias) / temperature`, or the model's logit map of the matmul
+(`grpo_fast.objective.LogitMap`: `pre * r`, or `post * tanh(pre * r)` with soft-capping, SOFTCAP).
 
 forward  One kernel. Each program owns BLOCK_N rows and a contiguous range of vocabulary tiles
          (a "split"); per tile it computes `z` with `tl.dot` over H blocks and folds it into an
@@ -163,10 +164,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _logits_tile(h_base, w_base, b_base, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """z [BLOCK_N, BLOCK_V] f32 = (hidden rows @ weight rows.T + bias) * inv_temp.
+def _logits_tile(h_base, w_base, b_base, row_ok, col_ok, H, stride_h, stride_w, pre, post,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """z [BLOCK_N, BLOCK_V] f32 = the logit map of r = hidden rows @ weight rows.T + bias: r * pre (pre = 1 / T
+    for a bare temperature), or post * tanh(pre * r) with SOFTCAP.
 
     h_base, w_base, b_base point at the block's first row / column (int64 math done by the caller,
     once, on scalars); offsets inside the block are int32, which halves the registers that the
@@ -194,19 +196,27 @@ def _logits_tile(h_base, w_base, b_base, row_ok, col_ok, H, stride_h, stride_w, 
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_base + tl.arange(0, BLOCK_V), mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return acc * inv_temp
+    if SOFTCAP:  # tanh(y) = 2 sigmoid(2y) - 1 (saturates to +-1, never nan)
+        return post * (2.0 * tl.sigmoid(2.0 * pre * acc) - 1.0)
+    return acc * pre
 
 
 @triton.jit
-def _dlogits(z, is_target, lse, g, g_h, h, inv_temp, HAS_ENTROPY_GRAD: tl.constexpr):
-    """d(sum_rows g * logp[target] [+ g_h * H]) / d(pre-temperature logits) = g (onehot - p) / T
-    [- g_h p (log p + H) / T: the entropy's gradient], p = softmax(z), in fp32 (1 - p is never
-    formed in bf16, where it cancels for confident tokens)."""
+def _dlogits(z, is_target, lse, g, g_h, h, pre, post, SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """d(sum_rows g * logp[target] [+ g_h * H]) / dr (r: the matmul's logits) = g (onehot - p) dz/dr
+    [- g_h p (log p + H) dz/dr: the entropy's gradient], p = softmax(z), in fp32 (1 - p is never
+    formed in bf16, where it cancels for confident tokens). dz/dr = pre (1 / T), or with SOFTCAP
+    pre * (post - z) (post + z) / post = pre * post * (1 - tanh^2), from z itself."""
     logp = z - lse[:, None]
     p = tl.exp(logp)
-    dz = (g * inv_temp)[:, None] * (is_target.to(tl.float32) - p)
+    if SOFTCAP:
+        dz = g[:, None] * (is_target.to(tl.float32) - p)
+        if HAS_ENTROPY_GRAD:
+            dz -= g_h[:, None] * p * (logp + h[:, None])
+        return dz * (pre * (post - z) * (post + z) / post)  # (factored: no cancellation of post - z^2 / post)
+    dz = (g * pre)[:, None] * (is_target.to(tl.float32) - p)
     if HAS_ENTROPY_GRAD:
-        dz -= (g_h * inv_temp)[:, None] * p * (logp + h[:, None])
+        dz -= (g_h * pre)[:, None] * p * (logp + h[:, None])
     return dz
 
 
@@ -217,9 +227,9 @@ def _linear_logprobs_fwd_kernel(
     logits_ptr,  # [N, V] out when STORE_LOGITS (fused path): z - running max, input dtype; else a dummy
     logits_desc,  # the same [N, V] as a TMA descriptor when TMA_STORE, else None
     tile_max_ptr,  # [N, n_tiles] f32 out when STORE_LOGITS: that running max per row and tile
-    N, V, H, inv_temp, n_splits, tiles_per_split,
+    N, V, H, pre, post, n_splits, tiles_per_split,
     stride_h, stride_w, stride_l, stride_m,
-    HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr, TMA_STORE: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, STORE_LOGITS: tl.constexpr, TMA_STORE: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -244,7 +254,8 @@ def _linear_logprobs_fwd_kernel(
         col0 = (tile_lo + i) * BLOCK_V
         col_ok = col0 + rv < V
         z = _logits_tile(h_base, weight_ptr + col0.to(tl.int64) * stride_w, bias_ptr + col0, row_ok, col_ok,
-                         H, stride_h, stride_w, inv_temp, HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+                         H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, EVEN_K, IEEE, UPCAST,
+                         BLOCK_N, BLOCK_V, BLOCK_K)
         z_target += tl.sum(tl.where(rv[None, :] == (target - col0)[:, None], z, 0.0), 1)  # z dies early
         # padded columns: a finite floor, so that exp(d) = 0 and p * d = 0 (never 0 * -inf) without a mask
         z = tl.where(col_ok[None, :], z, -1.0e30)
@@ -299,9 +310,9 @@ def _linear_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, g_ptr,  # [C, H], [V, H], [V], [C], [C], [C]
     g_h_ptr, h_ptr,  # [C], [C] f32 when HAS_ENTROPY_GRAD: d(loss)/d(entropy), the entropy; else dummies
     grad_ptr,  # [C, V] out, input dtype: g (onehot - p) / T [- g_h p (log p + H) / T]
-    N, V, H, inv_temp,
+    N, V, H, pre, post,
     stride_h, stride_w, stride_g,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rb, ct = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
@@ -311,9 +322,9 @@ def _linear_logprobs_bwd_kernel(
     target, lse, g, g_h, h = _row_inputs(target_ptr, lse_ptr, g_ptr, g_h_ptr, h_ptr, row0, rn, row_ok,
                                          HAS_ENTROPY_GRAD)
     z = _logits_tile(hidden_ptr + row0.to(tl.int64) * stride_h, weight_ptr + col0.to(tl.int64) * stride_w,
-                     bias_ptr + col0, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
-                     HAS_BIAS, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
-    dz = _dlogits(z, rv[None, :] == (target - col0)[:, None], lse, g, g_h, h, inv_temp, HAS_ENTROPY_GRAD)
+                     bias_ptr + col0, row_ok, col_ok, H, stride_h, stride_w, pre, post,
+                     HAS_BIAS, SOFTCAP, EVEN_K, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+    dz = _dlogits(z, rv[None, :] == (target - col0)[:, None], lse, g, g_h, h, pre, post, SOFTCAP, HAS_ENTROPY_GRAD)
     g_base = grad_ptr + row0.to(tl.int64) * stride_g + col0  # int64: C * V may pass 2**31
     tl.store(g_base + (rn[:, None] * stride_g + rv[None, :]), dz.to(grad_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -324,8 +335,9 @@ def _logits_to_grad_kernel(
     logits_ptr,  # [C, V] in/out, input dtype: d = z - tile max (forward's STORE_LOGITS) -> gradient
     tile_max_ptr, target_ptr, lse_ptr, g_ptr,  # [C, n_tiles] f32, [C], [C], [C]
     g_h_ptr, h_ptr,  # [C], [C] f32 when HAS_ENTROPY_GRAD, else dummies
-    N, V, inv_temp, stride_l, stride_m,
-    HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_target_ptr,  # [C] f32 when SOFTCAP: the target's logit from the forward's fp32 sums, else a dummy
+    N, V, pre, post, stride_l, stride_m,
+    SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(V, BLOCK_V)
@@ -339,8 +351,13 @@ def _logits_to_grad_kernel(
                        mask=row_ok, other=0.0)
     ptrs = logits_ptr + row0.to(tl.int64) * stride_l + col0 + (rn[:, None] * stride_l + rv[None, :])
     d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    dz = _dlogits(d + tile_max[:, None], rv[None, :] == (target - col0)[:, None], lse, g, g_h, h, inv_temp,
-                  HAS_ENTROPY_GRAD)
+    z = d + tile_max[:, None]
+    is_target = rv[None, :] == (target - col0)[:, None]
+    if SOFTCAP:  # the target's slope post + z cancels at -post, where the slab's d has an error of |d| 2^-9: the
+        # forward's own fp32 target logit instead (elsewhere p is small where the slope is imprecise)
+        z_target = tl.load(z_target_ptr + row0 + rn, mask=row_ok, other=0.0)
+        z = tl.where(is_target, z_target[:, None], z)
+    dz = _dlogits(z, is_target, lse, g, g_h, h, pre, post, SOFTCAP, HAS_ENTROPY_GRAD)
     tl.store(ptrs, dz.to(logits_ptr.dtype.element_ty), mask=mask)  # in place: each element read, then written
 
 
@@ -364,20 +381,20 @@ def tile_grid(n: int, vocab: int, cfg: LaunchConfig):
     return (triton.cdiv(n, cfg.block_n) * triton.cdiv(vocab, cfg.block_v),)
 
 
-def _common(hidden, weight, bias, role):
+def _common(hidden, weight, bias, logit_map, role):
     assert hidden.stride(-1) == 1 and weight.is_contiguous(), "hidden rows and weight must be contiguous"
     cfg = launch_config(hidden.dtype, role)
-    consts = dict(HAS_BIAS=bias is not None, EVEN_K=hidden.shape[1] % cfg.block_k == 0,
+    consts = dict(HAS_BIAS=bias is not None, SOFTCAP=logit_map.softcap is not None, EVEN_K=hidden.shape[1] % cfg.block_k == 0,
                   IEEE=hidden.dtype == torch.float32, UPCAST=UPCAST_DOT and hidden.dtype != torch.float32,
                   BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, **cfg.launch_options())
     return cfg, consts, (bias if bias is not None else weight)  # dummy pointer when no bias
 
 
-def _launch_fwd(hidden, weight, bias, target, temperature, logits=None, tile_max=None):
+def _launch_fwd(hidden, weight, bias, target, logit_map, logits=None, tile_max=None):
     """Per-split partials [S, 4, N] f32 (m, s, t, target logit). With `logits` [N, V] (input dtype)
     and `tile_max` [N, n_tiles] f32, also stores z - running max and the running max per tile."""
     (n, h), vocab = hidden.shape, weight.shape[0]
-    cfg, consts, bias_arg = _common(hidden, weight, bias, "forward" if logits is None else "fused")
+    cfg, consts, bias_arg = _common(hidden, weight, bias, logit_map, "forward" if logits is None else "fused")
     grid, splits, tiles_per_split = fwd_grid(n, vocab, cfg, _num_sms(hidden.device))
     stats = torch.empty(splits, 4, n, dtype=torch.float32, device=hidden.device)
     desc = None
@@ -386,7 +403,7 @@ def _launch_fwd(hidden, weight, bias, target, temperature, logits=None, tile_max
     _linear_logprobs_fwd_kernel[grid](
         hidden, weight, bias_arg, target, stats,
         logits if logits is not None else stats, desc, tile_max if tile_max is not None else stats,
-        n, vocab, h, 1.0 / temperature, splits, tiles_per_split, hidden.stride(0), weight.stride(0),
+        n, vocab, h, logit_map.pre, logit_map.post, splits, tiles_per_split, hidden.stride(0), weight.stride(0),
         logits.stride(0) if logits is not None else 0, tile_max.stride(0) if tile_max is not None else 0,
         STORE_LOGITS=logits is not None, TMA_STORE=desc is not None, **consts,
     )
@@ -415,28 +432,30 @@ def _merge_splits(stats):
     return z_target.sum(0) - lse, log_s - t_all / s_all, lse
 
 
-def _launch_bwd(hidden, weight, bias, target, lse, g, temperature, grad_logits, g_h=None, h=None):
-    """grad_logits [C, V] <- g (onehot - softmax) / T [- g_h p (log p + H) / T with g_h, h [C] f32],
+def _launch_bwd(hidden, weight, bias, target, lse, g, logit_map, grad_logits, g_h=None, h=None):
+    """grad_logits [C, V] <- g (onehot - softmax) dz/dr [- g_h p (log p + H) dz/dr with g_h, h [C] f32],
     recomputing the logits tile by tile."""
     (n, hdim), vocab = hidden.shape, weight.shape[0]
-    cfg, consts, bias_arg = _common(hidden, weight, bias, "backward")
+    cfg, consts, bias_arg = _common(hidden, weight, bias, logit_map, "backward")
     _linear_logprobs_bwd_kernel[tile_grid(n, vocab, cfg)](
         hidden, weight, bias_arg, target, lse, g, g if g_h is None else g_h, g if h is None else h, grad_logits,
-        n, vocab, hdim, 1.0 / temperature, hidden.stride(0), weight.stride(0), grad_logits.stride(0), GROUP=GROUP_N,
+        n, vocab, hdim, logit_map.pre, logit_map.post, hidden.stride(0), weight.stride(0), grad_logits.stride(0), GROUP=GROUP_N,
         HAS_ENTROPY_GRAD=g_h is not None, **consts,
     )
 
 
-def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature, g_h=None, h=None):
-    """In place: logits [C, V] (z - tile max, from the forward) <- g (onehot - softmax) / T
-    [- g_h p (log p + H) / T with g_h, h [C] f32]."""
+def _launch_logits_to_grad(logits, tile_max, target, lse, g, logit_map, g_h=None, h=None, z_target=None):
+    """In place: logits [C, V] (z - tile max, from the forward) <- g (onehot - softmax) dz/dr
+    [- g_h p (log p + H) dz/dr with g_h, h [C] f32]; z_target [C] f32: the target's logit (soft-capping)."""
     n, vocab = logits.shape
     cfg = launch_config(logits.dtype, "fused")  # the tiles of the forward that wrote the slab
     assert tile_max.shape == (n, triton.cdiv(vocab, cfg.block_v))
     rows = to_grad_rows(cfg)
     _logits_to_grad_kernel[(triton.cdiv(n, rows) * triton.cdiv(vocab, cfg.block_v),)](
-        logits, tile_max, target, lse, g, g if g_h is None else g_h, g if h is None else h, n, vocab,
-        1.0 / temperature, logits.stride(0), tile_max.stride(0), HAS_ENTROPY_GRAD=g_h is not None,
+        logits, tile_max, target, lse, g, g if g_h is None else g_h, g if h is None else h,
+        g if z_target is None else z_target, n, vocab,
+        logit_map.pre, logit_map.post, logits.stride(0), tile_max.stride(0), SOFTCAP=logit_map.softcap is not None,
+        HAS_ENTROPY_GRAD=g_h is not None,
         BLOCK_N=rows, BLOCK_V=cfg.block_v, num_warps=TO_GRAD_WARPS,
     )
 
@@ -446,14 +465,14 @@ def _launch_logits_to_grad(logits, tile_max, target, lse, g, temperature, g_h=No
 # ----------------------------------------------------------------------------------------------
 
 
-def forward(hidden, weight, bias, target, temperature):
-    """(logp, entropy, lse), each [N] f32, of target [N] under (hidden [N, H] @ weight.T + bias) / T.
+def forward(hidden, weight, bias, target, logit_map):
+    """(logp, entropy, lse), each [N] f32, of target [N] under logit_map(hidden [N, H] @ weight.T + bias).
 
     One kernel launch; no logits in global memory."""
     n = hidden.shape[0]
     if n == 0:
         return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
-    return _merge_splits(_launch_fwd(hidden, weight, bias, target.contiguous(), temperature))
+    return _merge_splits(_launch_fwd(hidden, weight, bias, target.contiguous(), logit_map))
 
 
 def workspace_bytes(device: torch.device) -> int:
@@ -468,7 +487,7 @@ def _chunks(n: int, vocab: int, bytes_per_logit: int, chunk_size: Optional[int],
     return chunk_driver.plan(n, vocab, bytes_per_logit, budget=budget, balanced=True, chunk_size=chunk_size)
 
 
-def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(True, True, True), chunk_size=None,
+def backward(hidden, weight, bias, target, lse, grad_logp, logit_map, needs=(True, True, True), chunk_size=None,
              grad_entropy=None, entropy=None):
     """Gradients (grad_hidden [N, H], grad_weight [V, H], grad_bias [V] | None) of
     sum(grad_logp * logp [+ grad_entropy * entropy]), given the forward's lse [N] (and entropy [N]
@@ -488,14 +507,14 @@ def backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs=(T
 
     def chunk_grad(s, e):
         grad_logits = slab[: e - s]
-        _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], temperature, grad_logits,
+        _launch_bwd(hidden[s:e], weight, bias, target[s:e], lse[s:e], g[s:e], logit_map, grad_logits,
                     None if g_h is None else g_h[s:e], None if h is None else h[s:e])
         return grad_logits
 
     return chunk_driver.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad)
 
 
-def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None,
+def fused(hidden, weight, bias, target, logit_map, dloss_dlogp: Callable, needs=(True, True, True), chunk_size=None,
           grad_entropy=None):
     """(logp [N] f32, entropy [N] f32, grad_hidden, grad_weight, grad_bias) in one pass.
 
@@ -517,13 +536,14 @@ def fused(hidden, weight, bias, target, temperature, dloss_dlogp: Callable, need
 
     def chunk_grad(s, e):
         logits = slab[: e - s]
-        stats = _launch_fwd(hidden[s:e], weight, bias, target[s:e], temperature, logits, tile_max[: e - s])
+        stats = _launch_fwd(hidden[s:e], weight, bias, target[s:e], logit_map, logits, tile_max[: e - s])
         logp[s:e], entropy[s:e], lse = _merge_splits(stats)
         g = dloss_dlogp(s, e, logp[s:e])
         assert tuple(g.shape) == (e - s,), f"dloss_dlogp returned shape {tuple(g.shape)}, expected ({e - s},)"
         g_h = None if grad_entropy is None else grad_entropy[s:e].float().contiguous()
-        _launch_logits_to_grad(logits, tile_max[: e - s], target[s:e], lse, g.float().contiguous(), temperature,
-                               g_h, None if g_h is None else entropy[s:e].contiguous())
+        _launch_logits_to_grad(logits, tile_max[: e - s], target[s:e], lse, g.float().contiguous(), logit_map,
+                               g_h, None if g_h is None else entropy[s:e].contiguous(),
+                               z_target=None if logit_map.softcap is None else logp[s:e] + lse)
         return logits
 
     return (logp, entropy, *chunk_driver.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))

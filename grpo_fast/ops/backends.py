@@ -3,10 +3,10 @@
 A backend is an object with three functions over flattened tensors (hidden [N, H], weight [V, H],
 bias [V] or None, target [N] int64):
 
-    forward(hidden, weight, bias, target, temperature) -> (logp, entropy, lse)        each [N] f32
-    backward(hidden, weight, bias, target, lse, grad_logp, temperature, needs)
+    forward(hidden, weight, bias, target, logit_map) -> (logp, entropy, lse)          each [N] f32
+    backward(hidden, weight, bias, target, lse, grad_logp, logit_map, needs)
         -> (grad_hidden, grad_weight, grad_bias)       needs = which of the three are wanted
-    fused(hidden, weight, bias, target, temperature, dloss_dlogp, needs)
+    fused(hidden, weight, bias, target, logit_map, dloss_dlogp, needs)
         -> (logp, entropy, grad_hidden, grad_weight, grad_bias)   gradients in the forward pass
 
 `dloss_dlogp(start, end, logp_chunk) -> g_chunk` is built inside the registered ops from tensors and

@@ -34,20 +34,26 @@ def _slab(logits: torch.Tensor) -> torch.Tensor:
     return logits.contiguous()
 
 
-def _stats(logits, target, temperature):
-    """(logp, entropy, lse), each [C] float32, of the rows of `logits [C, V]` divided by temperature."""
+def _map(logit_map):
+    """The C++ passes' (pre, post, softcap) of an `objective.LogitMap`."""
+    return float(logit_map.pre), float(logit_map.post), logit_map.softcap is not None
+
+
+def _stats(logits, target, logit_map):
+    """(logp, entropy, lse), each [C] float32, of the rows of `logit_map(logits [C, V])`."""
     logits = _slab(logits)
     c, v = logits.shape
     logp, entropy, lse = (torch.empty(c, dtype=torch.float32) for _ in range(3))
     target = target.to(torch.int64).contiguous()
-    _native().row_stats(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, float(temperature),
+    _native().row_stats(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, *_map(logit_map),
                         logp.data_ptr(), entropy.data_ptr(), lse.data_ptr())
     return logp, entropy, lse
 
 
-def _grad_(logits, target, lse, g, temperature, g_entropy=None, entropy=None):
-    """In place: `logits [C, V] <- [g (onehot(target) - p) - g_entropy p (log p + H)] / T`,
-    p = softmax(logits / T), H = entropy (g_entropy and entropy [C] or both None); returns logits."""
+def _grad_(logits, target, lse, g, logit_map, g_entropy=None, entropy=None):
+    """In place: `logits [C, V] <- [g (onehot(target) - p) - g_entropy p (log p + H)] dz/dx`,
+    p = softmax(z), z = logit_map(logits) (dz/dx = 1 / T for a bare temperature), H = entropy
+    (g_entropy and entropy [C] or both None); returns logits."""
     assert logits.is_contiguous() and logits.dtype in _DTYPE_BITS, (logits.dtype, logits.stride())
     assert (g_entropy is None) == (entropy is None), "g_entropy and entropy come together"
     c, v = logits.shape
@@ -57,7 +63,7 @@ def _grad_(logits, target, lse, g, temperature, g_entropy=None, entropy=None):
     if g_entropy is not None:
         g_entropy, entropy = g_entropy.float().contiguous(), entropy.float().contiguous()
         pointers = (g_entropy.data_ptr(), entropy.data_ptr())
-    _native().row_grad_(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, float(temperature),
+    _native().row_grad_(logits.data_ptr(), _DTYPE_BITS[logits.dtype], target.data_ptr(), c, v, *_map(logit_map),
                         lse.data_ptr(), g.data_ptr(), *pointers)
     return logits
 

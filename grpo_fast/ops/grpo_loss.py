@@ -81,10 +81,10 @@ def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, 
         dloss_dlogp = lambda s, e, lp: _token_grad(options, tokens, s, e, lp)
         # the entropy bonus -coef * sum(H * weights): a constant gradient per token
         grad_entropy = None if options.entropy_coef == 0.0 else -options.entropy_coef * rows.take_tokens(entropy_weights)
-        logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.temperature, dloss_dlogp, needs,
+        logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.logit_map, dloss_dlogp, needs,
                                                **({} if grad_entropy is None else dict(grad_entropy=grad_entropy)))
     else:
-        logp_a, entropy_a, _ = impl.forward(hidden_a, weight, bias, target_a, options.temperature)
+        logp_a, entropy_a, _ = impl.forward(hidden_a, weight, bias, target_a, options.logit_map)
         grads = [None, None, None]
     # loss value and metrics: the spec on [B, T]; masked places take the old log-prob (ratio 1, finite)
     loss, metrics = objective.grpo_loss_from_logprobs(
@@ -183,7 +183,7 @@ def fused_linear_grpo_loss(
         raise ValueError("pass the loss options either as options=LossOptions(...) or as keywords, not both")
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {list(hidden.shape)}")
-    resolved = validate_linear(hidden, weight, target_ids, bias, options.temperature, options.backend)
+    resolved = validate_linear(hidden, weight, target_ids, bias, options.backend)
     objective.check_loss_inputs(hidden.shape[:2], options, target_ids=target_ids, advantages=advantages, mask=mask,
                                 old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
                                 entropy_weights=entropy_weights)
@@ -193,7 +193,8 @@ def fused_linear_grpo_loss(
     if not options.token_local:
         # masked places take the old log-prob: ratio 1, so they stay finite
         logp, entropy = masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias,
-                                               temperature=options.temperature, backend=resolved,
+                                               temperature=options.temperature, logit_scale=options.logit_scale,
+                                               logit_softcap=options.logit_softcap, backend=resolved,
                                                return_entropy=True, fill=old_logp,
                                                differentiable_entropy=options.entropy_coef != 0.0)
         loss, metrics = objective.grpo_loss_from_logprobs(

@@ -11,16 +11,18 @@ data-dependent shape reaches a traced graph.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..objective import LogitMap
 from . import backends, torch_library
 
 
-def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> str:
+def validate_linear(hidden, weight, target_ids, bias, backend) -> str:
     """Check the inputs of the fused linear ops before any work; return the resolved backend name.
 
     Shapes, dtypes and devices only, so a traced function checks them too; the range of target_ids
@@ -45,8 +47,6 @@ def validate_linear(hidden, weight, target_ids, bias, temperature, backend) -> s
         raise ValueError(f"hidden, weight, target_ids and bias must be on one device, got {sorted(map(str, devices))}")
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [V, H] (got strides {weight.stride()}); pass weight.contiguous()")
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     return backends.resolve(backend, hidden.device)
 
 
@@ -96,23 +96,26 @@ class Rows:
 
 
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
-                     mask: Optional[Tensor], temperature: float, backend: str,
-                     entropy_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     mask: Optional[Tensor], temperature: float, logit_scale: float, logit_softcap: Optional[float],
+                     backend: str, entropy_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse), float32 shaped like target_ids, 0 where mask is 0. `backend` resolved;
     entropy_grad: whether the entropy is differentiable (else a metric, as lse is internal)."""
     rows = Rows(mask, target_ids.shape)
     target = rows.take(target_ids).to(torch.int64)
     check_targets(target, weight.shape[0])
-    logp, entropy, lse = backends.get(backend).forward(rows.take(hidden), weight, bias, target, temperature)
+    logit_map = LogitMap(temperature, logit_scale, logit_softcap)
+    logp, entropy, lse = backends.get(backend).forward(rows.take(hidden), weight, bias, target, logit_map)
     return rows.put(logp), rows.put(entropy), rows.put(lse)
 
 
-def _linear_logprobs_fake(hidden, weight, bias, target_ids, mask, temperature, backend, entropy_grad):
+def _linear_logprobs_fake(hidden, weight, bias, target_ids, mask, temperature, logit_scale, logit_softcap, backend,
+                          entropy_grad):
     return tuple(hidden.new_empty(target_ids.shape, dtype=torch.float32) for _ in range(3))
 
 
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
-                              mask: Optional[Tensor], lse: Tensor, grad_logp: Tensor, temperature: float, backend: str,
+                              mask: Optional[Tensor], lse: Tensor, grad_logp: Tensor, temperature: float,
+                              logit_scale: float, logit_softcap: Optional[float], backend: str,
                               needs: list[bool], entropy: Optional[Tensor],
                               grad_entropy: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of sum(grad_logp * logp [+ grad_entropy * entropy]) w.r.t. (hidden, weight, bias),
@@ -125,7 +128,8 @@ def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
         entropy_args = dict(grad_entropy=rows.take(grad_entropy).float().contiguous(),
                             entropy=rows.take(entropy).float().contiguous())
     grads = backends.get(backend).backward(rows.take(hidden), weight, bias, rows.take(target_ids).to(torch.int64),
-                                           rows.take(lse), g, temperature, needs, **entropy_args)
+                                           rows.take(lse), g, LogitMap(temperature, logit_scale, logit_softcap), needs,
+                                           **entropy_args)
     grad_hidden = None if grads[0] is None else rows.put(grads[0])  # (*lead, H), 0 at inactive tokens
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in (grad_hidden, *grads[1:]))
 
@@ -137,15 +141,15 @@ def fake_grads(hidden, weight, bias, needs) -> tuple[Tensor, Tensor, Tensor]:
                  for t, want in zip((hidden, weight, bias), wanted, strict=True))
 
 
-def _linear_logprobs_backward_fake(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, backend, needs,
-                                   entropy, grad_entropy):
+def _linear_logprobs_backward_fake(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, logit_scale,
+                                   logit_softcap, backend, needs, entropy, grad_entropy):
     return fake_grads(hidden, weight, bias, needs)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, target_ids, mask, temperature, backend, entropy_grad = inputs
+    hidden, weight, bias, target_ids, mask, temperature, logit_scale, logit_softcap, backend, entropy_grad = inputs
     ctx.save_for_backward(hidden, weight, bias, target_ids, mask, output[2], output[1] if entropy_grad else None)
-    ctx.temperature, ctx.backend = temperature, backend
+    ctx.logit_map, ctx.backend = (temperature, logit_scale, logit_softcap), backend
     # lse is internal; the entropy is a metric unless asked for (the entropy bonus)
     ctx.mark_non_differentiable(*((output[2],) if entropy_grad else (output[1], output[2])))
 
@@ -158,19 +162,20 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     if grad_logp is None:  # only the entropy reached the loss
         grad_logp = torch.zeros_like(lse)
     grads = torch.ops.grpo_fast.linear_logprobs_backward(hidden, weight, bias, target_ids, mask, lse, grad_logp,
-                                                         ctx.temperature, ctx.backend, needs,
+                                                         *ctx.logit_map, ctx.backend, needs,
                                                          entropy if grad_entropy is not None else None, grad_entropy)
-    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None, None)
+    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), *[None] * 7)
 
 
 torch_library.define("linear_logprobs_backward",
                 "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, Tensor lse, "
-                "Tensor grad_logp, float temperature, str backend, bool[] needs, Tensor? entropy, "
+                "Tensor grad_logp, float temperature, float logit_scale, float? logit_softcap, str backend, "
+                "bool[] needs, Tensor? entropy, "
                 "Tensor? grad_entropy) -> (Tensor, Tensor, Tensor)",
                 _linear_logprobs_backward, fake=_linear_logprobs_backward_fake)
 torch_library.define("linear_logprobs",
                 "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, float temperature, "
-                "str backend, bool entropy_grad) -> (Tensor, Tensor, Tensor)",
+                "float logit_scale, float? logit_softcap, str backend, bool entropy_grad) -> (Tensor, Tensor, Tensor)",
                 _linear_logprobs, fake=_linear_logprobs_fake, backward=_backward, setup_context=_setup_context)
 
 
@@ -187,6 +192,8 @@ def masked_linear_logprobs(
     *,
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     backend: str = "auto",
     return_entropy: bool = False,
     fill: Optional[torch.Tensor] = None,
@@ -199,8 +206,11 @@ def masked_linear_logprobs(
     None) where the mask is 0; with `return_entropy=True`, `(logp, entropy)` where entropy is 0
     where the mask is 0, and differentiable only with `differentiable_entropy=True` (its gradient
     comes from the same backward pass as the log-probs': dH/dz = -p (log p + H) / T).
+    logit_scale, logit_softcap: the model's own transform of its logits before the temperature
+    (`objective.LogitMap`: Cohere's scale, Gemma 2's soft-cap), applied inside the op.
     """
-    backend = validate_linear(hidden, weight, target_ids, bias, temperature, backend)
+    logit_map = LogitMap(float(temperature), float(logit_scale), None if logit_softcap is None else float(logit_softcap))
+    backend = validate_linear(hidden, weight, target_ids, bias, backend)
     if mask is not None and tuple(mask.shape) != tuple(target_ids.shape):
         raise ValueError(f"mask must have shape {list(target_ids.shape)} (like target_ids), got {list(mask.shape)}")
     if fill is not None and (mask is None or tuple(fill.shape) != tuple(target_ids.shape)):
@@ -209,7 +219,8 @@ def masked_linear_logprobs(
     # The op saves hidden for its backward: a view (the completion slice of a decoder's [B, L, H]
     # output) would keep its whole base alive until then, a contiguous copy only the [..., H] it reads.
     logp, entropy, _ = torch.ops.grpo_fast.linear_logprobs(hidden.contiguous(), weight, bias, target_ids, mask,
-                                                           float(temperature), backend, bool(differentiable_entropy))
+                                                           *dataclasses.astuple(logit_map), backend,
+                                                           bool(differentiable_entropy))
     if fill is not None:
         logp = torch.where(mask != 0, logp, fill.detach().float())
     return (logp, entropy) if return_entropy else logp
@@ -222,11 +233,14 @@ def fused_linear_logprobs(
     *,
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     return_entropy: bool = False,
     backend: str = "auto",
     differentiable_entropy: bool = False,
 ):
-    """Log-probs of `target_ids` under `softmax((hidden @ weight.T + bias) / temperature)`.
+    """Log-probs of `target_ids` under `softmax(LogitMap(temperature, logit_scale, logit_softcap)(hidden @ weight.T
+    + bias))`: `(hidden @ weight.T + bias) / temperature` by default (`objective.LogitMap`).
 
     hidden `[..., H]` (float32/bfloat16/float16), weight `[V, H]` (same dtype, contiguous),
     target_ids `[...]` integer in `[0, V)`, bias `[V]` or None.
@@ -236,5 +250,5 @@ def fused_linear_logprobs(
     backend: "auto" (triton on CUDA, cpu on CPU), "triton", "cpu" or "torch".
     """
     return masked_linear_logprobs(hidden, weight, target_ids, None, bias=bias, temperature=temperature,
-                                  backend=backend, return_entropy=return_entropy,
+                                  logit_scale=logit_scale, logit_softcap=logit_softcap, backend=backend, return_entropy=return_entropy,
                                   differentiable_entropy=differentiable_entropy)

@@ -43,12 +43,12 @@ out = []
 for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path and tiles
     roles = K.GPU_CONFIGS[dtype]
     t = TYPES[dtype]
-    for has_bias, even_k, ones in [(True, True, False), (False, False, True)]:
+    for has_bias, even_k, ones, softcap in [(True, True, False, False), (False, False, True, True)]:
         one = dict(N=1) if ones else {}  # N == 1 becomes a constant at launch
         ints = {a: "i32" for a in ("N", "V", "H") if a not in one}
 
         def common(cfg):
-            return dict(HAS_BIAS=has_bias, EVEN_K=even_k, IEEE=dtype == torch.float32, UPCAST=False,
+            return dict(HAS_BIAS=has_bias, SOFTCAP=softcap, EVEN_K=even_k, IEEE=dtype == torch.float32, UPCAST=False,
                         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k)
 
         for store in (False, True):
@@ -56,23 +56,24 @@ for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path an
             tma = store and cfg.tma_store  # the logit tiles through a TMA descriptor, else plain stores
             desc = dict(logits_desc=f"tensordesc<{t[1:]}[{cfg.block_n},{cfg.block_v}]>") if tma else {}
             sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", stats_ptr="*fp32", logits_ptr=t,
-                       **desc, tile_max_ptr="*fp32", **ints, inv_temp="fp32", n_splits="i32", tiles_per_split="i32",
+                       **desc, tile_max_ptr="*fp32", **ints, pre="fp32", post="fp32", n_splits="i32", tiles_per_split="i32",
                        stride_h="i32", stride_w="i32", stride_l="i32", stride_m="i32")
             consts = dict(STORE_LOGITS=store, TMA_STORE=tma, **({} if tma else dict(logits_desc=None)), **one, **common(cfg))
             out.append(compile_(K._linear_logprobs_fwd_kernel, sig, consts, cfg))
         for entropy in (False, True):  # the entropy bonus's gradient term (HAS_ENTROPY_GRAD)
             sig = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
-                       g_h_ptr="*fp32", h_ptr="*fp32", grad_ptr=t, **ints, inv_temp="fp32", stride_h="i32",
+                       g_h_ptr="*fp32", h_ptr="*fp32", grad_ptr=t, **ints, pre="fp32", post="fp32", stride_h="i32",
                        stride_w="i32", stride_g="i32")
             out.append(compile_(K._linear_logprobs_bwd_kernel, sig, dict(GROUP=K.GROUP_N, HAS_ENTROPY_GRAD=entropy,
                                                                          **one, **common(roles.backward)),
                                 roles.backward))
             sig = dict(logits_ptr=t, tile_max_ptr="*fp32", target_ptr="*i64", lse_ptr="*fp32", g_ptr="*fp32",
-                       g_h_ptr="*fp32", h_ptr="*fp32", **{a: "i32" for a in ("N", "V") if a not in one},
-                       inv_temp="fp32", stride_l="i32", stride_m="i32")
+                       g_h_ptr="*fp32", h_ptr="*fp32", z_target_ptr="*fp32",
+                       **{a: "i32" for a in ("N", "V") if a not in one}, pre="fp32", post="fp32", stride_l="i32",
+                       stride_m="i32")
             cfg = roles.fused
             out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=K.to_grad_rows(cfg), BLOCK_V=cfg.block_v,
-                                                                    HAS_ENTROPY_GRAD=entropy, **one),
+                                                                    SOFTCAP=softcap, HAS_ENTROPY_GRAD=entropy, **one),
                                 K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, K.TO_GRAD_WARPS, cfg.num_stages)))
     for r in out:
         r.setdefault("dtype", str(dtype))
@@ -97,6 +98,7 @@ def test_kernels_compile_for_sm90():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 2 * 2 * 6
     assert {r["consts"].get("HAS_ENTROPY_GRAD") for r in results} == {None, "False", "True"}
+    assert {r["consts"]["SOFTCAP"] for r in results} == {"False", "True"}  # the model's soft-cap, every kernel
     for r in results:
         assert r["shared"] <= 227 * 1024, f"{r['kernel']} {r['dtype']}: {r['shared']} bytes of shared memory"
         if r["kernel"] != "_logits_to_grad_kernel":

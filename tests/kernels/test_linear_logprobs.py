@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from grpo_fast import objective
+from grpo_fast.objective import LogitMap
 from grpo_fast.kernels import linear_logprobs as K
 from grpo_fast.ops import backends
 from tests.helpers import assert_close, scaled
@@ -32,6 +33,12 @@ class Case:
     temperature: float = 1.0
     chunk_size: Optional[int] = None  # None: the workspace budget decides
     entropy_grad: bool = False  # the entropy bonus: also d(loss)/d(entropy) per token into the gradient passes
+    logit_scale: float = 1.0  # the model's own logit map before the temperature (objective.LogitMap)
+    softcap: Optional[float] = None
+
+    @property
+    def logit_map(self) -> LogitMap:
+        return LogitMap(self.temperature, self.logit_scale, self.softcap)
 
 
 def entropy_grad_of(case: Case, n: int, device) -> Optional[torch.Tensor]:
@@ -54,25 +61,30 @@ def make_inputs(case: Case, device: str, seed: int = 0):
     return to(h), to(w), to(b), target.to(device), g.to(device)
 
 
-def reference(h, w, b, target, temperature, g, gh=None):
+def _logprobs(logits, target, logit_map):
+    return objective.token_logprobs(logits, target, logit_map.temperature, logit_scale=logit_map.scale,
+                                    logit_softcap=logit_map.softcap)
+
+
+def reference(h, w, b, target, logit_map, g, gh=None):
     """The spec on float64 logits: (logp, entropy, lse) and grads of sum(g * logp [+ gh * entropy])
     w.r.t. h, w, b."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (h, w, b)]
     h64, w64, b64 = leaves
     logits = h64 @ w64.t() + (b64 if b64 is not None else 0.0)
-    logp, entropy = objective.token_logprobs(logits, target, temperature)
-    lse = torch.logsumexp(logits.detach() / temperature, dim=-1)
+    logp, entropy = _logprobs(logits, target, logit_map)
+    lse = torch.logsumexp(logit_map(logits.detach()), dim=-1)
     objective_ = (logp * g.double()).sum() + (0.0 if gh is None else (entropy * gh.double()).sum())
     grads = torch.autograd.grad(objective_, [t for t in leaves if t is not None])
     grads = list(grads) + [None] * (3 - len(grads))
     return logp.detach(), entropy.detach(), lse, grads
 
 
-def plain_pytorch(h, w, b, target, temperature, g, gh=None):
+def plain_pytorch(h, w, b, target, logit_map, g, gh=None):
     """Plain PyTorch in the inputs' dtype (materialised logits): the yardstick for tolerances."""
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (h, w, b)]
     logits = leaves[0] @ leaves[1].t() + (leaves[2] if leaves[2] is not None else 0.0)
-    logp, entropy = objective.token_logprobs(logits, target, temperature)
+    logp, entropy = _logprobs(logits, target, logit_map)
     objective_ = (logp * g).sum() + (0.0 if gh is None else (entropy * gh).sum())
     grads = torch.autograd.grad(objective_, [t for t in leaves if t is not None])
     return logp.detach(), entropy.detach(), list(grads) + [None] * (3 - len(grads))
@@ -89,7 +101,7 @@ def tolerance(name, case, plain, expected):
 def check_case(case: Case, device: str):
     h, w, b, target, g = make_inputs(case, device)
     gh = entropy_grad_of(case, case.n, device)
-    T = case.temperature
+    T = case.logit_map
     ref_logp, ref_entropy, ref_lse, ref_grads = reference(h, w, b, target, T, g, gh)
     plain_logp, plain_entropy, plain_grads = plain_pytorch(h, w, b, target, T, g, gh)
 
@@ -153,6 +165,12 @@ CPU_CASES = {
     "fp32-entropy-grad": Case(n=7, vocab=37, hidden=40, bias=True, temperature=0.7, chunk_size=3, entropy_grad=True),
     "bf16-entropy-grad": Case(n=19, vocab=50, hidden=32, dtype=torch.bfloat16, bias=False, chunk_size=8,
                               entropy_grad=True),
+    # the model's logit map: Gemma 2's soft-cap (small enough here to bend the logits) with a scale, and
+    # with the entropy's gradient; a scale alone (Cohere)
+    "fp32-softcap": Case(n=7, vocab=37, hidden=40, bias=True, temperature=0.7, chunk_size=3, logit_scale=1.5,
+                         softcap=3.0, entropy_grad=True),
+    "bf16-softcap": Case(n=19, vocab=50, hidden=32, dtype=torch.bfloat16, bias=True, chunk_size=8, softcap=2.5),
+    "fp32-scale": Case(n=7, vocab=37, hidden=40, bias=False, temperature=1.3, logit_scale=0.25),
 }
 
 
@@ -193,10 +211,10 @@ def test_confident_token_gradient_keeps_1_minus_p():
     bias = torch.zeros(vocab)
     h, w, bias = (t.bfloat16() for t in (h, w, bias))
     g = torch.tensor([1.0, -2.0, 0.5, 3.0])
-    logp, _, lse = K.forward(h, w, bias, target, 1.0)
-    *_, ref_grads = reference(h, w, bias, target, 1.0, g)
-    for label, grads in [("backward", K.backward(h, w, bias, target, lse, g, 1.0)),
-                         ("fused", K.fused(h, w, bias, target, 1.0, lambda s, e, lp: g[s:e])[2:])]:
+    logp, _, lse = K.forward(h, w, bias, target, LogitMap())
+    *_, ref_grads = reference(h, w, bias, target, LogitMap(), g)
+    for label, grads in [("backward", K.backward(h, w, bias, target, lse, g, LogitMap())),
+                         ("fused", K.fused(h, w, bias, target, LogitMap(), lambda s, e, lp: g[s:e])[2:])]:
         gb = grads[2].double()
         exp = ref_grads[2]
         for col in (3, 7, 11):  # relative error of g (1 - p) at the target columns
@@ -204,13 +222,37 @@ def test_confident_token_gradient_keeps_1_minus_p():
             assert exp[col].abs() > 1e-5 and rel < 1e-2, f"{label} grad_bias[{col}]: got {gb[col]:.4g}, expected {exp[col]:.4g}"
 
 
+def test_soft_capped_target_in_saturation_keeps_its_slope():
+    """A target soft-capped near -post: its gradient g (1 - p) dz/dr rides on the slope post + z, which
+    cancels there; the fused path's bf16 slab holds z - max with an error of |z - max| 2^-9, as large as
+    that slope, so the target's own logit comes from the forward's fp32 sums instead."""
+    n, vocab, hd = 4, 20, 16
+    logit_map = LogitMap(1.0, scale=1.0, softcap=2.5)
+    h = torch.zeros(n, hd)
+    h[:, 0] = 1.0
+    w = torch.zeros(vocab, hd)
+    w[:, 0] = torch.linspace(0.0, 8.0, vocab)  # z from 0 up to 2.5 tanh(3.2): up into the positive bend
+    target = torch.tensor([3, 7, 3, 11])
+    w[target, 0] = -9.0  # the targets: tanh(-3.6) = -0.9985, slope pre post (1 - tanh^2) ~ 3e-3 of its peak
+    h, w, bias = (t.bfloat16() for t in (h, w, torch.zeros(vocab)))
+    g = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    *_, ref_grads = reference(h, w, bias, target, logit_map, g)
+    for label, grads in [("fused", K.fused(h, w, bias, target, logit_map, lambda s, e, lp: g[s:e])[2:]),
+                         ("backward", K.backward(h, w, bias, target, K.forward(h, w, bias, target, logit_map)[2], g,
+                                                 logit_map))]:
+        gb, exp = grads[2].double(), ref_grads[2]
+        for col in (3, 7, 11):  # one bf16 rounding of the result and of the inputs' logits (2^-8 relative each)
+            rel = abs(gb[col] - exp[col]) / abs(exp[col])
+            assert rel < 2e-2, f"{label} grad_bias[{col}]: got {gb[col]:.4g}, expected {exp[col]:.4g}"
+
+
 def test_backward_only_what_is_needed():
     case = CPU_CASES["fp32-tails-bias-temp"]
     h, w, b, target, g = make_inputs(case, "cpu")
-    _, _, lse = K.forward(h, w, b, target, case.temperature)
-    gh, gw, gb = K.backward(h, w, b, target, lse, g, case.temperature, needs=(True, False, False))
+    _, _, lse = K.forward(h, w, b, target, case.logit_map)
+    gh, gw, gb = K.backward(h, w, b, target, lse, g, case.logit_map, needs=(True, False, False))
     assert gw is None and gb is None and gh.shape == h.shape
-    gh_all, *_ = K.backward(h, w, b, target, lse, g, case.temperature)
+    gh_all, *_ = K.backward(h, w, b, target, lse, g, case.logit_map)
     assert_close(gh, gh_all, atol=0.0, name="grad_hidden alone vs all")
 
 
@@ -233,7 +275,7 @@ def test_grid_is_one_dimensional_for_a_million_tokens():
 
 def test_empty_input():
     h, w = torch.zeros(0, 16), torch.randn(5, 16)
-    logp, entropy, lse = K.forward(h, w, None, torch.zeros(0, dtype=torch.int64), 1.0)
+    logp, entropy, lse = K.forward(h, w, None, torch.zeros(0, dtype=torch.int64), LogitMap())
     assert logp.shape == entropy.shape == lse.shape == (0,)
 
 
@@ -269,8 +311,8 @@ def test_int64_offsets_gpu():
     w = (torch.randn(vocab, hd, device="cuda", generator=gen) * 0.03).bfloat16()
     target = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
     g = torch.randn(n, device="cuda", generator=gen)
-    logp, _, lse = K.forward(h, w, None, target, 1.0)
-    gh, _, _ = K.backward(h, w, None, target, lse, g, 1.0, needs=(True, False, False))
+    logp, _, lse = K.forward(h, w, None, target, LogitMap())
+    gh, _, _ = K.backward(h, w, None, target, lse, g, LogitMap(), needs=(True, False, False))
     tail = slice(n - 4096, n)
     logits = h[tail].float() @ w.float().t()
     exp_logp = torch.log_softmax(logits, -1).gather(-1, target[tail, None]).squeeze(-1)

@@ -105,7 +105,9 @@ def make_inputs(case: Case) -> dict:
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[-1, -1] = True
     advantages = torch.randn(B, T, generator=g) if case.adv_per_token else torch.randn(B, generator=g)
-    true_logp, _ = objective.token_logprobs(logits64(hidden, weight, bias), target, case.options.temperature)
+    true_logp, _ = objective.token_logprobs(logits64(hidden, weight, bias), target, case.options.temperature,
+                                            logit_scale=case.options.logit_scale,
+                                            logit_softcap=case.options.logit_softcap)
     inputs = dict(hidden=hidden, weight=weight, bias=bias, target_ids=target, advantages=advantages, mask=mask.float())
     if case.old_logp:
         inputs["old_logp"] = true_logp + 0.3 * torch.randn(B, T, generator=g)

@@ -74,8 +74,9 @@ def test_opcheck_fused_linear_grpo_loss(backend, variant):
                          ids=["masked-bias-entropy_grad", "plain"])
 def test_opcheck_linear_logprobs(backend, masked, bias, entropy_grad):
     x = _inputs()
+    logit_map = (0.7, 1.5, 3.0) if masked else (0.7, 1.0, None)  # (temperature, logit_scale, logit_softcap)
     args = (x["hidden"], x["weight"], x["bias"] if bias else None, x["target_ids"], x["mask"] if masked else None,
-            0.7, backend, entropy_grad)
+            *logit_map, backend, entropy_grad)
     torch.library.opcheck(torch.ops.grpo_fast.linear_logprobs, args)
 
 
@@ -84,11 +85,11 @@ def test_opcheck_linear_logprobs(backend, masked, bias, entropy_grad):
 def test_opcheck_linear_logprobs_backward(backend, needs):
     x = {k: v.detach() if v.is_floating_point() else v for k, v in _inputs().items()}
     _, entropy, lse = torch.ops.grpo_fast.linear_logprobs(x["hidden"], x["weight"], x["bias"], x["target_ids"],
-                                                           x["mask"], 0.7, backend, True)
+                                                           x["mask"], 0.7, 1.5, 3.0, backend, True)
     grad_logp = torch.randn(B, T, generator=torch.Generator().manual_seed(1))
     grad_entropy = torch.randn(B, T, generator=torch.Generator().manual_seed(2))
-    args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"], lse, grad_logp, 0.7, backend, needs,
-            entropy, grad_entropy)
+    args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"], lse, grad_logp, 0.7, 1.5, 3.0, backend,
+            needs, entropy, grad_entropy)
     torch.library.opcheck(torch.ops.grpo_fast.linear_logprobs_backward, args)
 
 

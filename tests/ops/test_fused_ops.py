@@ -113,6 +113,13 @@ OPTION_CASES = {
     "entropy_bonus_seq": Case(bias=True, options=loss_options(importance_sampling_level="sequence", loss_type="grpo",
                                                               entropy_coef=0.3)),
     "entropy_bonus_vespo": Case(entropy_weights=True, options=loss_options(loss_type="vespo", entropy_coef=0.3)),
+    # the model's logit map inside the op (objective.LogitMap): Gemma 2's soft-cap (small here, so the
+    # logits bend) with a scale, on the fused route and the sequence route, in bf16; Cohere's scale alone
+    "softcap": Case(bias=True, ref_logp=True, options=loss_options(logit_scale=1.5, logit_softcap=3.0, beta=0.04,
+                                                                   entropy_coef=0.2)),
+    "softcap_seq": Case(options=loss_options(logit_softcap=2.0, importance_sampling_level="sequence")),
+    "bf16_softcap": Case(dtype=torch.bfloat16, V=131, options=loss_options(logit_softcap=3.0, epsilon_high=0.28)),
+    "logit_scale": Case(options=loss_options(logit_scale=0.25, loss_type="grpo")),
     "entropy_bonus_empty_row": Case(mask="empty_row", options=loss_options(loss_type="cispo", entropy_coef=0.3)),
     "entropy_bonus_all_masked": Case(mask="none", options=loss_options(entropy_coef=0.3)),
     "entropy_bonus_V131": Case(V=131, T=3, bias=True, options=loss_options(loss_type="sapo", entropy_coef=0.3)),

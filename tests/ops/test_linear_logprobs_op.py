@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo_fast import objective
+from grpo_fast.objective import LogitMap
 from grpo_fast.ops import fused_linear_logprobs
 from tests.helpers import assert_close, plain_bound, scaled
 from tests.ops.cases import backend_params
@@ -103,11 +104,11 @@ def test_chunking_does_not_change_results():
 
     hidden, weight, b, target, grad_out = _inputs((11,), 8, 37, torch.float32, True)
     ops = row_ops.TORCH_ROW_OPS
-    one = row_ops.forward(ops, hidden, weight, b, target, 0.7)
-    many = row_ops.forward(ops, hidden, weight, b, target, 0.7, chunk_size=4)
+    one = row_ops.forward(ops, hidden, weight, b, target, LogitMap(0.7))
+    many = row_ops.forward(ops, hidden, weight, b, target, LogitMap(0.7), chunk_size=4)
     for a, c in zip(one, many, strict=True):
         assert_close(c, a, atol=scaled(1e-6, a), name="forward")
-    g1 = row_ops.backward(ops, hidden, weight, b, target, one[2], grad_out, 0.7)
-    g4 = row_ops.backward(ops, hidden, weight, b, target, one[2], grad_out, 0.7, chunk_size=4)
+    g1 = row_ops.backward(ops, hidden, weight, b, target, one[2], grad_out, LogitMap(0.7))
+    g4 = row_ops.backward(ops, hidden, weight, b, target, one[2], grad_out, LogitMap(0.7), chunk_size=4)
     for a, c in zip(g1, g4, strict=True):
         assert_close(c, a, atol=scaled(1e-6, a), name="backward")
