@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from grpo_fast import objective
-from grpo_fast.objective import LogitMap
 from grpo_fast.kernels import linear_logprobs as K
+from grpo_fast.objective import LogitMap
 from grpo_fast.ops import backends
 from tests.helpers import assert_close, scaled
 
