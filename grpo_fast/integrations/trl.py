@@ -16,7 +16,8 @@ disabled adapter) and use_bias_correction_kl, num_iterations >= 1, epsilon / eps
 (when delta >= 1 + epsilon_high), vLLM importance-sampling correction (all modes),
 top_entropy_quantile, off_policy_mask_threshold, the entropy bonus (entropy_coef,
 use_adaptive_entropy: its gradient from the fused pass), tool masks, tied embeddings, lm_head bias,
-cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulation, DDP.
+cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulation, DDP, and the MoE router
+load-balancing loss (router_aux_loss_coef, TRL's aux_loss: from the decoder's router logits, models/moe.py).
 Anything else raises a ValueError naming the option when the trainer is built.
 DDP under accelerate / torchrun is tested on 2 CPU (gloo) processes against stock TRL's update
 (tests/integrations/test_trl_distributed.py); FSDP and DeepSpeed ZeRO-3 are refused.
@@ -57,6 +58,7 @@ from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 from .. import objective  # noqa: E402
 from ..loss_types import LOSS_TYPES, loss_type  # noqa: E402
 from ..models.adapter import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
+from ..models.moe import routed_completion_hidden_states, router_loss  # noqa: E402
 from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
 
@@ -91,9 +93,6 @@ def check_supported_args(args) -> None:
 def check_supported_trainer(trainer) -> None:
     """Refuse, naming the option, what only shows once the trainer is built (models, distribution)."""
     check_supported_args(trainer.args)
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise ValueError("the MoE router load-balancing loss (router_aux_loss_coef != 0 with output_router_logits) "
-                         "is not supported by the fused path; set router_aux_loss_coef=0.0")
     if getattr(trainer, "_is_vlm", False):
         raise ValueError("vision-language models are not supported by the fused path (images enter through the "
                          "model's own forward); use trl.GRPOTrainer")
@@ -106,6 +105,8 @@ def check_supported_trainer(trainer) -> None:
         raise ValueError("DeepSpeed ZeRO-3 is not supported by the fused path (the lm_head weight is sharded); "
                          "use ZeRO stage <= 2 or DDP")
     check_fusable(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)), "model")
+    if getattr(trainer, "aux_loss_enabled", False):  # TRL's MoE router loss: a Switch loss we compute, or refused
+        router_loss(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)), trainer.router_aux_loss_coef)
     if trainer.ref_model is not None:
         check_fusable(causal_lm_of(trainer.accelerator.unwrap_model(trainer.ref_model)), "ref_model")
 
@@ -165,24 +166,30 @@ class FastGRPOMixin:
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
         """TRL's per-token log-probs `[B, logits_to_keep]` (and entropies), 0 outside the attention mask,
-        here without logits. Used for the old-policy and reference passes (under no_grad)."""
-        if compute_aux_loss:
-            raise ValueError("compute_aux_loss=True (MoE router loss) is not supported by the fused path")
+        here without logits. Used for the old-policy and reference passes (under no_grad). compute_aux_loss:
+        the MoE router loss too, TRL's: the mean over the row chunks of each one's (its real tokens')."""
         _reject_multimodal(extra)
         options = loss_options(self)
         lm = causal_lm_of(self.accelerator.unwrap_model(model))
         weight, bias = output_head(lm)
         batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
+        router = router_loss(lm, getattr(self, "router_aux_loss_coef", None)) if compute_aux_loss else None
+        logps, entropies, aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):  # row chunks bound the decoder's activations
             ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             with self.accelerator.autocast():
-                hidden = completion_hidden_states(lm, ids, att, logits_to_keep)
+                if router is None:
+                    hidden = completion_hidden_states(lm, ids, att, logits_to_keep)
+                else:
+                    hidden, router_logits = routed_completion_hidden_states(lm, ids, att, logits_to_keep)
+                    aux_losses.append(objective.load_balancing_loss(router_logits, router.num_experts, router.top_k,
+                                                                    att.reshape(-1)))
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
                                             temperature=options.temperature, backend=options.backend)
             logps.append(logp)
             entropies.append(entropy)
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+        aux_loss = torch.stack(aux_losses).mean() if router is not None else None
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), aux_loss
 
     def _compute_loss(self, model, inputs):
         """TRL's `_compute_loss` (same loss, gradients and logged metrics) through the fused GRPO loss."""
@@ -197,8 +204,13 @@ class FastGRPOMixin:
 
         lm = causal_lm_of(model)
         weight, bias = output_head(lm)
+        router = router_loss(lm, self.router_aux_loss_coef) if getattr(self, "aux_loss_enabled", False) else None
         with self.accelerator.autocast():
-            hidden = completion_hidden_states(lm, input_ids, attention_mask, completion_ids.size(1))
+            if router is None:
+                hidden = completion_hidden_states(lm, input_ids, attention_mask, completion_ids.size(1))
+            else:  # the MoE router loss: from the same decoder forward's router logits
+                hidden, router_logits = routed_completion_hidden_states(lm, input_ids, attention_mask,
+                                                                        completion_ids.size(1))
         hidden = hidden.to(weight.dtype)
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
@@ -223,6 +235,10 @@ class FastGRPOMixin:
             terms = objective.TokenTerms(None, None, _broadcast(advantages), mask, None, options)
         if not row.aggregation.global_normaliser and mode == "train":  # TRL's accumulation scaling
             loss = loss / self.current_gradient_accumulation_steps
+        if router is not None:  # TRL's: coef x this micro-batch's router loss (its real tokens) / the accumulation
+            aux = objective.load_balancing_loss(router_logits, router.num_experts, router.top_k, attention_mask.reshape(-1))
+            loss = loss + self.router_aux_loss_coef * aux / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
         self._entropy_controller(mode, mask, metrics, entropy, entropy_mask)
         self._log_loss_metrics(mode, mask, ratio, metrics, terms)
         return loss
