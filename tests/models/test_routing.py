@@ -238,3 +238,20 @@ def test_the_installed_vllm_has_the_routing_api_written_against():
     assert "routed_experts: np.ndarray | None = None  # [seq_len,layer_num,topk]" in source("outputs.py")
     assert "routed_experts_prompt_start: int = 0" in source("sampling_params.py")
     assert "enable_return_routed_experts: bool = False" in source("engine/arg_utils.py")
+
+
+def test_replay_holds_through_gradient_checkpointings_recompute():
+    """The backward recomputes each layer (its routers included) while `replaying` is still open: the gradients are
+    those of the replayed forward without checkpointing."""
+    model = tiny_moe("qwen3_moe", seed=1).train()
+    packer = Packer(model, 256, routing_replay=True)
+    records = [torch.tensor([[[3, 1], [0, 2]]] * len(c), dtype=torch.int16) for c in COMPLETIONS]
+    (mb,) = packer.micro_batches(PROMPTS, COMPLETIONS, routed_experts=records)
+    hidden, grads = forward_and_router_grads(model, mb)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (mb,) = packer.micro_batches(PROMPTS, COMPLETIONS, routed_experts=records)
+    hidden_c, grads_c = forward_and_router_grads(model, mb)
+    assert_close(hidden_c, hidden, atol=scaled(1e-6, hidden), rtol=1e-6, name="hidden states")
+    for layer, (g_c, g) in enumerate(zip(grads_c, grads, strict=True)):
+        assert_close(g_c, g, atol=scaled(1e-6, g), rtol=1e-5, name=f"router {layer} gradient under checkpointing")
+    assert mb.routing.counts()[1] == 0
