@@ -89,6 +89,9 @@ BF16 = ["mixed_precision=bf16", "max_steps=1"]
 # docs/design.md, "Precision": what 2 ranks and one process agree on under bf16 autocast, relative (measured on an
 # avx512_bf16 EPYC: 4e-6 in the gradient norm, 4e-2 in the update; float32: 0 and 1e-5)
 BF16_GRADIENT, BF16_UPDATE = 1e-3, 1e-1
+# the MoE router loss (a tiny Qwen3-MoE, tests/models/test_moe.py): one sequence a micro-batch (40 tokens hold one), so
+# one process and each rank cut the step alike and the per-micro-batch router losses are the same ones; one step
+MOE = ["router_aux_loss_coef=0.5", "max_tokens_per_microbatch=40", "max_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +102,17 @@ def runs(tiny_model_dir, tool_model_dir, tmp_path_factory):
     engine is the last thing a rank does)."""
     root = tmp_path_factory.mktemp("runs")
     agents = f"tool_model={tool_model_dir}"
+    moe = f"model_dir={_moe_model(root / 'moe_model')}"
     vllm = vllm_available()
     launches = [
         (1, [("one", "16", "hf"), ("one-global-stats", "16", "hf", *GLOBAL_STATS), ("one-lora", "16", "hf", *LORA),
-             ("one-agents", "16", "hf", agents), ("one-bf16", "16", "hf", *BF16),
+             ("one-agents", "16", "hf", agents), ("one-bf16", "16", "hf", *BF16), ("one-moe", "16", "hf", moe, *MOE),
              *([("one-vllm", "16", "vllm")] if vllm else [])]),
         (2, [("ddp", "8", "hf", "distributed_strategy=ddp"), ("fsdp2", "8", "hf", "distributed_strategy=fsdp2"),
              ("ddp-bf16", "8", "hf", "distributed_strategy=ddp", *BF16),
              ("ddp-lora", "8", "hf", "distributed_strategy=ddp", *LORA), ("ddp-agents", "8", "hf", "distributed_strategy=ddp", agents),
              ("two-global-stats", "8", "hf", *GLOBAL_STATS),  # and 1 -> 2: a one-process checkpoint sharded over two ranks
+             ("ddp-moe", "8", "hf", "distributed_strategy=ddp", moe, *MOE),
              ("fsdp2-resumed2", "8", "hf", "distributed_strategy=fsdp2", f"resume_from_checkpoint={root / 'one' / 'checkpoint-1'}"),
              *([("fsdp2-vllm", "8", "vllm", "distributed_strategy=fsdp2")] if vllm else [])]),
         (1, [(f"{s}-resumed", "16", "hf", f"resume_from_checkpoint={root / s / 'checkpoint-1'}") for s in ("ddp", "fsdp2")]),
@@ -120,6 +125,16 @@ def runs(tiny_model_dir, tool_model_dir, tmp_path_factory):
         outs = [job[0] for job in jobs]
         results.update({out.name: (out, *result) for out, result in zip(outs, _launch(cmd, outs), strict=True)})
     return results
+
+
+def _moe_model(path: Path) -> Path:
+    """A folder with the tiny random Qwen3-MoE of tests/models/test_moe.py and the tiny tokenizer."""
+    from tests.models.test_moe import tiny_moe
+    from tests.tiny_model import build_tiny_tokenizer
+
+    tiny_moe("qwen3_moe").save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +291,22 @@ def test_bf16_autocast_on_two_ranks_trains_like_one_process_within_the_stated_to
     assert b["loss"] == pytest.approx(a["loss"], rel=BF16_GRADIENT, abs=1e-6)
     _assert_same_weights(weights2, weights1, load_file(Path(tiny_model_dir) / "model.safetensors"), per_tensor=None,
                          whole=BF16_UPDATE)
+
+
+def test_moe_router_loss_on_two_ranks_trains_like_one_process(runs):
+    """DDP with the router load-balancing loss: each rank's micro-batches' losses, averaged with the gradients, and
+    the logged aux_loss and expert load (over all ranks' micro-batches) are one process's; the same update."""
+    one, _, steps1, weights1 = runs["one-moe"]
+    two, seen2, steps2, weights2 = runs["ddp-moe"]
+    assert seen2 == {"world": 2, "step": 1, "strategy": "ddp"}
+    (a,), (b,) = ([s for s in steps if "loss" in s] for steps in (steps1, steps2))
+    assert a["num_micro_batches"] == b["num_micro_batches"] == 16 and a["aux_loss"] > 1.0
+    for name in ("aux_loss", "moe/max_expert_load", "loss", "grad_norm"):
+        assert b[name] == pytest.approx(a[name], rel=1e-5), name
+    initial = load_file(one.parent / "moe_model" / "model.safetensors")
+    diff = sum(float(((weights2[n] - w) ** 2).sum()) for n, w in weights1.items())
+    update = sum(float(((w - initial[n]) ** 2).sum()) for n, w in weights1.items())
+    assert update > 0 and diff ** 0.5 <= 1e-3 * update ** 0.5
 
 
 def test_global_statistics_and_side_passes_train_like_one_process(tiny_model_dir, runs):

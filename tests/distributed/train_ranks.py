@@ -7,7 +7,8 @@ costs ~10 s of imports on the 2-core machines, so runs that start the same world
 ENGINE is hf, or vllm (one in-process engine per rank); `name=value` arguments override the config
 (resume_from_checkpoint=..., scale_rewards=batch, distributed_strategy=fsdp2; kill_rank_after_step=R:N,
 a fault for the elastic-restart test; judge_rank=hf, a judge_rank reward whose requests go to OUT/judge-rank<r>.json;
-tool_model=DIR, an agents run: the tiny tool-calling model of DIR, its tools and prompts, multi-turn trajectories);
+tool_model=DIR, an agents run: the tiny tool-calling model of DIR, its tools and prompts, multi-turn trajectories;
+model_dir=DIR, another tiny model's folder);
 the global batch is per_device_train_batch_size x ranks. Each
 rank writes the completion ids it sampled, per reward call (train and eval), to OUT/sampled-rank<r>.json; rank 0
 prints one JSON line per job, in order. A one-process launch may also run as `main(...)` inside a test's process."""
@@ -38,6 +39,7 @@ def main(model_dir: str, *argv: str) -> None:
 def run(model_dir: str, output_dir: str, per_device: int, engine: str, *overrides: str) -> None:
     overrides = {k: {"True": True, "False": False}.get(v, v) for k, v in (o.split("=", 1) for o in overrides)}
     agents = overrides.pop("tool_model", None)
+    model_dir = overrides.pop("model_dir", model_dir)  # another tiny model's folder (the MoE run's)
     if agents is not None:  # (tests/agents/test_multi_turn.py's run: the tools, longer sequences, one eval)
         model_dir = agents
         overrides = dict(tools=TOOL_NAMES, max_prompt_length=64,
