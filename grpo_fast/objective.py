@@ -148,11 +148,12 @@ class LossOptions:
         return self.epsilon_low, self.epsilon_low if self.epsilon_high is None else self.epsilon_high
 
     @classmethod
-    def from_config(cls, config) -> "LossOptions":
+    def from_config(cls, config, **model) -> "LossOptions":
         """From grpo_fast's `GRPOConfig`: its options (`epsilon` is epsilon_low, `loss_backend` the backend),
-        dr_grpo's divisor its max_completion_length and its KL bias correction (whose default differs)."""
+        dr_grpo's divisor its max_completion_length and its KL bias correction (whose default differs);
+        `model`: the model's logit map (`logit_scale`, `logit_softcap`) where a model is known."""
         return read_config(cls, config, max_completion_length=config.max_completion_length,
-                           use_bias_correction_kl=config.use_bias_correction_kl)
+                           use_bias_correction_kl=config.use_bias_correction_kl, **model)
 
 
 def option_warnings(options: LossOptions) -> list[str]:

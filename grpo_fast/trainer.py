@@ -36,7 +36,7 @@ from .generation.engines.base import SamplingOptions, asleep, check_engine
 from .generation.modes import rollout_mode
 from .loss_types import loss_type
 from .models import moe, precision, routing
-from .models.adapter import causal_lm_of
+from .models.adapter import causal_lm_of, logit_transform
 from .models.policy import (
     ContextBudget,
     Policy,
@@ -155,7 +155,8 @@ class GRPOTrainer:
         cuda = next(model.parameters()).is_cuda
         packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=precisions.amp_dtype(cuda),
                         routing_replay=routes.routing_replay)
-        self.options = Options(LossOptions.from_config(c), AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
+        loss_options = LossOptions.from_config(c, **logit_transform(causal_lm_of(model).config))  # (the model's map)
+        self.options = Options(loss_options, AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
         self.generation = generate.GenerateOptions.from_config(c)  # the generate stage's (the mode's, the rounds')
         # many ranks: DDP or FSDP2 (one process: the model as it is); the reference sharded alike
         parallel = distributed.parallelize(model, self.world, c.distributed_strategy)

@@ -57,7 +57,14 @@ from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
 from .. import objective  # noqa: E402
 from ..loss_types import LOSS_TYPES, loss_type  # noqa: E402
-from ..models.adapter import causal_lm_of, check_fusable, completion_hidden_states, masked_logprobs, output_head  # noqa: E402
+from ..models.adapter import (  # noqa: E402
+    causal_lm_of,
+    check_fusable,
+    completion_hidden_states,
+    logit_transform,
+    masked_logprobs,
+    output_head,
+)
 from ..models.moe import routed_completion_hidden_states, router_loss  # noqa: E402
 from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
@@ -115,8 +122,9 @@ def loss_options(trainer) -> LossOptions:
     """grpo_fast's loss options from a TRL trainer: the values GRPOTrainer.__init__ took from its GRPOConfig
     (`epsilon` -> epsilon_low, `epsilon_high` resolved; the rest from the args) and that TRL's own
     _compute_loss reads, with the entropy bonus's coefficient as TRL applies it in this step (the adaptive
-    gate: `objective.applied_entropy_coef`). Built at each loss call, as TRL reads them, so a callback that
-    changes `trainer.beta` acts as it does in TRL."""
+    gate: `objective.applied_entropy_coef`) and the model's own logit map (Gemma 2's soft-cap, Cohere's
+    scale: `models.adapter.logit_transform`, as TRL's fused lm_head reads them). Built at each loss call, as TRL
+    reads them, so a callback that changes `trainer.beta` acts as it does in TRL."""
     args = trainer.args
     defaults = LossOptions()  # for the fields an older TRL (1.14, 1.15) does not have
     arg = lambda name: getattr(args, name, getattr(defaults, name))  # noqa: E731
@@ -133,7 +141,7 @@ def loss_options(trainer) -> LossOptions:
         sapo_temperature_pos=arg("sapo_temperature_pos"), sapo_temperature_neg=arg("sapo_temperature_neg"),
         vespo_k_pos=arg("vespo_k_pos"), vespo_lambda_pos=arg("vespo_lambda_pos"), vespo_k_neg=arg("vespo_k_neg"),
         vespo_lambda_neg=arg("vespo_lambda_neg"), use_bias_correction_kl=bool(getattr(args, "use_bias_correction_kl", False)),
-        entropy_coef=coef,
+        entropy_coef=coef, **logit_transform(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)).config),
     )
 
 
@@ -185,7 +193,7 @@ class FastGRPOMixin:
                     aux_losses.append(objective.load_balancing_loss(router_logits, router.num_experts, router.top_k,
                                                                     att.reshape(-1)))
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
-                                            temperature=options.temperature, backend=options.backend)
+                                            options=options)
             logps.append(logp)
             entropies.append(entropy)
         aux_loss = torch.stack(aux_losses).mean() if router is not None else None
@@ -257,8 +265,7 @@ class FastGRPOMixin:
         either; the backward recomputes logit chunks: 4 lm_head matmuls instead of 3) and the objective.
         Returns (loss, metrics, ratio for the clip metrics, entropy, high-entropy mask)."""
         logp, entropy = masked_logprobs(hidden, weight, bias, inputs["completion_ids"], inputs["completion_mask"],
-                                        temperature=options.temperature, backend=options.backend,
-                                        differentiable_entropy=options.entropy_coef != 0.0)
+                                        options=options, differentiable_entropy=options.entropy_coef != 0.0)
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropy.detach(), mask, 1 - self.top_entropy_quantile)

@@ -8,8 +8,8 @@ from .adapter import (
     LOGIT_TRANSFORM_FIELDS,
     causal_lm_of,
     check_fusable,
-    check_logit_transforms,
     decoder_of,
+    logit_transform,
     output_head,
 )
 from .loading import DEFAULT_MODEL, cache_dir, check_model_folder, default_model_path, load_policy, resolve_model_path
@@ -20,11 +20,11 @@ __all__ = [
     "cache_dir",
     "causal_lm_of",
     "check_fusable",
-    "check_logit_transforms",
     "check_model_folder",
     "decoder_of",
     "default_model_path",
     "load_policy",
+    "logit_transform",
     "output_head",
     "resolve_model_path",
 ]

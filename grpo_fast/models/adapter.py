@@ -15,9 +15,9 @@ from torch import nn
 
 from ..ops import masked_linear_logprobs
 
-# Config fields that make a model transform its logits after the lm_head (Gemma's softcap,
-# Cohere's logit_scale, Granite's logits_scaling, ...): the fused ops do not, so these models
-# are refused rather than trained on a different distribution. Same list TRL 1.16 reads.
+# Config fields that make a model transform its logits after the lm_head (Gemma's soft-cap, Cohere's
+# logit_scale, Granite's logits_scaling, ...): the fused ops apply them (`objective.LogitMap`), read as
+# TRL 1.16's `add_fused_lm_head` reads them (`logit_transform`). Every field TRL lists is implemented.
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
@@ -73,22 +73,37 @@ def unshard_head(head: nn.Module) -> None:
         head.unshard()
 
 
-def check_logit_transforms(model_config, name: str = "model") -> None:
-    """Raise a ValueError naming the field when a model config (transformers', config.json's) transforms the
-    logits after the lm_head (checkable from config.json alone, before any weights load)."""
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    for field in LOGIT_TRANSFORM_FIELDS:
-        value = getattr(text_config, field, None)
-        if value is not None and not (field != "final_logit_softcapping" and value == 1.0):
-            raise ValueError(
-                f"{name}: config.{field}={value!r} transforms the logits after the lm_head, which the fused loss "
-                "does not do; use trl.GRPOTrainer for this model"
-            )
+def logit_transform(model_config, name: str = "model") -> dict:
+    """The model's own map of its lm_head output before sampling, as `LossOptions`/the ops take it:
+    `{"logit_scale": s, "logit_softcap": c or None}` (logits -> c tanh(s logits / c), then the temperature).
+
+    The fields as transformers' models use them and TRL 1.16 reads them: `final_logit_softcapping` (Gemma 2,
+    Gemma 3's text model); a multiplier, the first set of `logit_scale` (Cohere, Cohere 2), `output_multiplier`,
+    `lm_head_multiplier` (Falcon-H1); else `logits_scaling`, which Granite and MiniCPM3 divide by and
+    HyperCLOVA X multiplies by. Checkable from config.json alone, before any weights load: a value the map
+    cannot take (not a positive finite number) raises a ValueError naming the field."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+    def positive(field):
+        value = getattr(config, field, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"{name}: config.{field}={value!r} cannot scale the logits; expected a positive finite "
+                             "number (or no value)")
+        return value
+
+    softcap = positive("final_logit_softcapping")
+    scale = next((v for v in map(positive, ("logit_scale", "output_multiplier", "lm_head_multiplier")) if v is not None),
+                 None)
+    if scale is None and positive("logits_scaling") is not None:
+        scale = config.logits_scaling if getattr(config, "model_type", None) == "hyperclovax" else 1.0 / config.logits_scaling
+    return {"logit_scale": 1.0 if scale is None else float(scale),
+            "logit_softcap": None if softcap is None else float(softcap)}
 
 
 def check_fusable(lm: nn.Module, name: str = "model") -> None:
     """Raise a ValueError naming the reason when the fused path cannot reproduce `lm`'s logits."""
-    check_logit_transforms(lm.config, name)
+    logit_transform(lm.config, name)
     decoder_of(lm)
     output_head(lm)
 
@@ -102,11 +117,13 @@ def completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to
     return hidden[:, -logits_to_keep - 1 : -1]
 
 
-def masked_logprobs(hidden, weight, bias, target_ids, mask, *, temperature: float, backend: str = "auto",
-                    differentiable_entropy: bool = False):
-    """Log-probs and entropies `[B, T]` (float32) of `target_ids [B, T]` from `hidden [B, T, H]`,
-    computed only where `mask` is set and 0 elsewhere (as TRL returns them). Differentiable in logp
+def masked_logprobs(hidden, weight, bias, target_ids, mask, *, options, differentiable_entropy: bool = False):
+    """Log-probs and entropies `[B, T]` (float32) of `target_ids` from `hidden [B, T, H]` under the loss
+    options' logit map (`objective.LossOptions`: the temperature, the model's scale and soft-cap) and
+    backend, computed only where `mask` is set and 0 elsewhere (as TRL returns them). Differentiable in logp
     (and in the entropy with `differentiable_entropy=True`: the entropy bonus)."""
     hidden = hidden.to(weight.dtype)  # autocast may hand back another dtype; the op wants one
-    return masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias, temperature=temperature,
-                                  backend=backend, return_entropy=True, differentiable_entropy=differentiable_entropy)
+    return masked_linear_logprobs(hidden, weight, target_ids, mask, bias=bias, temperature=options.temperature,
+                                  logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
+                                  backend=options.backend, return_entropy=True,
+                                  differentiable_entropy=differentiable_entropy)

@@ -114,7 +114,7 @@ def prepare_policy(options: PolicyOptions, precision: Precision, budget: Context
         path = models.resolve_model_path(spec)
         model_config = AutoConfig.from_pretrained(path)  # checked before the weights load
         check_context(budget, model_config, repr(path))
-        models.check_logit_transforms(model_config, repr(path))
+        models.logit_transform(model_config, repr(path))  # (its values checked before the weights load)
         model, loaded_tokenizer = models.load_policy(path, dtype=precision.weights_dtype(), load_in_4bit=options.load_in_4bit)
         tokenizer = tokenizer or loaded_tokenizer
     elif tokenizer is None:

@@ -14,7 +14,7 @@ import torch
 
 from ..compat import attention_implementation
 from ..models import routing
-from ..models.adapter import causal_lm_of, decoder_of, output_head, unshard_head
+from ..models.adapter import causal_lm_of, decoder_of, logit_transform, output_head, unshard_head
 from ..models.moe import router_logits_of
 from ..ops import masked_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
@@ -113,16 +113,18 @@ def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, te
     """Per-sample log-probs `[C_i]` (float32, CPU) of the completion tokens under `model`, no grad.
 
     Used for the old-policy and reference passes: hidden states, then the fused linear op, so no
-    logits tensor exists here either. Samples with an empty completion get an empty tensor.
+    logits tensor exists here either. Samples with an empty completion get an empty tensor. The
+    log-probs are of the model's own logit map (its scale and soft-cap, then `temperature`).
     routed_experts: the engine's routing records (routing replay: `Packer.routing_replay`).
     """
     base, weight, bias = policy_parts(model)
+    logit_map = logit_transform(causal_lm_of(model).config)
     out = [torch.zeros(0) for _ in prompt_ids]
     for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids, routed_experts=routed_experts)):
         with routing.replaying(base, mb.routing):
             hidden = completion_hidden(base, mb, packer.amp_dtype)
         logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.completion_mask, bias=bias,
-                                      temperature=temperature, backend=backend)
+                                      temperature=temperature, **logit_map, backend=backend)
         for i, values in zip(mb.rows, mb.unpad(logp), strict=True):
             out[i] = values.cpu()
     return out

@@ -23,7 +23,7 @@ the token-budget groups above, and the step's router loss is their mean, as TRL'
 TRL's token masks: `top_entropy_quantile < 1` (train on a micro-batch's highest-entropy tokens) and
 `off_policy_mask_threshold` (drop negative-advantage sequences far from the sampler) need the
 current policy's log-probs and entropies before the loss: one extra no-grad lm_head pass per
-micro-batch (`masked_linear_logprobs`), then the masks multiply the policy-gradient term as TRL's do.
+micro-batch (`models.adapter.masked_logprobs`), then the masks multiply the policy-gradient term as TRL's do.
 
 A non-finite loss or gradient norm skips the step: gradients are dropped, the weights and the
 optimizer state stay as they were, and `skipped` is reported.
@@ -46,10 +46,10 @@ from ..distributed import ONE_PROCESS, Parallel, any_rank, gather_rows, sum_over
 from ..generation.batch import Rollouts
 from ..loss_types import loss_type
 from ..models import routing as routing_replay
-from ..models.adapter import causal_lm_of, decoder_of
+from ..models.adapter import causal_lm_of, decoder_of, masked_logprobs
 from ..models.moe import RouterStats, router_loss
 from ..objective import LossOptions
-from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
+from ..ops import fused_linear_grpo_loss
 from ..options import mirror, option, options_record
 from .forward import Packer, completion_hidden, policy_parts
 
@@ -227,8 +227,7 @@ def _in_step_is_weights(hidden, weight, bias, mb, batch: Rollouts, options: Loss
                         gap: _SamplingGap) -> torch.Tensor:
     """The micro-batch's IS weights (b, Tc), each completion's from this forward's own log-probs (no grad)."""
     with torch.no_grad():
-        logp = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mb.completion_mask, bias=bias,
-                                      temperature=options.temperature, backend=options.backend).cpu()
+        logp = masked_logprobs(hidden.detach(), weight, bias, mb.target_ids, mb.completion_mask, options=options)[0].cpu()
     out = torch.zeros_like(logp)
     for j, (i, trainer) in enumerate(zip(mb.rows, mb.unpad(logp), strict=True)):
         sampling = batch.sampling_logp[i]
@@ -243,9 +242,7 @@ def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages
     """TRL's off-policy sequence mask and high-entropy token mask of a micro-batch, from a no-grad
     pass of the current policy: (is_weights times the masks, entropy, the high-entropy mask or None)."""
     with torch.no_grad():
-        logp, entropy = masked_linear_logprobs(hidden.detach(), weight, mb.target_ids, mask, bias=bias,
-                                               temperature=options.temperature, backend=options.backend,
-                                               return_entropy=True)
+        logp, entropy = masked_logprobs(hidden.detach(), weight, bias, mb.target_ids, mask, options=options)
     factors = [] if is_weights is None else [is_weights]
     if off_policy_mask_threshold is not None:
         sampling = mb.pad(batch.sampling_logp)

@@ -305,13 +305,33 @@ def test_accelerate_refuses_unsupported_options(build):
     assert type(trainer) is GRPOTrainer
 
 
-def test_logit_softcapping_model_refused(tiny_path, build):
-    from transformers import AutoModelForCausalLM
+def test_soft_capped_model_matches_trl(tiny_path, prompts, tmp_path):
+    """Gemma 2 (tiny, random, soft-cap 2 so the logits bend) with β > 0 through both trainers: the same loss,
+    gradients and metrics (its soft-cap applied inside the fused op)."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        build(FastGRPOTrainer, model=model)
+    from .conftest import grpo_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, final_logit_softcapping=2.0, attn_logit_softcapping=None,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    kwargs = dict(reward_funcs=length_reward, train_dataset=prompts)
+    trainers = [cls(model=str(tmp_path / "gemma2"), args=grpo_config(tmp_path, beta=0.1, num_iterations=2), **kwargs)
+                for cls in (GRPOTrainer, FastGRPOTrainer)]
+    torch.manual_seed(0)
+    trainers[0].model.train()
+    inputs = trainers[0]._prepare_inputs(_generation_batch(prompts))
+    for trainer in trainers:
+        _perturb(trainer.model)
+        trainer.model.train()
+    _assert_same(*trainers, inputs)
 
 
 def test_multimodal_inputs_refused(pair):
