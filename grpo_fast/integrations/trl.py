@@ -60,12 +60,11 @@ from ..loss_types import LOSS_TYPES, loss_type  # noqa: E402
 from ..models.adapter import (  # noqa: E402
     causal_lm_of,
     check_fusable,
-    completion_hidden_states,
     logit_transform,
     masked_logprobs,
     output_head,
 )
-from ..models.moe import routed_completion_hidden_states, router_loss  # noqa: E402
+from ..models.moe import completion_hidden_and_router_loss, router_loss  # noqa: E402
 from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
 
@@ -186,12 +185,8 @@ class FastGRPOMixin:
         for start in range(0, input_ids.size(0), batch_size):  # row chunks bound the decoder's activations
             ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             with self.accelerator.autocast():
-                if router is None:
-                    hidden = completion_hidden_states(lm, ids, att, logits_to_keep)
-                else:
-                    hidden, router_logits = routed_completion_hidden_states(lm, ids, att, logits_to_keep)
-                    aux_losses.append(objective.load_balancing_loss(router_logits, router.num_experts, router.top_k,
-                                                                    att.reshape(-1)))
+                hidden, aux = completion_hidden_and_router_loss(lm, ids, att, logits_to_keep, router)
+            aux_losses.append(aux)
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
                                             options=options)
             logps.append(logp)
@@ -213,12 +208,8 @@ class FastGRPOMixin:
         lm = causal_lm_of(model)
         weight, bias = output_head(lm)
         router = router_loss(lm, self.router_aux_loss_coef) if getattr(self, "aux_loss_enabled", False) else None
-        with self.accelerator.autocast():
-            if router is None:
-                hidden = completion_hidden_states(lm, input_ids, attention_mask, completion_ids.size(1))
-            else:  # the MoE router loss: from the same decoder forward's router logits
-                hidden, router_logits = routed_completion_hidden_states(lm, input_ids, attention_mask,
-                                                                        completion_ids.size(1))
+        with self.accelerator.autocast():  # (and the MoE router loss from the same decoder forward)
+            hidden, aux = completion_hidden_and_router_loss(lm, input_ids, attention_mask, completion_ids.size(1), router)
         hidden = hidden.to(weight.dtype)
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
@@ -243,8 +234,7 @@ class FastGRPOMixin:
             terms = objective.TokenTerms(None, None, _broadcast(advantages), mask, None, options)
         if not row.aggregation.global_normaliser and mode == "train":  # TRL's accumulation scaling
             loss = loss / self.current_gradient_accumulation_steps
-        if router is not None:  # TRL's: coef x this micro-batch's router loss (its real tokens) / the accumulation
-            aux = objective.load_balancing_loss(router_logits, router.num_experts, router.top_k, attention_mask.reshape(-1))
+        if aux is not None:  # TRL's: coef x this micro-batch's router loss (its real tokens) / the accumulation
             loss = loss + self.router_aux_loss_coef * aux / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
         self._entropy_controller(mode, mask, metrics, entropy, entropy_mask)

@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import objective
 from ..distributed import gather_objects, sum_over_ranks
-from .adapter import decoder_of
+from .adapter import completion_hidden_states, decoder_of
 
 # Model types whose causal LM (transformers 5.19) adds the Switch loss that `objective.load_balancing_loss`
 # computes: the same `load_balancing_loss_func`, called with (router logits, num_experts, num_experts_per_tok,
@@ -91,12 +91,18 @@ def router_logits_of(outputs) -> tuple[torch.Tensor, ...]:
     return tuple(logits)
 
 
-def routed_completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to_keep: int):
-    """`adapter.completion_hidden_states` with the router logits of the same decoder forward:
-    (hidden `[B, logits_to_keep, H]`, router logits, one `[B L, E]` per MoE layer; padding rows included,
-    `attention_mask.reshape(-1)` marks the real ones)."""
+def completion_hidden_and_router_loss(lm: nn.Module, input_ids, attention_mask, logits_to_keep: int,
+                                      router: Optional[RouterLoss]):
+    """`adapter.completion_hidden_states` `[B, logits_to_keep, H]` and, with `router`, the Switch loss of the same
+    decoder forward's router logits over the real tokens of `attention_mask [B, L]` (TRL's padded rows: the
+    value the causal LM's own forward returns as `aux_loss`); None without `router`."""
+    if router is None:
+        return completion_hidden_states(lm, input_ids, attention_mask, logits_to_keep), None
     out = decoder_of(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True)
-    return out.last_hidden_state[:, -logits_to_keep - 1 : -1], router_logits_of(out)
+    with torch.autocast(input_ids.device.type, enabled=False):  # (the loss in float32 whatever the forward's autocast)
+        aux = objective.load_balancing_loss(router_logits_of(out), router.num_experts, router.top_k,
+                                            attention_mask.reshape(-1))
+    return out.last_hidden_state[:, -logits_to_keep - 1 : -1], aux
 
 
 class RouterStats:
