@@ -248,3 +248,17 @@ def test_native_trainer_trains_a_step_and_logs_the_router_loss(models, tmp_path)
     assert record["aux_loss"] > 0 and 1.0 <= record["moe/max_expert_load"] <= 2.0
     routers = [n for n in before if n.endswith("mlp.gate.weight")]
     assert all(not torch.equal(before[n], dict(model.named_parameters())[n]) for n in routers)
+
+
+def test_native_trainer_refuses_a_router_loss_for_a_dense_model(tmp_path):
+    """Before the engine starts or anything trains: TRL's refusal, from the model passed in."""
+    from transformers import LlamaForCausalLM
+
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.tiny_model import build_tiny_tokenizer, tiny_llama_config
+    from tests.trainer.common import config, rows, target_fraction
+
+    model = LlamaForCausalLM(tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0\.1 but model \(llama\) is not a mixture-of-experts"):
+        GRPOTrainer(config(tmp_path, router_aux_loss_coef=0.1), [target_fraction], rows(8), model=model,
+                    tokenizer=build_tiny_tokenizer())
