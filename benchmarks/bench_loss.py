@@ -4,6 +4,7 @@
     python benchmarks/bench_loss.py --device cuda --out DIR   # GPU preset (bf16, Qwen2.5 heads)
     python benchmarks/bench_loss.py --sizes 4x512x512x32768 --impls plain,cpu --rounds 3
     python benchmarks/bench_loss.py --preset cpu-loss-types     # TRL's loss types beside dapo, results/loss_types_cpu.*
+    python benchmarks/bench_loss.py --preset cpu-logit-maps     # Gemma 2's soft-cap beside dapo, results/logit_maps_cpu.*
 
 Implementations, each run in its own subprocess (so peak memory is its own):
   floor    the three unavoidable matmuls of the same shapes (logits, grad_hidden, grad_weight),
@@ -62,6 +63,13 @@ PRESETS = {
     "cpu-loss-types": dict(device="cpu", sizes=["4x512x512x32768"], dtype="float32",
                            impls=["floor", "cpu:dapo", "cpu:cispo", "cpu:sapo", "cpu:entropy", "cpu:gspo", "cpu:vespo",
                                   "cpu:luspo"], warmup=1, repeats=3, rounds=3, budget=None, refs=["cpu:dapo", "cpu:gspo"]),
+    # the model's logit map inside the op: Gemma 2's soft-cap (30) beside dapo without one (issue 48)
+    "cpu-logit-maps": dict(device="cpu", sizes=["4x512x512x32768"], dtype="float32",
+                           impls=["floor", "cpu:dapo", "cpu:softcap", "torch:dapo", "torch:softcap"], warmup=1,
+                           repeats=3, rounds=2, budget=None, refs=["cpu:dapo", "torch:dapo"]),
+    "cuda-logit-maps": dict(device="cuda", sizes=["16x1024x896x151936"], dtype="bfloat16",
+                            impls=["floor", "triton:dapo", "triton:softcap"], warmup=2, repeats=5, rounds=1, budget=40,
+                            refs=["triton:dapo"]),
     "cuda-loss-types": dict(device="cuda", sizes=["16x1024x896x151936"], dtype="bfloat16",
                             impls=["floor", "triton:dapo", "triton:cispo", "triton:sapo", "triton:entropy",
                                    "triton:gspo", "triton:vespo", "triton:luspo"], warmup=2, repeats=5, rounds=1,
@@ -71,6 +79,7 @@ VARIANTS = {  # BACKEND:VARIANT -> the loss options beside the backend
     "dapo": {}, "cispo": dict(loss_type="cispo", epsilon_high=5.0), "sapo": dict(loss_type="sapo"),
     "vespo": dict(loss_type="vespo"), "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence"), "entropy": dict(entropy_coef=0.01),
+    "softcap": dict(logit_softcap=30.0),  # Gemma 2's final_logit_softcapping, inside the op (objective.LogitMap)
 }
 GRPO_FAST = ("torch", "cpu", "triton")
 
@@ -163,8 +172,10 @@ def _variant_step(impl, inputs):
     with torch.no_grad():
         g = torch.Generator(device=hidden.device).manual_seed(1)
         noise = torch.randn(target.shape, generator=g, device=hidden.device)
-        old = fused_linear_logprobs(hidden, weight, target, backend=backend) + 0.3 * noise
     options = LossOptions(backend=backend, **VARIANTS[variant])
+    with torch.no_grad():
+        old = fused_linear_logprobs(hidden, weight, target, backend=backend, logit_scale=options.logit_scale,
+                                    logit_softcap=options.logit_softcap) + 0.3 * noise
 
     def fused():
         loss, _ = fused_linear_grpo_loss(hidden, weight, target, advantages, mask, old_logp=old, options=options)
@@ -467,7 +478,8 @@ def main(argv=None):
     env = harness.environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"loss_types_{args.device}" if args.preset.endswith("loss-types") else f"loss_{args.device}"
+    kind = next((k for k in ("loss-types", "logit-maps") if args.preset and args.preset.endswith(k)), None)
+    name = f"{kind.replace('-', '_')}_{args.device}" if kind else f"loss_{args.device}"
     stem = out / (name + ("" if args.dtype == preset["dtype"] else f"_{args.dtype}"))
     rows = []
     deadline = time.monotonic() + (args.budget or float("inf"))
