@@ -15,8 +15,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <omp.h>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -180,20 +182,24 @@ struct LogitMap {
     float operator()(float x) const { return softcap ? softcapped(x, pre, post) : x * pre; }
 };
 
+// Ragged rows (the kept-set route: a CSR buffer of each position's kept logits) pass `offsets` [rows + 1]:
+// row r is logits[offsets[r]:offsets[r + 1]] and target[r] indexes inside it; float32 only. nullptr: rows
+// of `vocab` logits each.
 template <typename T>
 void row_stats_impl(const T* logits, const int64_t* target, int64_t rows, int64_t vocab, LogitMap map, float* logp,
-                    float* entropy, float* lse_out) {
+                    float* entropy, float* lse_out, const int64_t* offsets = nullptr) {
 #pragma omp parallel
     {
         std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; ++r) {
-            const float* x = row_f32(logits, r, vocab, buf.data());
+            const int64_t len = offsets ? offsets[r + 1] - offsets[r] : vocab;
+            const float* x = offsets ? reinterpret_cast<const float*>(logits) + offsets[r] : row_f32(logits, r, vocab, buf.data());
             float s, t, m;
             if (map.softcap)
-                stats_row_softcap(x, vocab, map.pre, map.post, &s, &t, &m);
+                stats_row_softcap(x, len, map.pre, map.post, &s, &t, &m);
             else
-                stats_row(x, vocab, map.pre, &s, &t, &m);
+                stats_row(x, len, map.pre, &s, &t, &m);
             const float log_s = std::log(s);
             lse_out[r] = m + log_s;
             logp[r] = map(x[target[r]]) - lse_out[r];
@@ -215,14 +221,17 @@ void grad_softcap(float* x, int64_t target, int64_t vocab, LogitMap map, float l
 
 template <typename T>
 void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab, LogitMap map, const float* lse,
-                   const float* g, const float* g_entropy, const float* entropy) {
+                   const float* g, const float* g_entropy, const float* entropy, const int64_t* offsets = nullptr) {
     const float inv_t = map.pre;
+    const int64_t stride = vocab;
 #pragma omp parallel
     {
-        std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab);
+        std::vector<float> buf(std::is_same<T, float>::value ? 0 : stride);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; ++r) {
-            float* x = const_cast<float*>(row_f32(logits, r, vocab, buf.data()));
+            const int64_t vocab = offsets ? offsets[r + 1] - offsets[r] : stride;  // this row's length
+            float* x = offsets ? reinterpret_cast<float*>(logits) + offsets[r]
+                               : const_cast<float*>(row_f32(logits, r, stride, buf.data()));
             if (map.softcap) {
                 grad_softcap(x, target[r], vocab, map, lse[r], g[r], g_entropy ? g_entropy[r] : 0.0f,
                              entropy ? entropy[r] : 0.0f);
@@ -242,6 +251,95 @@ void row_grad_impl(T* logits, const int64_t* target, int64_t rows, int64_t vocab
                                inv_t * g_entropy[r] * p_target * (logp_target + entropy[r]);
             }
             if (!std::is_same<T, float>::value) narrow(x, reinterpret_cast<bf16_t*>(logits) + r * vocab, vocab);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kept-set route (truncated sampling): gathered lm_head rows, no [rows x vocab] logits.
+//
+// Entries e = 0..K-1 pair a row rows[e] (a position of the chunk) with a kept id ids[e]. The kernels walk
+// them grouped by id (`order`: the entries sorted by id, `starts`: where each id's group begins), so a
+// weight row is read from memory once per chunk and used for every position that keeps it, while the
+// chunk's hidden rows ([C, H] float32, small) stay in cache: the traffic is that of the kept rows, not
+// of K row reads. Groups go to threads dynamically.
+// ---------------------------------------------------------------------------------------------
+
+GRPO_CLONES float dot(const float* a, const float* b, int64_t n) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < n; ++j) acc += a[j] * b[j];
+    return acc;
+}
+
+GRPO_CLONES void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+}
+
+inline float scalar_f32(const float* p, int64_t i) { return p[i]; }
+inline float scalar_f32(const bf16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+
+// r[e] = hidden[rows[e]] . weight[ids[e]] + bias[ids[e]] (float32) for every entry.
+template <typename W>
+void kept_logits_impl(const float* hidden, const W* weight, const W* bias, int64_t hdim, const int64_t* ids,
+                      const int64_t* rows, const int64_t* order, const int64_t* starts, int64_t groups, float* r) {
+#pragma omp parallel
+    {
+        std::vector<float> buf(std::is_same<W, float>::value ? 0 : hdim);
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            const int64_t u = ids[order[starts[gi]]];
+            const float* w = row_f32(weight, u, hdim, buf.data());
+            const float b = bias ? scalar_f32(bias, u) : 0.f;
+            for (int64_t i = starts[gi]; i < starts[gi + 1]; ++i) {
+                const int64_t e = order[i];
+                r[e] = dot(hidden + rows[e] * hdim, w, hdim) + b;
+            }
+        }
+    }
+}
+
+// From dr [K] (d loss / d r per entry): grad_hidden[c] = sum_e dr[e] weight[ids[e]] over the row's entries
+// (each thread sums into its own [C, H] buffer, added up at the end: rows are shared between id groups),
+// grad_weight[u] += sum_e dr[e] hidden[rows[e]] and grad_bias[u] += sum_e dr[e] (one group per id: no two
+// threads write one row). Any of the three outputs may be null (not wanted).
+template <typename W>
+void kept_scatter_impl(const float* hidden, const W* weight, int64_t hdim, int64_t chunk_rows, const int64_t* ids,
+                       const int64_t* rows, const int64_t* order, const int64_t* starts, int64_t groups,
+                       const float* dr, float* grad_hidden, float* grad_weight, float* grad_bias) {
+    std::vector<float*> partial;
+#pragma omp parallel
+    {
+#pragma omp single
+        partial.assign(omp_get_num_threads(), nullptr);  // (implicit barrier)
+        std::vector<float> own(grad_hidden ? chunk_rows * hdim : 0, 0.f);
+        partial[omp_get_thread_num()] = own.data();
+        std::vector<float> buf(std::is_same<W, float>::value ? 0 : hdim), acc(grad_weight ? hdim : 0);
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            const int64_t u = ids[order[starts[gi]]];
+            const float* w = grad_hidden ? row_f32(weight, u, hdim, buf.data()) : nullptr;
+            std::fill(acc.begin(), acc.end(), 0.f);
+            float b = 0.f;
+            for (int64_t i = starts[gi]; i < starts[gi + 1]; ++i) {
+                const int64_t e = order[i];
+                if (grad_hidden) axpy(own.data() + rows[e] * hdim, dr[e], w, hdim);
+                if (grad_weight) axpy(acc.data(), dr[e], hidden + rows[e] * hdim, hdim);
+                b += dr[e];
+            }
+            if (grad_weight) axpy(grad_weight + u * hdim, 1.0f, acc.data(), hdim);
+            if (grad_bias) grad_bias[u] += b;
+        }  // (implicit barrier: every thread's buffer is complete)
+        if (grad_hidden) {
+            const int64_t n = chunk_rows * hdim;
+            const int threads = static_cast<int>(partial.size());
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n; ++j) {
+                float sum = 0.f;
+                for (int t = 0; t < threads; ++t) sum += partial[t][j];
+                grad_hidden[j] = sum;
+            }
         }
     }
 }
@@ -292,6 +390,75 @@ void row_grad_(std::uintptr_t logits_p, int dtype_bits, std::uintptr_t target_p,
         row_grad_impl(reinterpret_cast<bf16_t*>(logits_p), target, rows, vocab, map, lse, g, g_entropy, entropy);
 }
 
+// The ragged (CSR) forms of row_stats / row_grad_: float32 logits, row r = logits[offsets[r]:offsets[r + 1]] (never
+// empty), target[r] an index inside row r.
+void csr_row_stats(std::uintptr_t logits_p, std::uintptr_t offsets_p, std::uintptr_t target_p, int64_t rows, double pre,
+                   double post, bool softcap, std::uintptr_t logp_p, std::uintptr_t entropy_p, std::uintptr_t lse_p) {
+    const LogitMap map = logit_map(pre, post, softcap);
+    pybind11::gil_scoped_release release;
+    row_stats_impl(reinterpret_cast<const float*>(logits_p), reinterpret_cast<const int64_t*>(target_p), rows, 0, map,
+                   reinterpret_cast<float*>(logp_p), reinterpret_cast<float*>(entropy_p), reinterpret_cast<float*>(lse_p),
+                   reinterpret_cast<const int64_t*>(offsets_p));
+}
+
+void csr_row_grad_(std::uintptr_t logits_p, std::uintptr_t offsets_p, std::uintptr_t target_p, int64_t rows, double pre,
+                   double post, bool softcap, std::uintptr_t lse_p, std::uintptr_t g_p, std::uintptr_t g_entropy_p,
+                   std::uintptr_t entropy_p) {
+    if ((g_entropy_p == 0) != (entropy_p == 0))
+        throw std::invalid_argument("csr_row_grad_: g_entropy and entropy come together (both pointers or both 0)");
+    const LogitMap map = logit_map(pre, post, softcap);
+    pybind11::gil_scoped_release release;
+    row_grad_impl(reinterpret_cast<float*>(logits_p), reinterpret_cast<const int64_t*>(target_p), rows, 0, map,
+                  reinterpret_cast<const float*>(lse_p), reinterpret_cast<const float*>(g_p),
+                  reinterpret_cast<const float*>(g_entropy_p), reinterpret_cast<const float*>(entropy_p),
+                  reinterpret_cast<const int64_t*>(offsets_p));
+}
+
+// hidden: float32 [C, H]; weight (and bias, or 0): float32 (32) or bfloat16 (16) [V, H]; the entry arrays int64.
+void kept_logits(std::uintptr_t hidden_p, std::uintptr_t weight_p, std::uintptr_t bias_p, int weight_bits, int64_t hdim,
+                 std::uintptr_t ids_p, std::uintptr_t rows_p, std::uintptr_t order_p, std::uintptr_t starts_p,
+                 int64_t groups, std::uintptr_t r_p) {
+    check_dtype(weight_bits);
+    const auto* hidden = reinterpret_cast<const float*>(hidden_p);
+    const auto* ids = reinterpret_cast<const int64_t*>(ids_p);
+    const auto* rows = reinterpret_cast<const int64_t*>(rows_p);
+    const auto* order = reinterpret_cast<const int64_t*>(order_p);
+    const auto* starts = reinterpret_cast<const int64_t*>(starts_p);
+    auto* r = reinterpret_cast<float*>(r_p);
+    pybind11::gil_scoped_release release;
+    if (weight_bits == 32)
+        kept_logits_impl(hidden, reinterpret_cast<const float*>(weight_p), reinterpret_cast<const float*>(bias_p), hdim,
+                         ids, rows, order, starts, groups, r);
+    else
+        kept_logits_impl(hidden, reinterpret_cast<const bf16_t*>(weight_p), reinterpret_cast<const bf16_t*>(bias_p),
+                         hdim, ids, rows, order, starts, groups, r);
+}
+
+// grad_hidden_p: float32 [C, H] (written), grad_weight_p: float32 [V, H], grad_bias_p: float32 [V] (both added to);
+// each 0 when not wanted.
+void kept_scatter(std::uintptr_t hidden_p, std::uintptr_t weight_p, int weight_bits, int64_t hdim, int64_t chunk_rows,
+                  std::uintptr_t ids_p, std::uintptr_t rows_p, std::uintptr_t order_p, std::uintptr_t starts_p,
+                  int64_t groups, std::uintptr_t dr_p, std::uintptr_t grad_hidden_p, std::uintptr_t grad_weight_p,
+                  std::uintptr_t grad_bias_p) {
+    check_dtype(weight_bits);
+    const auto* hidden = reinterpret_cast<const float*>(hidden_p);
+    const auto* ids = reinterpret_cast<const int64_t*>(ids_p);
+    const auto* rows = reinterpret_cast<const int64_t*>(rows_p);
+    const auto* order = reinterpret_cast<const int64_t*>(order_p);
+    const auto* starts = reinterpret_cast<const int64_t*>(starts_p);
+    const auto* dr = reinterpret_cast<const float*>(dr_p);
+    auto* gh = reinterpret_cast<float*>(grad_hidden_p);
+    auto* gw = reinterpret_cast<float*>(grad_weight_p);
+    auto* gb = reinterpret_cast<float*>(grad_bias_p);
+    pybind11::gil_scoped_release release;
+    if (weight_bits == 32)
+        kept_scatter_impl(hidden, reinterpret_cast<const float*>(weight_p), hdim, chunk_rows, ids, rows, order, starts,
+                          groups, dr, gh, gw, gb);
+    else
+        kept_scatter_impl(hidden, reinterpret_cast<const bf16_t*>(weight_p), hdim, chunk_rows, ids, rows, order, starts,
+                          groups, dr, gh, gw, gb);
+}
+
 // exp_approx over a float32 buffer, so the tests can measure its error against exp in float64.
 void exp_approx_(std::uintptr_t x_p, int64_t n) {
     auto* x = reinterpret_cast<float*>(x_p);
@@ -308,5 +475,10 @@ PYBIND11_MODULE(_C, m) {
     m.def("row_grad_", &row_grad_,
           "in place: logits <- [g (onehot - p) - g_entropy p (log p + H)] dz/dx, p = softmax(z), z = map(logits) "
           "(f32 or bf16 logits; g_entropy, entropy pointers 0: no entropy term)");
+    m.def("csr_row_stats", &csr_row_stats, "row_stats over the ragged rows of a float32 CSR buffer (kept sets)");
+    m.def("csr_row_grad_", &csr_row_grad_, "row_grad_ over the ragged rows of a float32 CSR buffer (kept sets)");
+    m.def("kept_logits", &kept_logits, "r[e] = hidden[rows[e]] . weight[ids[e]] + bias[ids[e]], walked by id groups");
+    m.def("kept_scatter", &kept_scatter,
+          "grad_hidden, grad_weight (+=), grad_bias (+=) of the kept entries' d loss / d r, walked by id groups");
     m.def("exp_approx_", &exp_approx_, "in place: x <- exp_approx(x), the vectorised exp of the row passes");
 }

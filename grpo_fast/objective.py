@@ -4,7 +4,7 @@ Every kernel and backend in grpo_fast is tested against this file, so it stays s
 right. Semantics follow TRL's `GRPOTrainer` (see docs/design.md, "The objective"):
 
     lp      log-prob of the sampled token under logits / temperature (after the model's own scale and
-            soft-cap: `LogitMap`)
+            soft-cap: `LogitMap`), over the sampler's kept set where it truncated (`KeptSets`)
     ratio   w = exp(lp - old)                                   (token level)
             w = exp(sum_t M (lp - old) / sum_t M)               (sequence level, GSPO)
     loss    l = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)  (w first clamped to <= delta)
@@ -315,13 +315,155 @@ class LogitMap:
         return logits / self.temperature if self.scale == 1.0 else logits * self.pre
 
 
+@dataclass(frozen=True)
+class KeptSets:
+    """Each position's kept set under truncated sampling (top-k / top-p / min-p), as CSR over N positions.
+
+    ids int64 `[K]`, offsets int64 `[N + 1]` (offsets[0] = 0, offsets[N] = K, non-decreasing): position n's
+    set is `ids[offsets[n]:offsets[n + 1]]`, its positions row-major over the `target_ids` they go with
+    (`[B, T]` flattened). An EMPTY set means no truncation there: the whole vocabulary (prompt, tool and
+    padding positions, or a run that does not truncate). A set holds distinct ids in [0, V) and the
+    position's target; the order inside a set does not matter. vLLM's `return_sampling_mask` is this layout.
+    `__post_init__` checks types and ranks; `check` the values (against N, V and the targets), which needs
+    a device sync, so the ops run it where they read the values anyway."""
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    def __post_init__(self):
+        for name in ("ids", "offsets"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                raise ValueError(f"KeptSets.{name} must be a 1-D int64 tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
+        if self.offsets.numel() == 0:
+            raise ValueError("KeptSets.offsets must have N + 1 entries (N positions), got none")
+        if self.ids.device != self.offsets.device:
+            raise ValueError(f"KeptSets.ids and offsets must be on one device, got {self.ids.device} and "
+                             f"{self.offsets.device}")
+
+    @classmethod
+    def from_lists(cls, sets: Sequence[Sequence[int]], device=None) -> "KeptSets":
+        """From one list of ids per position (`[]`: no truncation there)."""
+        lengths = torch.tensor([len(s) for s in sets], dtype=torch.int64)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        ids = torch.tensor([i for s in sets for i in s], dtype=torch.int64)
+        return cls(ids.to(device), offsets.to(device))
+
+    @classmethod
+    def none(cls, n: int, device=None) -> "KeptSets":
+        """N positions without truncation (every set empty)."""
+        return cls(torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(n + 1, dtype=torch.int64, device=device))
+
+    @property
+    def num_positions(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`[N]` int64: each position's set size (0: the whole vocabulary)."""
+        return self.offsets.diff()
+
+    @property
+    def truncates(self) -> bool:
+        """Whether any position has a (non-empty) kept set."""
+        return self.ids.numel() > 0
+
+    def entry_rows(self) -> torch.Tensor:
+        """`[K]` int64: the position each entry of `ids` belongs to."""
+        n = self.num_positions
+        return torch.repeat_interleave(torch.arange(n, device=self.ids.device), self.lengths, output_size=self.ids.numel())
+
+    def to(self, device) -> "KeptSets":
+        return KeptSets(self.ids.to(device), self.offsets.to(device))
+
+    def select(self, rows: torch.Tensor) -> "KeptSets":
+        """The sets of positions `rows` (int64 `[M]`, in that order) as a new KeptSets over M positions."""
+        lengths = self.lengths.index_select(0, rows)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        k = int(offsets[-1])
+        entry_row = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), lengths, output_size=k)
+        src = self.offsets.index_select(0, rows).index_select(0, entry_row) + (
+            torch.arange(k, device=rows.device) - offsets.index_select(0, entry_row))
+        return KeptSets(self.ids.index_select(0, src), offsets)
+
+    def check(self, n: int, vocab: int, target_ids: Optional[torch.Tensor] = None, name: str = "kept") -> None:
+        """ValueError (one line, naming `name`) unless these are N positions' sets of distinct ids in
+        [0, vocab), each non-empty one holding its position's target (`target_ids`, N of them, flattened):
+        a target outside its set would have log-prob -inf."""
+        offsets, ids = self.offsets, self.ids
+        if offsets.numel() != n + 1:
+            raise ValueError(f"{name}.offsets must have N + 1 = {n + 1} entries (one set per position of "
+                             f"target_ids), got {offsets.numel()}")
+        if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel():
+            raise ValueError(f"{name}.offsets must run from 0 to len(ids) = {ids.numel()}, got {int(offsets[0])} .. "
+                             f"{int(offsets[-1])}")
+        if n and bool((offsets.diff() < 0).any()):
+            bad = int((offsets.diff() < 0).nonzero()[0])
+            raise ValueError(f"{name}.offsets must be non-decreasing, got {int(offsets[bad])} then "
+                             f"{int(offsets[bad + 1])} at position {bad}")
+        if not ids.numel():
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}.ids must lie in [0, {vocab}) (the vocabulary), found {lo if lo < 0 else hi}")
+        rows = self.entry_rows()
+        key = torch.sort(rows * vocab + ids).values  # (position, id) pairs, sorted: a repeat is a neighbour
+        if bool((key[1:] == key[:-1]).any()):
+            bad = int(key[1:][key[1:] == key[:-1]][0])
+            raise ValueError(f"{name}: position {bad // vocab} keeps id {bad % vocab} twice; a set holds distinct ids")
+        if target_ids is not None:
+            self.check_targets(target_ids, name)
+
+    def check_targets(self, target_ids: torch.Tensor, name: str = "kept", positions: Optional[torch.Tensor] = None) -> None:
+        """ValueError unless every non-empty set holds its position's target (`target_ids`, one per position,
+        flattened; the sets' structure checked before). positions: the numbers the error names the positions
+        by (default 0..N-1: a caller that selected some positions passes their original ones)."""
+        if not self.truncates:
+            return
+        ids, n = self.ids, self.num_positions
+        target = target_ids.reshape(-1).to(ids.device, torch.int64)
+        rows = self.entry_rows()
+        hits = torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(
+            0, rows, (ids == target.index_select(0, rows)).to(torch.int64))
+        missing = (hits == 0) & (self.lengths > 0)
+        if bool(missing.any()):
+            at = int(missing.nonzero()[0])
+            pos = at if positions is None else int(positions[at])
+            raise ValueError(f"{name}: the target id {int(target[at])} at position {pos} is not in its kept set "
+                             f"({int(self.lengths[at])} ids): its log-prob would be -inf")
+
+    def keep_mask(self, vocab: int) -> torch.Tensor:
+        """`[N, vocab]` bool, True where an id is kept (everywhere for an empty set): the specification's form,
+        O(N V), never the fused ops'."""
+        mask = torch.zeros(self.num_positions, vocab, dtype=torch.bool, device=self.ids.device)
+        mask[self.entry_rows(), self.ids] = True
+        return mask | (self.lengths == 0).unsqueeze(-1)
+
+
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0, *,
-                   logit_scale: float = 1.0, logit_softcap: Optional[float] = None):
+                   logit_scale: float = 1.0, logit_softcap: Optional[float] = None, kept: Optional[KeptSets] = None):
     """Log-prob of `target_ids` and entropy under `LogitMap(temperature, logit_scale, logit_softcap)(logits)`
-    (`logits / temperature` by default), both float32 `[...]`."""
-    logp = torch.log_softmax(LogitMap(temperature, logit_scale, logit_softcap)(logits.float()), dim=-1)
+    (`logits / temperature` by default), both float32 `[...]`.
+
+    kept: each position's kept set under truncated sampling (`KeptSets` over target_ids' positions,
+    row-major), or None. Where a position's set is non-empty, the log-softmax runs over that set only
+    (vLLM's order: scale -> soft-cap -> / temperature -> the kept set -> log-softmax), so the log-prob is
+    the one the truncated sampler drew the token with, and the entropy is that of the same renormalised
+    kept distribution (the distribution that was sampled: its entropy bonus and metric). An empty set, or
+    kept=None, is the whole vocabulary, bit for bit as without kept."""
+    z = LogitMap(temperature, logit_scale, logit_softcap)(logits.float())
+    if kept is None:
+        logp = torch.log_softmax(z, dim=-1)
+        lp = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return lp, entropy
+    kept.check(target_ids.numel(), z.shape[-1], target_ids)
+    keep = kept.keep_mask(z.shape[-1]).view(z.shape)
+    logp = torch.log_softmax(z.masked_fill(~keep, -torch.inf), dim=-1)
     lp = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    # p log p is 0 outside the set; written with a finite log p there, so no 0 * -inf reaches the gradient
+    entropy = -(logp.exp() * logp.masked_fill(~keep, 0.0)).sum(-1)
     return lp, entropy
 
 
@@ -502,19 +644,22 @@ def grpo_loss_reference(
     is_ratio: Optional[torch.Tensor] = None,
     entropy_weights: Optional[torch.Tensor] = None,
     num_items_in_batch=None,
+    kept: Optional[KeptSets] = None,
 ):
     """GRPO loss from materialised `logits [B, T, V]`: `(loss, metrics)`.
 
     target_ids `[B, T]` int; advantages `[B]` or `[B, T]`; mask `[B, T]` (1 = completion token);
     old_logp, ref_logp, is_weights, is_ratio, entropy_weights `[B, T]` or None (see
     `grpo_loss_from_logprobs`); num_items_in_batch: see `loss_weights`. The entropy carries a
-    gradient only into the entropy bonus (options.entropy_coef != 0).
+    gradient only into the entropy bonus (options.entropy_coef != 0). kept: the sampler's kept sets over
+    the B T positions (`token_logprobs`): log-probs and entropies over them; old_logp and ref_logp are then
+    expected over the same sets (the caller's business: they are numbers here).
     """
     check_loss_inputs(logits.shape[:-1], options, target_ids=target_ids, advantages=advantages, mask=mask,
                       old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
                       entropy_weights=entropy_weights)
     logp, entropy = token_logprobs(logits, target_ids, options.temperature, logit_scale=options.logit_scale,
-                                   logit_softcap=options.logit_softcap)
+                                   logit_softcap=options.logit_softcap, kept=kept)
     entropy = entropy if options.entropy_coef != 0.0 else entropy.detach()
     return grpo_loss_from_logprobs(logp, advantages, mask, options, entropy=entropy, old_logp=old_logp,
                                    ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,

@@ -9,6 +9,12 @@ bias [V] or None, target [N] int64):
     fused(hidden, weight, bias, target, logit_map, dloss_dlogp, needs)
         -> (logp, entropy, grad_hidden, grad_weight, grad_bias)   gradients in the forward pass
 
+and the same three over kept sets (truncated sampling, ops/kept.py), every row's set non-empty:
+
+    kept_forward(hidden, weight, bias, target, kept, logit_map) -> (logp, entropy, lse)   over each set
+    kept_backward(hidden, weight, bias, target, kept, lse, grad_logp, logit_map, needs) -> grads
+    kept_fused(hidden, weight, bias, target, kept, logit_map, dloss_dlogp, needs) -> (logp, entropy, *grads)
+
 `dloss_dlogp(start, end, logp_chunk) -> g_chunk` is built inside the registered ops from tensors and
 the loss options (grpo_fast/ops/grpo_loss.py); the backends split the rows into chunks with the
 shared chunk driver (chunk_driver.py). Heavy imports (the native extension, Triton) happen here, when a
@@ -24,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from ..objective import BACKENDS
-from . import row_ops
+from . import kept, row_ops
 
 
 def resolve(backend: str, device: torch.device) -> str:
@@ -44,28 +50,33 @@ def resolve(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _from_row_ops(ops: row_ops.RowOps) -> SimpleNamespace:
+def _from_row_ops(ops: row_ops.RowOps, kept_ops: kept.KeptOps) -> SimpleNamespace:
     return SimpleNamespace(
         forward=functools.partial(row_ops.forward, ops),
         backward=functools.partial(row_ops.backward, ops),
         fused=functools.partial(row_ops.fused, ops),
+        kept_forward=functools.partial(kept.forward, kept_ops),
+        kept_backward=functools.partial(kept.backward, kept_ops),
+        kept_fused=functools.partial(kept.fused, kept_ops),
     )
 
 
 @functools.lru_cache(maxsize=None)
 def get(name: str) -> SimpleNamespace:
     if name == "torch":
-        return _from_row_ops(row_ops.TORCH_ROW_OPS)
+        return _from_row_ops(row_ops.TORCH_ROW_OPS, kept.TORCH_KEPT_OPS)
     if name == "cpu":
         from . import cpu
 
-        return _from_row_ops(cpu.ROW_OPS)
+        return _from_row_ops(cpu.ROW_OPS, cpu.KEPT_OPS)
     if name == "triton":
         try:
             from grpo_fast.kernels import linear_logprobs
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(f"backend='triton' needs the `triton` package: {err}") from err
         return SimpleNamespace(
-            forward=linear_logprobs.forward, backward=linear_logprobs.backward, fused=linear_logprobs.fused
+            forward=linear_logprobs.forward, backward=linear_logprobs.backward, fused=linear_logprobs.fused,
+            kept_forward=linear_logprobs.kept_forward, kept_backward=linear_logprobs.kept_backward,
+            kept_fused=linear_logprobs.kept_fused,
         )
     raise ValueError(f"backend={name!r} is unknown; expected one of {list(BACKENDS)}")

@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from . import kept
+from .kept import KeptChunk, KeptGrads, KeptOps
 from .row_ops import RowOps
 
 _DTYPE_BITS = {torch.float32: 32, torch.bfloat16: 16}
@@ -69,3 +71,70 @@ def _grad_(logits, target, lse, g, logit_map, g_entropy=None, entropy=None):
 
 
 ROW_OPS = RowOps(stats=_stats, grad_=_grad_, slab_dtypes=tuple(_DTYPE_BITS))
+
+
+# ----------------------------------------------------------------------------------------------
+# The kept-set route (ops/kept.py): the chunk's logits and gradients walked by id in C++, the ragged
+# rows through the same row passes as the full vocabulary's
+# ----------------------------------------------------------------------------------------------
+
+
+def _weight_args(weight, bias):
+    assert weight.is_contiguous() and (bias is None or bias.dtype == weight.dtype)
+    if weight.dtype not in _DTYPE_BITS:  # float16: the kernels read float32 or bfloat16 rows
+        weight, bias = weight.float(), None if bias is None else bias.float()
+    return weight, bias, _DTYPE_BITS[weight.dtype]
+
+
+def _kept_logits(hidden_c, weight, bias, c: KeptChunk):
+    order, starts = c.by_id()
+    weight, bias, bits = _weight_args(weight, bias)
+    hidden_c = hidden_c.float().contiguous()
+    r = torch.empty(c.ids.numel(), dtype=torch.float32)
+    bias_p = 0 if bias is None else bias.contiguous().data_ptr()
+    _native().kept_logits(hidden_c.data_ptr(), weight.data_ptr(), bias_p, bits, hidden_c.shape[1], c.ids.data_ptr(),
+                          c.rows.data_ptr(), order.data_ptr(), starts.data_ptr(), starts.numel() - 1, r.data_ptr())
+    return r
+
+
+def _kept_stats(r, c: KeptChunk, logit_map):
+    rows = c.end - c.start
+    logp, entropy, lse = (torch.empty(rows, dtype=torch.float32) for _ in range(3))
+    target = c.target_local.contiguous()
+    _native().csr_row_stats(r.data_ptr(), c.offsets.data_ptr(), target.data_ptr(), rows, *_map(logit_map),
+                            logp.data_ptr(), entropy.data_ptr(), lse.data_ptr())
+    return logp, entropy, lse
+
+
+def _kept_grad_(r, c: KeptChunk, lse, g, logit_map, g_entropy=None, entropy=None):
+    target = c.target_local.contiguous()
+    lse, g = lse.float().contiguous(), g.float().contiguous()
+    pointers = (0, 0)
+    if g_entropy is not None:
+        g_entropy, entropy = g_entropy.float().contiguous(), entropy.float().contiguous()
+        pointers = (g_entropy.data_ptr(), entropy.data_ptr())
+    _native().csr_row_grad_(r.data_ptr(), c.offsets.data_ptr(), target.data_ptr(), c.end - c.start, *_map(logit_map),
+                            lse.data_ptr(), g.data_ptr(), *pointers)
+    return r
+
+
+def _kept_scatter(dr, hidden_c, weight, c: KeptChunk, grads: KeptGrads):
+    order, starts = c.by_id()
+    weight, _, bits = _weight_args(weight, None)
+    hidden_c = hidden_c.float().contiguous()
+    gh = None if grads.grad_hidden is None else grads.grad_hidden[c.start:c.end]
+    pointer = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    _native().kept_scatter(hidden_c.data_ptr(), weight.data_ptr(), bits, hidden_c.shape[1], c.end - c.start,
+                           c.ids.data_ptr(), c.rows.data_ptr(), order.data_ptr(), starts.data_ptr(), starts.numel() - 1,
+                           dr.contiguous().data_ptr(), pointer(gh), pointer(grads.grad_weight), pointer(grads.grad_bias))
+
+
+def _kept_limits(hdim: int, threads: int) -> tuple[int, int]:
+    # no gathered rows: a chunk's entries cost 8 bytes of logits and of their id-sorted order; its rows a
+    # [C, H] float32 grad_hidden buffer per thread. A chunk as large as that allows: each weight row is
+    # read once per chunk.
+    return max(1, kept.CHUNK_BYTES // 16), max(1, kept.CHUNK_BYTES // (4 * hdim * max(threads, 1)))
+
+
+KEPT_OPS = KeptOps(logits=_kept_logits, stats=_kept_stats, grad_=_kept_grad_, scatter=_kept_scatter,
+                   chunk_limits=_kept_limits)

@@ -13,7 +13,9 @@ without logits. Two routes, both exact:
   differentiable entropy) come from `masked_linear_logprobs` and autograd recomputes logit chunks
   in the backward.
 
-Tokens outside the mask are dropped before any matmul: padding costs nothing.
+Tokens outside the mask are dropped before any matmul: padding costs nothing. With kept sets
+(truncated sampling) both routes split the active tokens once more: those with a set take the kept-set
+route (grpo_fast/ops/kept.py), the others the full vocabulary, in the same call.
 
 The op takes tensors, which gradients to compute, and the loss options as scalars: one argument per
 `LossOptions` field, its schema generated from the dataclass, so a new option needs no change here.
@@ -32,25 +34,34 @@ from torch import Tensor
 
 from .. import objective
 from ..compat import autograd_inside_custom_op
-from ..objective import DEFAULT_OPTIONS, LossOptions
-from . import backends, torch_library
-from .linear_logprobs import Rows, check_targets, fake_grads, masked_linear_logprobs, validate_linear
+from ..objective import DEFAULT_OPTIONS, KeptSets, LossOptions
+from . import backends, kept, torch_library
+from .linear_logprobs import (
+    Rows,
+    check_targets,
+    fake_grads,
+    kept_routes,
+    masked_linear_logprobs,
+    validate_kept,
+    validate_linear,
+)
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
 _SCHEMA_TYPES = {str: "str", float: "float", int: "int", bool: "bool", Optional[float]: "float?", Optional[int]: "int?"}
 _HINTS = typing.get_type_hints(LossOptions)
 _ARGS = ("Tensor hidden", "Tensor weight", "Tensor? bias", "Tensor target_ids", "Tensor advantages", "Tensor mask",
          "Tensor? old_logp", "Tensor? ref_logp", "Tensor? is_weights", "Tensor? entropy_weights",
-         "Tensor? num_items_in_batch",
+         "Tensor? num_items_in_batch", "Tensor? kept_ids", "Tensor? kept_offsets",
          "bool[] needs", "bool private_grads")
 _ARGS += tuple(f"{_SCHEMA_TYPES[_HINTS[name]]} {name}" for name in OPTION_NAMES)
 SCHEMA = f"({', '.join(_ARGS)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 _ARG_NAMES = tuple(arg.split()[-1] for arg in _ARGS)
 
 
-def _token_grad(options: LossOptions, tokens: dict, start: int, end: int, logp: Tensor) -> Tensor:
-    """d(loss)/d(logp) of the active tokens [start, end): autograd through the spec's per_token_loss."""
-    part = {name: None if t is None else t[start:end] for name, t in tokens.items()}
+def _token_grad(options: LossOptions, tokens: dict, rows, logp: Tensor) -> Tensor:
+    """d(loss)/d(logp) of the active tokens `rows` (a slice, or an index tensor where the kept sets split the
+    tokens between two routes): autograd through the spec's per_token_loss."""
+    part = {name: None if t is None else t[rows] for name, t in tokens.items()}
     with autograd_inside_custom_op():
         lp = logp.detach().requires_grad_(True)
         per_token, _, _ = objective.per_token_loss(lp, part["advantages"], None, options, old_logp=part["old_logp"],
@@ -60,7 +71,7 @@ def _token_grad(options: LossOptions, tokens: dict, start: int, end: int, logp: 
 
 
 def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
-                  entropy_weights, num_items_in_batch, needs, private_grads, *option_values):
+                  entropy_weights, num_items_in_batch, kept_ids, kept_offsets, needs, private_grads, *option_values):
     """(loss, metrics [len(all_metric_names())], grad_hidden, grad_weight, grad_bias); a gradient not in
     `needs` is empty, a metric the loss type does not report is 0.
 
@@ -70,6 +81,7 @@ def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, 
     rows = Rows(mask, mask.shape)
     hidden_a, target_a = rows.take(hidden), rows.take(target_ids).to(torch.int64)
     check_targets(target_a, weight.shape[0])
+    routes = kept_routes(kept_ids, kept_offsets, rows, target_a, weight.shape[0])
     weights = objective.loss_weights(mask, options, num_items_in_batch).to(hidden.device)
     tokens = dict(advantages=rows.take_tokens(advantages), weights=rows.take_tokens(weights),
                   old_logp=rows.take_tokens(old_logp), ref_logp=rows.take_tokens(ref_logp),
@@ -78,13 +90,22 @@ def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, 
         entropy_weights = objective.entropy_bonus_weights(mask)
     impl = backends.get(options.backend)
     if any(needs):
-        dloss_dlogp = lambda s, e, lp: _token_grad(options, tokens, s, e, lp)
         # the entropy bonus -coef * sum(H * weights): a constant gradient per token
         grad_entropy = None if options.entropy_coef == 0.0 else -options.entropy_coef * rows.take_tokens(entropy_weights)
-        logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.logit_map, dloss_dlogp, needs,
-                                               **({} if grad_entropy is None else dict(grad_entropy=grad_entropy)))
+        entropy_args = {} if grad_entropy is None else dict(grad_entropy=grad_entropy)
+        if routes is None:
+            dloss_dlogp = lambda s, e, lp: _token_grad(options, tokens, slice(s, e), lp)
+            logp_a, entropy_a, *grads = impl.fused(hidden_a, weight, bias, target_a, options.logit_map, dloss_dlogp,
+                                                   needs, **entropy_args)
+        else:  # the kept sets' rows and the others, each route with its tokens' gradients
+            dloss_at = lambda idx, lp: _token_grad(options, tokens, idx, lp)
+            logp_a, entropy_a, *grads = kept.routed_fused(impl, hidden_a, weight, bias, target_a, routes,
+                                                          options.logit_map, dloss_at, needs, **entropy_args)
     else:
-        logp_a, entropy_a, _ = impl.forward(hidden_a, weight, bias, target_a, options.logit_map)
+        if routes is None:
+            logp_a, entropy_a, _ = impl.forward(hidden_a, weight, bias, target_a, options.logit_map)
+        else:
+            logp_a, entropy_a, _ = kept.routed_forward(impl, hidden_a, weight, bias, target_a, routes, options.logit_map)
         grads = [None, None, None]
     # loss value and metrics: the spec on [B, T]; masked places take the old log-prob (ratio 1, finite)
     loss, metrics = objective.grpo_loss_from_logprobs(
@@ -98,7 +119,7 @@ def _loss_forward(hidden, weight, bias, target_ids, advantages, mask, old_logp, 
 
 
 def _loss_fake(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
-               entropy_weights, num_items_in_batch, needs, private_grads, *option_values):
+               entropy_weights, num_items_in_batch, kept_ids, kept_offsets, needs, private_grads, *option_values):
     f32 = dict(dtype=torch.float32, device=hidden.device)
     return torch.empty((), **f32), torch.empty(len(objective.all_metric_names()), **f32), *fake_grads(hidden, weight, bias, needs)
 
@@ -158,6 +179,7 @@ def fused_linear_grpo_loss(
     num_items_in_batch=None,
     backend: str = LossOptions.backend,
     options: Optional[LossOptions] = None,
+    kept: Optional[KeptSets] = None,
 ):
     """GRPO loss `(loss, metrics)` with the semantics of `objective.grpo_loss_reference`.
 
@@ -171,6 +193,9 @@ def fused_linear_grpo_loss(
     loss is a float32 scalar, differentiable w.r.t. hidden, weight and bias (through the entropy
     too when options.entropy_coef != 0); metrics holds the detached scalars
     `objective.metric_names(options)` lists (kl, entropy, clip_ratio/*, policy_loss, ...).
+    kept: truncated sampling's kept sets over the B T positions (`objective.KeptSets`; see
+    `fused_linear_logprobs`): log-probs and entropies over each non-empty set, as `grpo_loss_reference(...,
+    kept=kept)`; old_logp and ref_logp are expected over the same sets.
     """
     keywords = LossOptions(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
@@ -184,6 +209,7 @@ def fused_linear_grpo_loss(
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {list(hidden.shape)}")
     resolved = validate_linear(hidden, weight, target_ids, bias, options.backend)
+    validate_kept(kept, target_ids)
     objective.check_loss_inputs(hidden.shape[:2], options, target_ids=target_ids, advantages=advantages, mask=mask,
                                 old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, is_ratio=is_ratio,
                                 entropy_weights=entropy_weights)
@@ -196,7 +222,7 @@ def fused_linear_grpo_loss(
                                                temperature=options.temperature, logit_scale=options.logit_scale,
                                                logit_softcap=options.logit_softcap, backend=resolved,
                                                return_entropy=True, fill=old_logp,
-                                               differentiable_entropy=options.entropy_coef != 0.0)
+                                               differentiable_entropy=options.entropy_coef != 0.0, kept=kept)
         loss, metrics = objective.grpo_loss_from_logprobs(
             logp, advantages, mask, options, entropy=entropy, old_logp=old_logp, ref_logp=ref_logp,
             is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights, num_items_in_batch=num_items)
@@ -205,8 +231,9 @@ def fused_linear_grpo_loss(
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     concrete = dataclasses.replace(options, backend=resolved)
+    kept_ids, kept_offsets = (None, None) if kept is None else (kept.ids, kept.offsets)
     loss, metrics, *_ = _loss_op(hidden, weight, bias, target_ids, advantages, mask, old_logp, ref_logp, is_weights,
-                                 entropy_weights, num_items, needs, True,
+                                 entropy_weights, num_items, kept_ids, kept_offsets, needs, True,
                                  *(getattr(concrete, name) for name in OPTION_NAMES))
     metrics = dict(zip(objective.all_metric_names(), metrics.unbind(), strict=True))
     return loss, {name: metrics[name] for name in names}

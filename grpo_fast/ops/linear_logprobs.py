@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..objective import LogitMap
-from . import backends, torch_library
+from ..objective import KeptSets, LogitMap
+from . import backends, kept, torch_library
 
 
 def validate_linear(hidden, weight, target_ids, bias, backend) -> str:
@@ -48,6 +48,36 @@ def validate_linear(hidden, weight, target_ids, bias, backend) -> str:
     if not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [V, H] (got strides {weight.stride()}); pass weight.contiguous()")
     return backends.resolve(backend, hidden.device)
+
+
+def validate_kept(kept, target_ids) -> None:
+    """The kept sets' type, size and device against target_ids, before any work; their values (ids in the
+    vocabulary, each target in its set) are checked inside the ops (`kept_routes`)."""
+    if kept is None:
+        return
+    if not isinstance(kept, KeptSets):
+        raise ValueError(f"kept must be an objective.KeptSets (CSR ids, offsets) or None, got {type(kept).__name__}")
+    n = target_ids.numel()
+    if kept.num_positions != n:
+        raise ValueError(f"kept must hold one set per position of target_ids ({n}): offsets of {n + 1} entries, "
+                         f"got {kept.offsets.numel()}")
+    if kept.ids.device != target_ids.device:
+        raise ValueError(f"kept must be on target_ids' device ({target_ids.device}), got {kept.ids.device}")
+
+
+def kept_routes(kept_ids: Optional[Tensor], kept_offsets: Optional[Tensor], rows: "Rows", target: Tensor,
+                vocab: int) -> Optional[kept.Routes]:
+    """The active rows' routes (`kept.Routes`), or None where no active row has a non-empty set (the
+    full-vocabulary path, bit for bit). Checks the sets' values: ids in the vocabulary, distinct, each
+    active target in its set."""
+    if kept_ids is None or kept_offsets is None:
+        return None
+    sets = KeptSets(kept_ids, kept_offsets)
+    sets.check(rows.n, vocab)
+    if not rows.everything:
+        sets = sets.select(rows.idx)
+    sets.check_targets(target, positions=None if rows.everything else rows.idx)
+    return kept.Routes.of(sets)
 
 
 def check_targets(target_ids: Tensor, vocab: int) -> None:
@@ -96,25 +126,34 @@ class Rows:
 
 
 def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
-                     mask: Optional[Tensor], temperature: float, logit_scale: float, logit_softcap: Optional[float],
+                     mask: Optional[Tensor], kept_ids: Optional[Tensor], kept_offsets: Optional[Tensor],
+                     temperature: float, logit_scale: float, logit_softcap: Optional[float],
                      backend: str, entropy_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse), float32 shaped like target_ids, 0 where mask is 0. `backend` resolved;
-    entropy_grad: whether the entropy is differentiable (else a metric, as lse is internal)."""
+    entropy_grad: whether the entropy is differentiable (else a metric, as lse is internal). kept_ids,
+    kept_offsets: the kept sets (`objective.KeptSets`) over target_ids' positions, or None; lse is then
+    each position's over its own set."""
     rows = Rows(mask, target_ids.shape)
     target = rows.take(target_ids).to(torch.int64)
     check_targets(target, weight.shape[0])
+    routes = kept_routes(kept_ids, kept_offsets, rows, target, weight.shape[0])
     logit_map = LogitMap(temperature, logit_scale, logit_softcap)
-    logp, entropy, lse = backends.get(backend).forward(rows.take(hidden), weight, bias, target, logit_map)
+    impl = backends.get(backend)
+    if routes is None:
+        logp, entropy, lse = impl.forward(rows.take(hidden), weight, bias, target, logit_map)
+    else:
+        logp, entropy, lse = kept.routed_forward(impl, rows.take(hidden), weight, bias, target, routes, logit_map)
     return rows.put(logp), rows.put(entropy), rows.put(lse)
 
 
-def _linear_logprobs_fake(hidden, weight, bias, target_ids, mask, temperature, logit_scale, logit_softcap, backend,
-                          entropy_grad):
+def _linear_logprobs_fake(hidden, weight, bias, target_ids, mask, kept_ids, kept_offsets, temperature, logit_scale,
+                          logit_softcap, backend, entropy_grad):
     return tuple(hidden.new_empty(target_ids.shape, dtype=torch.float32) for _ in range(3))
 
 
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_ids: Tensor,
-                              mask: Optional[Tensor], lse: Tensor, grad_logp: Tensor, temperature: float,
+                              mask: Optional[Tensor], kept_ids: Optional[Tensor], kept_offsets: Optional[Tensor],
+                              lse: Tensor, grad_logp: Tensor, temperature: float,
                               logit_scale: float, logit_softcap: Optional[float], backend: str,
                               needs: list[bool], entropy: Optional[Tensor],
                               grad_entropy: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,9 +166,15 @@ def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
     if grad_entropy is not None:
         entropy_args = dict(grad_entropy=rows.take(grad_entropy).float().contiguous(),
                             entropy=rows.take(entropy).float().contiguous())
-    grads = backends.get(backend).backward(rows.take(hidden), weight, bias, rows.take(target_ids).to(torch.int64),
-                                           rows.take(lse), g, LogitMap(temperature, logit_scale, logit_softcap), needs,
-                                           **entropy_args)
+    target = rows.take(target_ids).to(torch.int64)
+    routes = kept_routes(kept_ids, kept_offsets, rows, target, weight.shape[0])
+    logit_map, impl = LogitMap(temperature, logit_scale, logit_softcap), backends.get(backend)
+    if routes is None:
+        grads = impl.backward(rows.take(hidden), weight, bias, target, rows.take(lse), g, logit_map, needs,
+                              **entropy_args)
+    else:
+        grads = kept.routed_backward(impl, rows.take(hidden), weight, bias, target, routes, rows.take(lse), g,
+                                     logit_map, needs, **entropy_args)
     grad_hidden = None if grads[0] is None else rows.put(grads[0])  # (*lead, H), 0 at inactive tokens
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in (grad_hidden, *grads[1:]))
 
@@ -141,40 +186,44 @@ def fake_grads(hidden, weight, bias, needs) -> tuple[Tensor, Tensor, Tensor]:
                  for t, want in zip((hidden, weight, bias), wanted, strict=True))
 
 
-def _linear_logprobs_backward_fake(hidden, weight, bias, target_ids, mask, lse, grad_logp, temperature, logit_scale,
-                                   logit_softcap, backend, needs, entropy, grad_entropy):
+def _linear_logprobs_backward_fake(hidden, weight, bias, target_ids, mask, kept_ids, kept_offsets, lse, grad_logp,
+                                   temperature, logit_scale, logit_softcap, backend, needs, entropy, grad_entropy):
     return fake_grads(hidden, weight, bias, needs)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, target_ids, mask, temperature, logit_scale, logit_softcap, backend, entropy_grad = inputs
-    ctx.save_for_backward(hidden, weight, bias, target_ids, mask, output[2], output[1] if entropy_grad else None)
+    (hidden, weight, bias, target_ids, mask, kept_ids, kept_offsets, temperature, logit_scale, logit_softcap, backend,
+     entropy_grad) = inputs
+    ctx.save_for_backward(hidden, weight, bias, target_ids, mask, kept_ids, kept_offsets, output[2],
+                          output[1] if entropy_grad else None)
     ctx.logit_map, ctx.backend = (temperature, logit_scale, logit_softcap), backend
     # lse is internal; the entropy is a metric unless asked for (the entropy bonus)
     ctx.mark_non_differentiable(*((output[2],) if entropy_grad else (output[1], output[2])))
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
-    hidden, weight, bias, target_ids, mask, lse, entropy = ctx.saved_tensors
+    hidden, weight, bias, target_ids, mask, kept_ids, kept_offsets, lse, entropy = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])
     if entropy is None:
         grad_entropy = None
     if grad_logp is None:  # only the entropy reached the loss
         grad_logp = torch.zeros_like(lse)
-    grads = torch.ops.grpo_fast.linear_logprobs_backward(hidden, weight, bias, target_ids, mask, lse, grad_logp,
-                                                         *ctx.logit_map, ctx.backend, needs,
+    grads = torch.ops.grpo_fast.linear_logprobs_backward(hidden, weight, bias, target_ids, mask, kept_ids, kept_offsets,
+                                                         lse, grad_logp, *ctx.logit_map, ctx.backend, needs,
                                                          entropy if grad_entropy is not None else None, grad_entropy)
-    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), *[None] * 7)
+    return (*(grad if need else None for grad, need in zip(grads, needs, strict=True)), *[None] * 9)
 
 
 torch_library.define("linear_logprobs_backward",
-                "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, Tensor lse, "
+                "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, Tensor? kept_ids, "
+                "Tensor? kept_offsets, Tensor lse, "
                 "Tensor grad_logp, float temperature, float logit_scale, float? logit_softcap, str backend, "
                 "bool[] needs, Tensor? entropy, "
                 "Tensor? grad_entropy) -> (Tensor, Tensor, Tensor)",
                 _linear_logprobs_backward, fake=_linear_logprobs_backward_fake)
 torch_library.define("linear_logprobs",
-                "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, float temperature, "
+                "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target_ids, Tensor? mask, Tensor? kept_ids, "
+                "Tensor? kept_offsets, float temperature, "
                 "float logit_scale, float? logit_softcap, str backend, bool entropy_grad) -> (Tensor, Tensor, Tensor)",
                 _linear_logprobs, fake=_linear_logprobs_fake, backward=_backward, setup_context=_setup_context)
 
@@ -198,6 +247,7 @@ def masked_linear_logprobs(
     return_entropy: bool = False,
     fill: Optional[torch.Tensor] = None,
     differentiable_entropy: bool = False,
+    kept: Optional[KeptSets] = None,
 ):
     """`fused_linear_logprobs` of the tokens where `mask` is set; the others cost nothing.
 
@@ -208,6 +258,8 @@ def masked_linear_logprobs(
     comes from the same backward pass as the log-probs': dH/dz = -p (log p + H) / T).
     logit_scale, logit_softcap: the model's own transform of its logits before the temperature
     (`objective.LogitMap`: Cohere's scale, Gemma 2's soft-cap), applied inside the op.
+    kept: the sampler's kept sets (`objective.KeptSets` over target_ids' positions, row-major; see
+    `fused_linear_logprobs`); a masked position's set is never read.
     """
     logit_map = LogitMap(float(temperature), float(logit_scale), None if logit_softcap is None else float(logit_softcap))
     backend = validate_linear(hidden, weight, target_ids, bias, backend)
@@ -216,10 +268,12 @@ def masked_linear_logprobs(
     if fill is not None and (mask is None or tuple(fill.shape) != tuple(target_ids.shape)):
         raise ValueError(f"fill must come with a mask and have shape {list(target_ids.shape)}, got "
                          f"{list(fill.shape)} with mask {'None' if mask is None else list(mask.shape)}")
+    validate_kept(kept, target_ids)
     # The op saves hidden for its backward: a view (the completion slice of a decoder's [B, L, H]
     # output) would keep its whole base alive until then, a contiguous copy only the [..., H] it reads.
-    logp, entropy, _ = torch.ops.grpo_fast.linear_logprobs(hidden.contiguous(), weight, bias, target_ids, mask,
-                                                           *dataclasses.astuple(logit_map), backend,
+    kept_ids, kept_offsets = (None, None) if kept is None else (kept.ids, kept.offsets)
+    logp, entropy, _ = torch.ops.grpo_fast.linear_logprobs(hidden.contiguous(), weight, bias, target_ids, mask, kept_ids,
+                                                           kept_offsets, *dataclasses.astuple(logit_map), backend,
                                                            bool(differentiable_entropy))
     if fill is not None:
         logp = torch.where(mask != 0, logp, fill.detach().float())
@@ -238,6 +292,7 @@ def fused_linear_logprobs(
     return_entropy: bool = False,
     backend: str = "auto",
     differentiable_entropy: bool = False,
+    kept: Optional[KeptSets] = None,
 ):
     """Log-probs of `target_ids` under `softmax(LogitMap(temperature, logit_scale, logit_softcap)(hidden @ weight.T
     + bias))`: `(hidden @ weight.T + bias) / temperature` by default (`objective.LogitMap`).
@@ -248,7 +303,12 @@ def fused_linear_logprobs(
     `return_entropy=True`, `(logp, entropy)` where entropy `[...]` is float32, differentiable only with
     `differentiable_entropy=True`.
     backend: "auto" (triton on CUDA, cpu on CPU), "triton", "cpu" or "torch".
+    kept: truncated sampling's kept sets (`objective.KeptSets`, CSR over target_ids' positions, row-major):
+    where a position's set is non-empty its log-prob and entropy are over that set (the renormalised
+    distribution the sampler drew from; `objective.token_logprobs`), from the gathered lm_head rows of the
+    set (O(k H) a position, gradients into those rows only); empty sets (and kept=None) take the full
+    vocabulary, as without kept. A target outside its non-empty set is a ValueError.
     """
     return masked_linear_logprobs(hidden, weight, target_ids, None, bias=bias, temperature=temperature,
                                   logit_scale=logit_scale, logit_softcap=logit_softcap, backend=backend, return_entropy=return_entropy,
-                                  differentiable_entropy=differentiable_entropy)
+                                  differentiable_entropy=differentiable_entropy, kept=kept)

@@ -64,7 +64,7 @@ def test_opcheck_fused_linear_grpo_loss(backend, variant):
     x = {k: None if k in left_out else v for k, v in _inputs().items()}
     num_items = torch.tensor(7.0) if options.loss_type == "dapo" else None
     args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["advantages"], x["mask"], x["old_logp"],
-            x["ref_logp"], x["is_weights"], x["entropy_weights"], num_items, needs, False,
+            x["ref_logp"], x["is_weights"], x["entropy_weights"], num_items, None, None, needs, False,
             *_option_values(dataclasses.replace(options, backend=backend)))
     torch.library.opcheck(torch.ops.grpo_fast.fused_linear_grpo_loss, args)
 
@@ -76,7 +76,7 @@ def test_opcheck_linear_logprobs(backend, masked, bias, entropy_grad):
     x = _inputs()
     logit_map = (0.7, 1.5, 3.0) if masked else (0.7, 1.0, None)  # (temperature, logit_scale, logit_softcap)
     args = (x["hidden"], x["weight"], x["bias"] if bias else None, x["target_ids"], x["mask"] if masked else None,
-            *logit_map, backend, entropy_grad)
+            None, None, *logit_map, backend, entropy_grad)
     torch.library.opcheck(torch.ops.grpo_fast.linear_logprobs, args)
 
 
@@ -85,11 +85,11 @@ def test_opcheck_linear_logprobs(backend, masked, bias, entropy_grad):
 def test_opcheck_linear_logprobs_backward(backend, needs):
     x = {k: v.detach() if v.is_floating_point() else v for k, v in _inputs().items()}
     _, entropy, lse = torch.ops.grpo_fast.linear_logprobs(x["hidden"], x["weight"], x["bias"], x["target_ids"],
-                                                           x["mask"], 0.7, 1.5, 3.0, backend, True)
+                                                           x["mask"], None, None, 0.7, 1.5, 3.0, backend, True)
     grad_logp = torch.randn(B, T, generator=torch.Generator().manual_seed(1))
     grad_entropy = torch.randn(B, T, generator=torch.Generator().manual_seed(2))
-    args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"], lse, grad_logp, 0.7, 1.5, 3.0, backend,
-            needs, entropy, grad_entropy)
+    args = (x["hidden"], x["weight"], x["bias"], x["target_ids"], x["mask"], None, None, lse, grad_logp, 0.7, 1.5, 3.0,
+            backend, needs, entropy, grad_entropy)
     torch.library.opcheck(torch.ops.grpo_fast.linear_logprobs_backward, args)
 
 
@@ -156,7 +156,7 @@ def test_eager_backward_scales_the_forward_gradients_in_place():
     options = LossOptions(temperature=0.7, backend="cpu")
     loss, _, grad_hidden, grad_weight, grad_bias = torch.ops.grpo_fast.fused_linear_grpo_loss(
         x["hidden"], x["weight"], x["bias"], x["target_ids"], x["advantages"], x["mask"], x["old_logp"], None, None, None,
-        None, [True, True, True], True, *_option_values(options))
+        None, None, None, [True, True, True], True, *_option_values(options))
     unscaled = grad_weight.clone()
     (loss * -2.5).backward()
     assert_close(grad_weight, unscaled * -2.5, atol=0.0, name="the forward's grad_weight, scaled")
