@@ -131,6 +131,7 @@ class GRPOConfig:
     temperature: float
     top_p: float
     top_k: int
+    min_p: Optional[float]
     vllm_gpu_memory_utilization: float
     vllm_enable_sleep_mode: bool
     vllm_max_model_length: Optional[int]

@@ -37,6 +37,7 @@ class Recorder(RolloutEngine):
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -5}, r"top_k must be -1 \(or 0\) for no top-k filtering, or an int >= 1, got -5"),
         ({"top_k": 2.0}, r"top_k must be"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\] \(None or 0: off\), got 1.5"),
     ],
 )
 def test_bad_options_are_refused_when_built(kwargs, match):
@@ -46,7 +47,10 @@ def test_bad_options_are_refused_when_built(kwargs, match):
 
 def test_from_config_reads_every_field_by_name_and_normalises_once():
     options = SamplingOptions.from_config(GRPOConfig(temperature=0.7, top_p=0.9, top_k=0))
-    assert options == SamplingOptions(temperature=0.7, top_p=0.9, top_k=-1)
+    # top_p without top_k: a run's top_k bounds the kept sets (512, prime-rl's); an engine call keeps what it is given
+    assert options == SamplingOptions(temperature=0.7, top_p=0.9, top_k=512)
+    assert SamplingOptions.from_config(GRPOConfig(min_p=0.1)).top_k == 512
+    assert SamplingOptions.from_config(GRPOConfig(temperature=0.7, top_k=0)) == SamplingOptions(temperature=0.7)
     assert type(options.temperature) is float and not options.greedy and GREEDY.greedy
     assert SamplingOptions(temperature=1, top_k=5).temperature == 1.0
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -16,11 +16,13 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Optional, Sequence, Union
 
-from ...bounds import FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0
-from ...options import mirror, option, options_record
+from ...bounds import FRACTION_OPEN_LOW, INTEGER_AT_LEAST_0, Bounds
+from ...options import mirror, option, options_record, read_config
 
 if TYPE_CHECKING:
     import torch
+
+    from ..truncation import KeptTokens
 
 FinishReason = Literal["stop", "length"]
 
@@ -37,6 +39,8 @@ class Completion:
     routed_experts: with routing recorded (an engine built with record_routing, an MoE policy), the experts of
                each sampled token's step, [len(token_ids), num_hidden_layers, top_k] int16 (models/routing.py);
                else None.
+    kept:      with truncated sampling, where the engine returns them, each token's kept set (the support its
+               log-prob is normalised over; generation/truncation.py's `KeptTokens`); else None.
     """
 
     token_ids: list[int]
@@ -44,6 +48,7 @@ class Completion:
     finish_reason: Optional[FinishReason]
     text: str
     routed_experts: Optional["torch.Tensor"] = None
+    kept: Optional["KeptTokens"] = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,10 @@ class SamplingOptions:
     temperature: logits / temperature (0: greedy, the raw logits' argmax).
     top_p: keep the smallest token set with this much probability (1.0: off).
     top_k: keep the k most likely tokens (-1, or 0, for off; stored as -1).
+    min_p: keep the tokens with at least min_p x the top probability (0 for off; None is stored as 0).
+    vLLM's order: temperature, min_p, top_k, top_p (generation/truncation.py).
 
-    A new sampling knob (say `min_p`) is declared here (`option`: its default, help and range; its check
+    A new sampling knob (say `repetition_penalty`) is declared here (`option`: its default, help and range; its check
     below), named bare in `GRPOConfig`'s body where --help should list it, and given its logits processor in
     `generation/engines/hf_engine.py` (`_warpers`). `from_config` reads every field by its name;
     `generation/engines/vllm_engine.py` passes every field to vLLM's `SamplingParams` by its name (so the fields
@@ -97,19 +104,50 @@ class SamplingOptions:
     temperature: float = mirror(1.0)  # (declared by LossOptions: the loss takes log-probs under it too)
     top_p: float = option(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1.0: off).",
                           bounds=FRACTION_OPEN_LOW)
-    top_k: int = option(0, "Keep only the k most likely tokens when sampling (0: off).", bounds=INTEGER_AT_LEAST_0)
+    top_k: int = option(0, "Keep only the k most likely tokens when sampling (0: off). Truncated sampling (top_k, "
+                        "top_p < 1 or min_p > 0) trains over each sampled token's kept set (README, \"Truncated "
+                        "sampling\"); where only top_p or min_p is given, training runs default top_k to 512 "
+                        "(prime-rl's bound: a kept set has at most 512 tokens, memory O(tokens x k)).",
+                        bounds=INTEGER_AT_LEAST_0)
+    min_p: Optional[float] = option(None, "min-p sampling (TRL's name): keep the tokens whose probability is at least "
+                                    "min_p x the most likely token's, applied after the temperature and before top_k "
+                                    "(vLLM's order). None or 0: off.", bounds=Bounds(low=0, high=1))
 
     def __post_init__(self):
-        t, p, k = self.temperature, self.top_p, self.top_k
+        t, p, k, m = self.temperature, self.top_p, self.top_k, self.min_p
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not _is_int(k) or (k < 1 and k not in (0, -1)):
             raise ValueError(f"top_k must be -1 (or 0) for no top-k filtering, or an int >= 1, got {k!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (None or 0: off), got {m!r}")
         object.__setattr__(self, "temperature", float(t))  # frozen: the checked values, normalised once
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "top_k", -1 if k in (0, -1) else int(k))
+        object.__setattr__(self, "min_p", float(m or 0.0))  # (vLLM's SamplingParams takes a float: 0 is off)
+
+    @classmethod
+    def from_config(cls, config, **given) -> "SamplingOptions":
+        """A run's sampling: the config's fields, top_k bounded where only top_p or min_p truncates
+        (`bounded`)."""
+        return read_config(cls, config, **given).bounded()
+
+    def bounded(self) -> "SamplingOptions":
+        """top_k defaulted to `truncation.KEPT_SET_BOUND` (512) where top_p < 1 or min_p > 0 truncates without it:
+        the kept sets a training run carries are then at most that large (prime-rl's rule)."""
+        from ..truncation import KEPT_SET_BOUND
+
+        if self.top_k < 1 and (self.top_p < 1 or self.min_p > 0) and not self.greedy:
+            return replace(self, top_k=KEPT_SET_BOUND)
+        return self
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling keeps only some tokens (top_k, top_p < 1, min_p > 0; never when greedy): then every
+        sampled token has a kept set (generation/truncation.py)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
 
     @property
     def greedy(self) -> bool:
@@ -284,6 +322,7 @@ class RolloutEngine:
     runs_partial_rollouts = False  # implements `_generate_until`
     streams_groups = False  # `_generate` calls on_group itself, as each group finishes (else: after the call)
     records_routing = False  # its completions carry `routed_experts` (routing replay; built with record_routing)
+    returns_kept_sets = False  # under truncated sampling its completions carry `kept` (else the trainer rebuilds them)
 
     def shares_weights_with(self, model) -> bool:
         """Whether it samples with `model`'s own weights (then nothing is synced and no IS is needed)."""

