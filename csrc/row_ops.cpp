@@ -344,6 +344,82 @@ void kept_scatter_impl(const float* hidden, const W* weight, int64_t hdim, int64
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Each row's k largest mapped logits (ops/topk.py): a running top-k over the row. The k best so far sit
+// in a heap whose root is the worst of them (the smallest value; among equal values the larger id);
+// the row is scanned in blocks whose max is vectorised, and a block is looked into only when that max
+// beats the root: on a row in random order that happens about k log(V / k) times, so the pass costs
+// about one vectorised sweep. A later id never beats an equal value (ids rise along the row), so equal
+// values keep the lower ids: the order torch.sort(stable=True) gives.
+// ---------------------------------------------------------------------------------------------
+
+struct Scored {
+    float value;
+    int64_t id;
+};
+// a ranks before b: larger value, or the same value and a lower id
+inline bool ranks_before(const Scored& a, const Scored& b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
+
+GRPO_CLONES void map_row(const float* x, float* z, int64_t n, LogitMap map) {
+    if (map.softcap) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) z[j] = softcapped(x[j], map.pre, map.post);
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) z[j] = x[j] * map.pre;
+    }
+}
+
+GRPO_CLONES float block_max(const float* z, int64_t n) {
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = z[j] > m ? z[j] : m;
+    return m;
+}
+
+GRPO_CLONES int64_t count_at_least(const float* z, int64_t n, float threshold) {
+    int64_t c = 0;
+#pragma omp simd reduction(+ : c)
+    for (int64_t j = 0; j < n; ++j) c += z[j] >= threshold ? 1 : 0;
+    return c;
+}
+
+template <typename T>
+void row_topk_impl(const T* logits, int64_t rows, int64_t vocab, int64_t k, LogitMap map, float* values, int64_t* ids,
+                   int64_t* count_ge) {
+    constexpr int64_t BLOCK = 64;
+#pragma omp parallel
+    {
+        std::vector<float> buf(std::is_same<T, float>::value ? 0 : vocab), z(vocab);
+        std::vector<Scored> heap(k);
+        // heap order: the root ranks after every other entry (std::*_heap keep the "largest" under the comparator at
+        // the front, so the comparator says "ranks before")
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < rows; ++r) {
+            map_row(row_f32(logits, r, vocab, buf.data()), z.data(), vocab, map);
+            for (int64_t j = 0; j < k; ++j) heap[j] = Scored{z[j], j};
+            std::make_heap(heap.begin(), heap.end(), ranks_before);
+            for (int64_t j0 = k; j0 < vocab; j0 += BLOCK) {
+                const int64_t j1 = std::min(vocab, j0 + BLOCK);
+                if (!(block_max(z.data() + j0, j1 - j0) > heap.front().value)) continue;
+                for (int64_t j = j0; j < j1; ++j) {
+                    if (z[j] > heap.front().value) {  // (NaN never enters)
+                        std::pop_heap(heap.begin(), heap.end(), ranks_before);
+                        heap.back() = Scored{z[j], j};
+                        std::push_heap(heap.begin(), heap.end(), ranks_before);
+                    }
+                }
+            }
+            count_ge[r] = count_at_least(z.data(), vocab, heap.front().value);
+            std::sort(heap.begin(), heap.end(), ranks_before);
+            for (int64_t j = 0; j < k; ++j) {
+                values[r * k + j] = heap[j].value;
+                ids[r * k + j] = heap[j].id;
+            }
+        }
+    }
+}
+
 void check_dtype(int bits) {
     if (bits != 32 && bits != 16) throw std::invalid_argument("row ops take float32 (32) or bfloat16 (16) logits");
 }
@@ -459,6 +535,23 @@ void kept_scatter(std::uintptr_t hidden_p, std::uintptr_t weight_p, int weight_b
                           groups, dr, gh, gw, gb);
 }
 
+// values [rows, k] f32, ids [rows, k] int64: the k largest z = map(logits) of each row, descending, equal values by
+// lower id; count_ge [rows] int64: how many z of the row are >= the k-th.
+void row_topk(std::uintptr_t logits_p, int dtype_bits, int64_t rows, int64_t vocab, int64_t k, double pre, double post,
+              bool softcap, std::uintptr_t values_p, std::uintptr_t ids_p, std::uintptr_t count_ge_p) {
+    check_dtype(dtype_bits);
+    if (k < 1 || k > vocab) throw std::invalid_argument("row_topk: k must be in [1, vocab]");
+    const LogitMap map = logit_map(pre, post, softcap);
+    auto* values = reinterpret_cast<float*>(values_p);
+    auto* ids = reinterpret_cast<int64_t*>(ids_p);
+    auto* count_ge = reinterpret_cast<int64_t*>(count_ge_p);
+    pybind11::gil_scoped_release release;
+    if (dtype_bits == 32)
+        row_topk_impl(reinterpret_cast<const float*>(logits_p), rows, vocab, k, map, values, ids, count_ge);
+    else
+        row_topk_impl(reinterpret_cast<const bf16_t*>(logits_p), rows, vocab, k, map, values, ids, count_ge);
+}
+
 // exp_approx over a float32 buffer, so the tests can measure its error against exp in float64.
 void exp_approx_(std::uintptr_t x_p, int64_t n) {
     auto* x = reinterpret_cast<float*>(x_p);
@@ -480,5 +573,6 @@ PYBIND11_MODULE(_C, m) {
     m.def("kept_logits", &kept_logits, "r[e] = hidden[rows[e]] . weight[ids[e]] + bias[ids[e]], walked by id groups");
     m.def("kept_scatter", &kept_scatter,
           "grad_hidden, grad_weight (+=), grad_bias (+=) of the kept entries' d loss / d r, walked by id groups");
+    m.def("row_topk", &row_topk, "each row's k largest z = map(logits), descending (ties: lower id), and how many are >= the k-th");
     m.def("exp_approx_", &exp_approx_, "in place: x <- exp_approx(x), the vectorised exp of the row passes");
 }

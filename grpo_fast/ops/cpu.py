@@ -73,6 +73,17 @@ def _grad_(logits, target, lse, g, logit_map, g_entropy=None, entropy=None):
 ROW_OPS = RowOps(stats=_stats, grad_=_grad_, slab_dtypes=tuple(_DTYPE_BITS))
 
 
+def row_topk(logits, k: int, logit_map):
+    """(values [C, k] f32, ids [C, k] int64, count_ge [C] int64) of z = logit_map(logits [C, V]) (ops/topk.py)."""
+    logits = _slab(logits)
+    c, v = logits.shape
+    values, ids = torch.empty(c, k, dtype=torch.float32), torch.empty(c, k, dtype=torch.int64)
+    count_ge = torch.empty(c, dtype=torch.int64)
+    _native().row_topk(logits.data_ptr(), _DTYPE_BITS[logits.dtype], c, v, k, *_map(logit_map), values.data_ptr(),
+                       ids.data_ptr(), count_ge.data_ptr())
+    return values, ids, count_ge
+
+
 # ----------------------------------------------------------------------------------------------
 # The kept-set route (ops/kept.py): the chunk's logits and gradients walked by id in C++, the ragged
 # rows through the same row passes as the full vocabulary's
