@@ -53,7 +53,7 @@ from .reporting.metrics import logs_step, open_logger, progress, reduce_metrics,
 from .reporting.options import ReportOptions
 from .run import checkpoint, resume
 from .run import folder as run_folder
-from .train import advantages, generate, logprobs, step, sync
+from .train import advantages, generate, kept_sets, logprobs, step, sync
 from .train import evaluate as evaluation
 from .train.advantages import AdvantageOptions
 from .train.forward import Packer
@@ -145,7 +145,9 @@ class GRPOTrainer:
                                        agent=agent)
         ref_model = reference_copy(model, c.beta)  # (before many ranks wrap the policy)
         self.engine = engine if engine is not None else engine_build.build_engine(
-            engine_build.EngineOptions.from_config(c, lora_route=c.lora_route), precisions, model, tokenizer, model_path)
+            engine_build.EngineOptions.from_config(c, lora_route=c.lora_route,
+                                                   return_sampling_mask=SamplingOptions.from_config(c).truncates),
+            precisions, model, tokenizer, model_path)
         if engine is not None and c.lora_route and not self.engine.shares_weights_with(model):
             engine_build.initial_sync(self.engine, model, c.lora_route)  # an engine passed in samples the adapted policy
         if c.max_staleness:  # (engine='auto' falls back to HF where vLLM is not installed)
@@ -168,6 +170,8 @@ class GRPOTrainer:
         self.state = TrainState(global_batch=c.completions_per_step * self.world.size)
         is_options = logprobs.ISOptions.from_config(c, mode=c.is_mode)
         self.is_policy = logprobs.ISPolicy.resolve(is_options, self.engine, model, precision.trainer_dtype(packer, model))
+        # truncated sampling: where each token's kept set comes from (returned by the engine, or rebuilt)
+        self.kept_source = kept_sets.KeptSource.resolve(self.options.sampling, self.engine, rollout_mode(c.rollout_mode))
         self.metrics_logger = None
         self._saved_step = None  # the step of the last checkpoint this process wrote or resumed from
 
@@ -286,7 +290,8 @@ class GRPOTrainer:
                 batch = dataclasses.replace(batch, advantages=adv)
                 with timed(times, "time/logprob"):  # old / reference log-probs, IS weights
                     side = logprobs.side_inputs(batch, policy, self.is_policy, temperature=c.temperature,
-                                                backend=c.loss_backend, check=self.is_policy.checks(self.state.step, c.sampling_check_steps))
+                                                backend=c.loss_backend, check=self.is_policy.checks(self.state.step, c.sampling_check_steps),
+                                                kept_source=self.kept_source)
                 batch = side.into(batch)
         except BaseException as err:
             self.state = start_state
@@ -340,7 +345,8 @@ class GRPOTrainer:
         return step.optimizer_step(part, num_items, bar, self.policy, self.optimizer, self.scheduler,
                                    steps=step.StepOptions.from_config(c, group_size=c.group_size),
                                    options=self.options.loss, state=self.state, world=self.world,
-                                   importance_weights=self.is_policy.weights if self.is_policy.in_step else None)
+                                   importance_weights=self.is_policy.weights if self.is_policy.in_step else None,
+                                   kept_source=self.kept_source)
 
     def _engine_weights(self):
         """Where the engine samples with the policy itself (HF) under FSDP2: the whole model, gathered."""
@@ -359,6 +365,8 @@ class GRPOTrainer:
             lora_auto=c.lora_sync == "auto")
         if c.unsafe_code_execution:  # (the run's first line says it)
             line = "warning: --unsafe_code_execution: model-written code runs WITHOUT isolation (limits only)\n" + line
+        if self.kept_source.active:  # (truncated sampling: where the kept sets come from)
+            line += "\n" + self.kept_source.line()
         return line
 
     def evaluate(self, rows: Optional[list] = None) -> dict:

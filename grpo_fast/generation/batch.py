@@ -44,6 +44,9 @@ class Rollouts:
     # routing replay (models/routing.py): the experts the engine routed each completion token's step to,
     # [C_i, num_hidden_layers, top_k] int16 each (row t: the position predicting token t); None: not recorded
     routed_experts: Optional[list[torch.Tensor]] = None
+    # truncated sampling (generation/truncation.py): each completion token's kept set, where the engine returned
+    # them or the old policy's pass rebuilt them (`KeptTokens` each); None: no truncation, or not rebuilt yet
+    kept: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -116,9 +119,10 @@ class Entries:
 
 def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollouts:
     """Flatten the engine's groups (one list of n Completion per prompt) into a Rollouts (with their routing
-    records when every completion carries one)."""
+    records, and their kept sets, when every completion carries them)."""
     flat = [(p, r, c) for p, r, group in zip(prompt_ids, rows, groups, strict=True) for c in group]
     routed = [c.routed_experts for _, _, c in flat]
+    kept = [c.kept for _, _, c in flat]
     return Rollouts(
         prompt_ids=[p for p, _, _ in flat],
         completion_ids=[list(c.token_ids) for _, _, c in flat],
@@ -127,4 +131,5 @@ def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollou
         completion_texts=[c.text for _, _, c in flat],
         rows=[r for _, r, _ in flat],
         routed_experts=routed if flat and all(x is not None for x in routed) else None,
+        kept=kept if flat and all(x is not None for x in kept) else None,
     )

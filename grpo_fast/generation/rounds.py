@@ -6,7 +6,8 @@ The pool of groups in flight lives in `TrainState.in_flight` as `Group` records,
 far) that sampled each. A checkpoint holds them as plain dicts (`to_dict`/`from_dict`: a group
 `{"prompt": index, "seed": int, "members": [member, ...]}`, a member
 `{"ids": [...], "logp": [...], "ver": [...], "finish": None | "stop" | "length"}`, the format every
-version wrote), so a resumed run continues the very same completions.
+version wrote, and `"kept": {"ids", "offsets"}` where the engine returned the kept sets of truncated sampling:
+generation/truncation.py), so a resumed run continues the very same completions.
 
 Each round:
 1. groups whose oldest token would train more than `max_staleness` versions behind the policy are
@@ -30,7 +31,7 @@ stage calls: the stale groups dropped, the engine woken, one round.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -39,6 +40,7 @@ from ..bounds import FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0
 from ..options import mirror, option, options_record
 from .batch import Rollouts
 from .engines.base import Continuation, SamplingOptions, hashed_seed
+from .truncation import KeptTokens
 
 
 @options_record
@@ -74,13 +76,25 @@ class Member:
     logp: list = field(default_factory=list)  # the sampling log-prob of each
     ver: list = field(default_factory=list)  # the policy version that sampled each
     finish: Optional[str] = None  # None: still running; "stop" | "length"
+    # truncated sampling, where the engine returns them: each token's kept set (KeptTokens); None: not returned
+    kept: Optional[KeptTokens] = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {"ids": list(self.ids), "logp": list(self.logp), "ver": list(self.ver), "finish": self.finish}
+        return d if self.kept is None else {**d, "kept": self.kept.to_dict()}  # (the format before kept sets)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Member":
-        return cls(list(d["ids"]), list(d["logp"]), list(d["ver"]), d["finish"])
+        kept = KeptTokens.from_dict(d["kept"]) if d.get("kept") is not None else None
+        return cls(list(d["ids"]), list(d["logp"]), list(d["ver"]), d["finish"], kept)
+
+    def extended(self, c, version: int) -> "Member":
+        """This member followed by an engine's Completion `c` (sampled at policy `version`)."""
+        kept = None if c.kept is None else KeptTokens.cat(([self.kept] if self.kept is not None else []) + [c.kept])
+        if kept is not None and len(kept) != len(self.ids) + len(c.token_ids):  # (an engine returning them mid-run)
+            kept = None
+        return Member(self.ids + c.token_ids, self.logp + c.logprobs, self.ver + [version] * len(c.token_ids),
+                      c.finish_reason, kept)
 
 
 @dataclass
@@ -279,19 +293,14 @@ class Completions:
             g = running[k][0]
             if all(r in done for _, r in queued[id(g)]):
                 ended = {j: done[r] for j, r in queued[id(g)]}
-                members = [Member(m.ids + ended[j].token_ids, m.logp + ended[j].logprobs,
-                                  m.ver + [version] * len(ended[j].token_ids), ended[j].finish_reason) if j in ended else m
-                           for j, m in enumerate(g.members)]
+                members = [m.extended(ended[j], version) if j in ended else m for j, m in enumerate(g.members)]
                 self.on_complete(g, self.as_rollouts([Group(g.prompt, g.seed, members)]))
 
         result = self.engine.generate_until(requests, step_done, more=more, sampling=self.sampling,
                                             on_finished=finished if self.on_complete is not None else None)
         last_step = {}  # id(group) -> the engine step at which its last member finished in this round
-        for (g, _, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
-            m.ids += c.token_ids
-            m.logp += c.logprobs
-            m.ver += [version] * len(c.token_ids)
-            m.finish = c.finish_reason
+        for (g, j, m), c, step in zip(running, result.completions, result.finished_at, strict=True):
+            m = g.members[j] = m.extended(c, version)
             if c.finish_reason is None and len(m.ids) >= budget:  # aborted on its last token
                 m.finish = "length"
             if step is not None:
@@ -303,6 +312,7 @@ class Completions:
     def as_rollouts(self, groups: list[Group]) -> Rollouts:
         """The groups' members as `Rollouts`, in order."""
         members = [(g.prompt, m) for g in groups for m in g.members]
+        kept = [m.kept for _, m in members]
         return Rollouts(
             prompt_ids=[list(self.prompt_ids[p]) for p, _ in members],
             completion_ids=[list(m.ids) for _, m in members],
@@ -310,4 +320,5 @@ class Completions:
             finish_reason=[m.finish for _, m in members],
             completion_texts=[self.tokenizer.decode(m.ids, skip_special_tokens=True) for _, m in members],
             rows=[self.rows[p] for p, _ in members],
+            kept=kept if members and all(k is not None for k in kept) else None,
         )

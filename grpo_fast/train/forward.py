@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..compat import attention_implementation
+from ..generation import truncation
 from ..models import routing
 from ..models.adapter import causal_lm_of, decoder_of, logit_transform, output_head, unshard_head
 from ..models.moe import router_logits_of
@@ -91,9 +92,11 @@ class Packer:
         self.amp_dtype = amp_dtype
         self.routing_replay = routing_replay
 
-    def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None, routed_experts=None):
+    def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None, routed_experts=None,
+                      kept=None):
         """Yield PackedMicroBatch over samples with a completion (and `include[i]` when given); with the engine's
-        routing records (`Rollouts.routed_experts`), each carries its `routing.Replay`."""
+        routing records (`Rollouts.routed_experts`), each carries its `routing.Replay`; with kept sets
+        (`Rollouts.kept`, truncated sampling), its `objective.KeptSets`."""
         lengths = [
             0 if (include is not None and not include[i]) or not completion_ids[i]
             else len(prompt_ids[i]) + len(completion_ids[i]) - 1
@@ -104,27 +107,32 @@ class Packer:
             mb = pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=attention)
             if routed_experts is not None:
                 mb.routing = routing.Replay.of(mb, routed_experts, replay=self.routing_replay)
+            if kept is not None:
+                mb.kept = truncation.pack(kept, mb.rows, mb.target_ids.shape[1], device=self.device)
             yield mb
 
 
 @torch.no_grad()
 def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, temperature: float, backend: str,
-                        routed_experts=None) -> list[torch.Tensor]:
+                        routed_experts=None, kept=None) -> list[torch.Tensor]:
     """Per-sample log-probs `[C_i]` (float32, CPU) of the completion tokens under `model`, no grad.
 
     Used for the old-policy and reference passes: hidden states, then the fused linear op, so no
     logits tensor exists here either. Samples with an empty completion get an empty tensor. The
     log-probs are of the model's own logit map (its scale and soft-cap, then `temperature`).
-    routed_experts: the engine's routing records (routing replay: `Packer.routing_replay`).
+    routed_experts: the engine's routing records (routing replay: `Packer.routing_replay`). kept: each completion's
+    kept sets (truncated sampling: `Rollouts.kept`), the support of its log-softmax.
     """
     base, weight, bias = policy_parts(model)
     logit_map = logit_transform(causal_lm_of(model).config)
     out = [torch.zeros(0) for _ in prompt_ids]
-    for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids, routed_experts=routed_experts)):
+    for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids, routed_experts=routed_experts,
+                                                           kept=kept)):
         with routing.replaying(base, mb.routing):
             hidden = completion_hidden(base, mb, packer.amp_dtype)
         logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.completion_mask, bias=bias,
-                                      temperature=temperature, **logit_map, backend=backend)
+                                      temperature=temperature, **logit_map, backend=backend,
+                                      **({"kept": mb.kept} if mb.kept is not None else {}))
         for i, values in zip(mb.rows, mb.unpad(logp), strict=True):
             out[i] = values.cpu()
     return out

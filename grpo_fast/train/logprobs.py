@@ -28,6 +28,7 @@ from ..models.precision import default_is_correction
 from ..options import mirror, option, options_record
 from ..reporting.metrics import Pooled
 from .forward import completion_logprobs
+from .kept_sets import TruncationStats, policy_pass
 
 
 @options_record
@@ -95,27 +96,47 @@ class SideInputs:
     ref_logp: Optional[list]
     is_weights: Optional[list]
     metrics: dict  # sampling/*: the engine-vs-trainer log-prob gap, the IS ratios
+    kept: Optional[list] = None  # truncated sampling: the kept sets the old policy's pass rebuilt (KeptTokens each)
 
     def into(self, batch: Rollouts) -> Rollouts:
         """The batch with these side inputs (a new Rollouts: the one given is not changed)."""
-        return dataclasses.replace(batch, old_logp=self.old_logp, ref_logp=self.ref_logp, is_weights=self.is_weights)
+        rebuilt = {} if self.kept is None else {"kept": self.kept}
+        return dataclasses.replace(batch, old_logp=self.old_logp, ref_logp=self.ref_logp, is_weights=self.is_weights,
+                                   **rebuilt)
 
 
-def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: float, backend: str, check: bool) -> SideInputs:
+def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: float, backend: str, check: bool,
+                kept_source=None) -> SideInputs:
     """Old-policy log-probs (where needed, or `check`: the sampling diagnostics' pass), IS weights
     (unless the step computes them), reference log-probs (beta > 0). No grad, no logits.
     trained: the policy (`models.policy.Policy`: model, packer, parallel, reference). The policy's pass replays the
-    engine's routing where the batch carries it (routing replay); the reference routes by its own router."""
+    engine's routing where the batch carries it (routing replay); the reference routes by its own router.
+    kept_source (`kept_sets.KeptSource`, truncated sampling): every pass over the batch's kept sets; the policy's
+    pass rebuilds them first where the engine did not return them (it runs then for the reference too)."""
+    truncated = kept_source is not None and kept_source.active
+    kept = batch.kept
     compute = lambda m, routed=None: completion_logprobs(m, trained.packer, batch.prompt_ids,  # noqa: E731
                                                          batch.completion_ids, temperature=temperature,
-                                                         backend=backend, routed_experts=routed)
+                                                         backend=backend, routed_experts=routed, kept=kept)
     reference = trained.reference
     metrics = {}
-    old_logp = is_weights = ref_logp = None
-    if policy.needs_old_logp or check:
+    old_logp = is_weights = ref_logp = rebuilt = None
+    if policy.needs_old_logp or check or (truncated and kept is None and reference is not None):
+        stats = TruncationStats(kept_source)
         with trained.parallel.gathered():  # FSDP2: one all-gather for the pass; ranks run their own micro-batches
-            trainer_logp = compute(trained.model, batch.routed_experts)
+            if truncated:
+                done = policy_pass(trained.model, trained.packer, batch, kept_source, temperature=temperature,
+                                   backend=backend, routed_experts=batch.routed_experts)
+                trainer_logp, rebuilt, kept = done.logp, done.kept, done.kept if done.kept is not None else kept
+                if rebuilt is not None:
+                    stats.missed(done.misses)
+            else:
+                trainer_logp = compute(trained.model, batch.routed_experts)
         metrics.update(sampling_stats(trainer_logp, batch.sampling_logp))
+        for i, (t, s) in enumerate(zip(trainer_logp, batch.sampling_logp, strict=True)):
+            if t.numel() and s.numel() == t.numel():
+                stats.add(t, s, done.full[i] if truncated else None)
+        metrics.update(stats.metrics(trained.parallel.world))
         # on-policy, the loss takes old = lp.detach() itself: the diagnostic pass stays out of it
         old_logp = trainer_logp if policy.needs_old_logp else None
     if policy.use_is and not policy.in_step:
@@ -130,7 +151,7 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
     if reference is not None:
         with reference.parallel.gathered(), reference.scope():
             ref_logp = compute(reference.model)
-    return SideInputs(old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, metrics=metrics)
+    return SideInputs(old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, metrics=metrics, kept=rebuilt)
 
 
 def sampling_stats(old: list[torch.Tensor], sampling: list[torch.Tensor]) -> dict:

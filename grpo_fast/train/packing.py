@@ -61,6 +61,8 @@ class PackedMicroBatch:
     (0 where t is past the completion); target_ids: (b, Tc) long; completion_mask: (b, Tc) bool.
     rows: which samples of the caller's list the b sequences are. routing: the engine's routing of the completion
     tokens (`models.routing.Replay`: routing replay), set by the Packer; None: the model routes them itself.
+    kept: the kept sets of truncated sampling over the (b, Tc) positions (`objective.KeptSets`, row-major), set by
+    the Packer or rebuilt by the step's forward; None: every position over the whole vocabulary.
     """
 
     input_ids: torch.Tensor
@@ -73,6 +75,7 @@ class PackedMicroBatch:
     completion_mask: torch.Tensor
     rows: list[int]
     routing: Optional[object] = None
+    kept: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:

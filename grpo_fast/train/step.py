@@ -49,8 +49,9 @@ from ..models import routing as routing_replay
 from ..models.adapter import causal_lm_of, decoder_of, masked_logprobs
 from ..models.moe import RouterStats, router_loss
 from ..objective import LossOptions
-from ..ops import fused_linear_grpo_loss
+from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
 from ..options import mirror, option, options_record
+from . import kept_sets
 from .forward import Packer, completion_hidden, policy_parts
 
 __all__ = ["LossOptions", "optimizer_step", "step_metrics", "step_slices", "train_step", "trainable_mask",
@@ -71,7 +72,8 @@ def trainable_tokens(batch: Rollouts, options: LossOptions) -> int:
 def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossOptions, max_grad_norm: float,
                num_items_in_batch: Optional[float] = None, *, top_entropy_quantile: float = 1.0,
                off_policy_mask_threshold: Optional[float] = None, parallel: Optional[Parallel] = None,
-               importance_weights: Optional[Callable] = None, router_aux_loss_coef: Optional[float] = None) -> dict:
+               importance_weights: Optional[Callable] = None, router_aux_loss_coef: Optional[float] = None,
+               kept_source=None) -> dict:
     """Accumulate the loss of `batch` over packed micro-batches, clip, step. Returns metrics
     (loss, kl, entropy, the loss type's metrics, policy_loss, grad_norm, skipped, num_tokens) and
     `bonus_entropy`: the token mean of the entropy over the tokens the entropy bonus covers (what
@@ -86,7 +88,9 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     forward (a no-grad lm_head pass per micro-batch), which are the old policy's here: no separate
     old-policy pass. Adds the `sampling/...` diagnostics of the engine-trainer gap to the metrics.
     router_aux_loss_coef: the MoE router loss's weight (TRL's; None: the model config's, models/moe.py);
-    when on, adds `aux_loss` (the micro-batches' mean Switch loss, all ranks) and `moe/max_expert_load`."""
+    when on, adds `aux_loss` (the micro-batches' mean Switch loss, all ranks) and `moe/max_expert_load`.
+    kept_source: truncated sampling (`kept_sets.KeptSource`): every log-softmax over the batch's kept sets
+    (`Rollouts.kept`), which this step's own forward rebuilds where the batch has none yet (one update per batch)."""
     world = ONE_PROCESS if parallel is None else parallel.world
     wrapped = None if parallel is None else parallel.forward  # DDP module or FSDP2 root: its forward is the decoder's
     base = decoder_of(causal_lm_of(model))  # (the lm_head weight is read after each forward: FSDP2 unshards it there)
@@ -94,11 +98,14 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
-    micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include, batch.routed_experts))
+    micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include, batch.routed_experts,
+                                              kept=batch.kept))
+    rebuilds = kept_source is not None and kept_source.rebuilds and batch.kept is None
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
     sampling_gap = _SamplingGap()  # with importance_weights: the engine-trainer log-prob gap and IS ratios
+    truncation = kept_sets.TruncationStats(kept_source)  # ... its ratios, the mass the truncation cut
     router_stats = RouterStats()  # with router: the micro-batches' Switch losses and the experts' loads
     for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
         _zero_backward(model, wrapped, base, packer)  # the collectives of the passes this rank lacks
@@ -112,6 +119,13 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
             else:
                 hidden, router_logits = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped, router_logits=True)
             _, weight, bias = policy_parts(model)  # after the forward: FSDP2 has unsharded the root by now
+            full = None  # truncated sampling: the full-vocab log-probs, where a rebuild computed them
+            if rebuilds:  # the old policy's kept sets from this forward (no grad: its hidden states are the old policy's)
+                mb.kept, _, missed, full = kept_sets.rebuild(
+                    hidden, weight, bias, mb, kept_sets.sampled_positions(mb, batch.sampling_logp), kept_source.rule,
+                    {"temperature": options.temperature, "logit_scale": options.logit_scale,
+                     "logit_softcap": options.logit_softcap}, options.backend)
+                truncation.missed(missed)
             mask = mb.completion_mask  # a rollout mode's masked tokens (injected text, a continued thought) leave it
             if batch.loss_mask is not None:
                 mask = mask & (mb.pad(batch.loss_mask) > 0)
@@ -120,7 +134,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
             is_weights = None if batch.is_weights is None else mb.pad(batch.is_weights)
             if importance_weights is not None:
                 is_weights = _in_step_is_weights(hidden, weight, bias, mb, batch, options, importance_weights,
-                                                 sampling_gap)
+                                                 sampling_gap, truncation, full)
             is_ratio = None
             if loss_type(options.loss_type).takes_is_ratio:  # vespo folds the IS ratio into its sequence weight
                 is_ratio, is_weights = is_weights, None
@@ -140,6 +154,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
                 ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
                 is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights,
                 bias=bias, num_items_in_batch=max(num_items, 1), options=options,
+                **({"kept": mb.kept} if mb.kept is not None else {}),
             )
             tokens = int(mask.sum())
             if entropy_mask is None:
@@ -181,6 +196,8 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
     out["policy_loss"] = policy_sum if not skipped else float("nan")
     out.update(sampling_gap.metrics(world))
+    if importance_weights is not None or truncation.rebuilt:
+        out.update(truncation.metrics(world))
     if batch.routed_experts is not None:  # the engine's routing against this step's forwards (all ranks record)
         out.update(routing_replay.metrics(sum_over_ranks(routing_replay.counts(mb.routing for mb in micro_batches), world)))
     if router is not None:
@@ -224,17 +241,33 @@ class _SamplingGap:
 
 
 def _in_step_is_weights(hidden, weight, bias, mb, batch: Rollouts, options: LossOptions, importance_weights: Callable,
-                        gap: _SamplingGap) -> torch.Tensor:
-    """The micro-batch's IS weights (b, Tc), each completion's from this forward's own log-probs (no grad)."""
+                        gap: _SamplingGap, truncation: "kept_sets.TruncationStats",
+                        full: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The micro-batch's IS weights (b, Tc), each completion's from this forward's own log-probs (no grad), over
+    its kept sets under truncated sampling (`full`: the full-vocab log-probs, where a rebuild computed them)."""
     with torch.no_grad():
-        logp = masked_logprobs(hidden.detach(), weight, bias, mb.target_ids, mb.completion_mask, options=options)[0].cpu()
+        logp = _logprobs(hidden.detach(), weight, bias, mb, mb.completion_mask, options)[0].cpu()
+        if mb.kept is not None and full is None:  # (the kept mass's other half: one more lm_head pass)
+            full = masked_logprobs(hidden.detach(), weight, bias, mb.target_ids, mb.completion_mask, options=options)[0]
+    whole = None if mb.kept is None else mb.unpad(full.cpu())
     out = torch.zeros_like(logp)
     for j, (i, trainer) in enumerate(zip(mb.rows, mb.unpad(logp), strict=True)):
         sampling = batch.sampling_logp[i]
         out[j, : len(trainer)] = weights = importance_weights(trainer, sampling)
         sampled = ~sampling.isnan()  # (NaN: a token the policy did not sample, a tool result: not a gap)
         gap.add((trainer - sampling).abs()[sampled], weights[sampled])
+        truncation.add(trainer, sampling, None if whole is None else whole[j])
     return out.to(mb.target_ids.device)
+
+
+def _logprobs(hidden, weight, bias, mb, mask, options: LossOptions):
+    """(log-probs, entropies) (b, Tc) of the micro-batch's targets where `mask` is set, no grad: over its kept sets
+    under truncated sampling (`mb.kept`), else `models.adapter.masked_logprobs` as it is."""
+    if mb.kept is None:
+        return masked_logprobs(hidden, weight, bias, mb.target_ids, mask, options=options)
+    return masked_linear_logprobs(hidden.to(weight.dtype), weight, mb.target_ids, mask, bias=bias, kept=mb.kept,
+                                  temperature=options.temperature, logit_scale=options.logit_scale,
+                                  logit_softcap=options.logit_softcap, backend=options.backend, return_entropy=True)
 
 
 def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages, is_weights, options: LossOptions,
@@ -242,7 +275,7 @@ def _trl_token_masks(hidden, weight, bias, mb, mask, batch: Rollouts, advantages
     """TRL's off-policy sequence mask and high-entropy token mask of a micro-batch, from a no-grad
     pass of the current policy: (is_weights times the masks, entropy, the high-entropy mask or None)."""
     with torch.no_grad():
-        logp, entropy = masked_logprobs(hidden.detach(), weight, bias, mb.target_ids, mask, options=options)
+        logp, entropy = _logprobs(hidden.detach(), weight, bias, mb, mask, options)
     factors = [] if is_weights is None else [is_weights]
     if off_policy_mask_threshold is not None:
         sampling = mb.pad(batch.sampling_logp)
@@ -308,7 +341,8 @@ def items_per_step(batch: Rollouts, steps: StepOptions, options: LossOptions, wo
 
 
 def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, scheduler, *, steps: StepOptions,
-                   options: LossOptions, state, world, importance_weights: Optional[Callable] = None) -> dict:
+                   options: LossOptions, state, world, importance_weights: Optional[Callable] = None,
+                   kept_source=None) -> dict:
     """One optimizer step of `policy` (`models.policy.Policy`) on `part` with the entropy bonus's coefficient now (TRL's adaptive controller
     moves it), then the schedule and the counters in `state` (steps, skipped steps, steps without signal)."""
     coef = steps.entropy_coef if state.entropy_coef is None else state.entropy_coef
@@ -318,7 +352,7 @@ def optimizer_step(part: Rollouts, num_items: float, bar, policy, optimizer, sch
                          steps.max_grad_norm, num_items_in_batch=max(num_items, 1.0),
                          top_entropy_quantile=steps.top_entropy_quantile, off_policy_mask_threshold=steps.off_policy_mask_threshold,
                          parallel=policy.parallel, importance_weights=importance_weights,
-                         router_aux_loss_coef=steps.router_aux_loss_coef)
+                         router_aux_loss_coef=steps.router_aux_loss_coef, kept_source=kept_source)
     bonus_entropy = metrics.pop("bonus_entropy")
     if steps.use_adaptive_entropy and not metrics["skipped"]:  # TRL's controller: the next step's coefficient and gate
         state.entropy_coef = objective.adaptive_entropy_coef(

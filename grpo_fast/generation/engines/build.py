@@ -29,6 +29,9 @@ class EngineOptions:
     routing_replay: bool = mirror(False)  # (models/routing.py declares both: the engine records its routing for them)
     record_routing: bool = mirror(False)
     lora_route: Optional[str] = None  # GRPOConfig.lora_route: how an engine that loads weights samples a LoRA adapter
+    # the caller's: the run's sampling truncates, so an engine that loads weights returns the kept sets where it can
+    # (vLLM's return_sampling_mask; the HF engine always does)
+    return_sampling_mask: bool = False
 
 
 def build_engine(options: EngineOptions, precision, model, tokenizer, model_path):
@@ -63,7 +66,8 @@ def build_engine(options: EngineOptions, precision, model, tokenizer, model_path
                          **({"lora": lora.spec(model)} if route == "adapter" else {}),
                          # QLoRA: the engine quantises the same base to 4 bits as it loads (bitsandbytes NF4), so it
                          # samples what the trainer computes with (checked by the sync probe; GPU only, untested here)
-                         **({"quantization": "bitsandbytes"} if options.load_in_4bit else {}), **records)
+                         **({"quantization": "bitsandbytes"} if options.load_in_4bit else {}), **records,
+                         **({"return_sampling_mask": True} if options.return_sampling_mask else {}))
     initial_sync(engine, model, route)  # the policy may differ from the folder (resumed, or cast)
     if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, folder, True)

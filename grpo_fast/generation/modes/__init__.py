@@ -64,6 +64,9 @@ class RolloutMode:
     streams_groups: bool = False  # `sample` takes on_group: its groups can be scored as the engine finishes them
     takes_agent: bool = False  # `sample` takes agent= (grpo_fast/generation/agents: the tools, the chat template, the runner)
     carries_routing: bool = False  # its batch keeps the engine's routing records (Rollouts.routed_experts: routing replay)
+    # its batch keeps the kept sets an engine returns under truncated sampling (Rollouts.kept); else the trainer
+    # rebuilds them from the old policy (train/kept_sets.py)
+    carries_kept_sets: bool = False
 
     def checks(self) -> tuple:
         """`options.Combination` rows that hold while this mode is chosen (config_checks checks them before its table's)."""

@@ -23,6 +23,7 @@ class MultiTurn(Parallel):
     runs_on_many_ranks = True  # (each rank runs its share's trajectories, environments and tools)
     streams_groups = False
     carries_routing = False  # (a trajectory's tool results and template tokens between turns: no engine step)
+    carries_kept_sets = False
 
     def checks(self) -> tuple:
         return (

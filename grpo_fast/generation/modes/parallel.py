@@ -16,6 +16,7 @@ class Parallel(RolloutMode):
     runs_on_many_ranks = True
     streams_groups = True
     carries_routing = True  # its batch is the engine's completions as they came (from_engine)
+    carries_kept_sets = True  # (from_engine, and partial rollouts' members)
 
     def sequence_text(self, c, longest=False) -> str:
         return "max_completion_length"
