@@ -19,6 +19,12 @@ use_adaptive_entropy: its gradient from the fused pass), tool masks, tied embedd
 cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulation, DDP, and the MoE router
 load-balancing loss (router_aux_loss_coef, TRL's aux_loss: from the decoder's router logits, models/moe.py).
 Anything else raises a ValueError naming the option when the trainer is built.
+
+Truncated sampling (top_k > 0, top_p < 1, min_p > 0) keeps TRL 1.16's semantics, for parity with stock TRL: TRL samples
+from the truncated distribution (vLLM with `logprobs_mode="processed_logprobs"`, or transformers' warpers) but
+computes the old-policy, reference and current log-probs over the whole vocabulary, so its vLLM IS ratio carries
+each token's kept mass (TRL PR #7269 measured a mean of 0.896 at top_p 0.8). The kept sets are not replayed here
+(they are in grpo_fast's native trainer: README, "Truncated sampling"); building the trainer warns once.
 DDP under accelerate / torchrun is tested on 2 CPU (gloo) processes against stock TRL's update
 (tests/integrations/test_trl_distributed.py); FSDP and DeepSpeed ZeRO-3 are refused.
 """
@@ -115,6 +121,19 @@ def check_supported_trainer(trainer) -> None:
         router_loss(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)), trainer.router_aux_loss_coef)
     if trainer.ref_model is not None:
         check_fusable(causal_lm_of(trainer.accelerator.unwrap_model(trainer.ref_model)), "ref_model")
+    warn_truncation(trainer.args)
+
+
+def warn_truncation(args) -> None:
+    """Truncated sampling under the TRL backend: TRL's full-vocabulary semantics kept (module docstring), said once."""
+    top_k, top_p, min_p = getattr(args, "top_k", 0) or 0, getattr(args, "top_p", 1.0), getattr(args, "min_p", None) or 0.0
+    if top_k > 0 or top_p < 1 or min_p > 0:
+        import warnings
+
+        warnings.warn(f"top_k={top_k}, top_p={top_p}, min_p={min_p}: the TRL backend keeps TRL 1.16's semantics (the "
+                      f"trainer's log-probs over the whole vocabulary while the sampler draws from the truncated "
+                      f"distribution), so the vLLM importance-sampling ratio carries each token's kept mass; grpo_fast's "
+                      f"native trainer replays the kept sets instead (README, 'Truncated sampling')", stacklevel=3)
 
 
 def loss_options(trainer) -> LossOptions:
@@ -172,9 +191,11 @@ class FastGRPOMixin:
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
-        """TRL's per-token log-probs `[B, logits_to_keep]` (and entropies), 0 outside the attention mask,
-        here without logits. Used for the old-policy and reference passes (under no_grad). compute_aux_loss:
-        the MoE router loss too, TRL's: the mean over the row chunks of each one's (its real tokens')."""
+        """TRL's per-token log-probs `[B, logits_to_keep]` (and entropies), float32, 0 outside the attention
+        mask, here without logits. Used for the old-policy and reference passes (under no_grad). compute_aux_loss:
+        the MoE router loss too, TRL's: the mean over the row chunks of each one's (its real tokens').
+        With gradients enabled the entropies carry a gradient, as stock TRL 1.16's do (its fused head returns a
+        differentiable entropy whatever entropy_coef is), so a subclass may put them in its loss."""
         _reject_multimodal(extra)
         options = loss_options(self)
         lm = causal_lm_of(self.accelerator.unwrap_model(model))
@@ -188,7 +209,8 @@ class FastGRPOMixin:
                 hidden, aux = completion_hidden_and_router_loss(lm, ids, att, logits_to_keep, router)
             aux_losses.append(aux)
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
-                                            options=options)
+                                            options=options,
+                                            differentiable_entropy=False)
             logps.append(logp)
             entropies.append(entropy)
         aux_loss = torch.stack(aux_losses).mean() if router is not None else None
@@ -388,10 +410,9 @@ class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer):
     """`trl.GRPOTrainer` with grpo_fast's fused log-prob and loss passes; takes exactly its arguments."""
 
     def __init__(self, *args, **kwargs):
-        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
-        check_supported_args(bound.arguments.get("args"))  # before any model is loaded
+        check_supported_args(inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args"))
         super().__init__(*args, **kwargs)
-        check_supported_trainer(self)
+        check_supported_trainer(self)  # (the options' refusals included)
 
 
 FastGRPOTrainer.__init__.__signature__ = inspect.signature(GRPOTrainer.__init__)
