@@ -210,7 +210,7 @@ class FastGRPOMixin:
             aux_losses.append(aux)
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
                                             options=options,
-                                            differentiable_entropy=False)
+                                            differentiable_entropy=compute_entropy and torch.is_grad_enabled())
             logps.append(logp)
             entropies.append(entropy)
         aux_loss = torch.stack(aux_losses).mean() if router is not None else None
@@ -410,7 +410,7 @@ class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer):
     """`trl.GRPOTrainer` with grpo_fast's fused log-prob and loss passes; takes exactly its arguments."""
 
     def __init__(self, *args, **kwargs):
-        check_supported_args(inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args"))
+        # TRL validates its arguments first: a refusal here never hides the error stock TRL would raise
         super().__init__(*args, **kwargs)
         check_supported_trainer(self)  # (the options' refusals included)
 
