@@ -89,7 +89,9 @@ def kept_from_candidates(values: torch.Tensor, ids: torch.Tensor, lse: torch.Ten
     """vLLM's rule on the k largest logits of each position: `values` `[N, k]` (the mapped logits, sorted
     descending), their vocabulary `ids` `[N, k]`, each position's full-vocab log-sum-exp `lse` `[N]`
     (`ops.linear_topk`: one pass over the vocabulary, no logits held). Needs rule.top_k in (0, k]: the sets
-    cannot hold more. A tie with the k-th value beyond the k candidates is cut (vLLM keeps every tied token).
+    cannot hold more. Ties: one with the k-th value beyond the k candidates is cut (vLLM keeps every tied token);
+    tokens tied at the top_p edge, where the cut falls inside the tie, are chosen in the candidates' order, where
+    vLLM's unstable sort of the whole row chooses its own (the sets agree in size and above the edge).
 
     sampled `[N]` (optional): each position's sampled token, added to its set where the rule left it out
     (rounding between the engine's logits and these put it at the edge: prime-rl PR #2601's rule).

