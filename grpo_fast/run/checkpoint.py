@@ -11,7 +11,12 @@ crash never leaves a half-written `checkpoint-N` or `final/`.
                               number of ranks loads it, none at all included (no process group)
         model.safetensors, config.json, tokenizer files     (rank 0; loadable by transformers and vLLM)
         trainer_state.pt   {"state": TrainState as dict, "scheduler", "rng" (rank 0's), "rng_by_rank",
-                            "config", "world_size"}
+                            "config", "world_size"}; with partial rollouts under truncated sampling, where the
+                            engine returns kept sets, each member in flight keeps its own (int32 ids + int64
+                            offsets): at most 4 k + 8 bytes a token, k = top_k (2 KiB at k = 512), so at most
+                            (max_staleness + 1) x prompts_per_generation x num_generations x max_completion_length
+                            x 2 KiB: 270 MB for 2 x 8 x 8 x 1024 tokens at max_staleness 1 (sets the trainer
+                            rebuilds from the old policy, vLLM on the CPU's, are never saved)
         manifest.json      {"step", "files": {relative path: size in bytes}}: written last (rank 0, once every
                             rank has written), so a folder whose files do not match it was damaged after the
                             write (a truncated copy, a bad disk); final/ has one too ("merged": merged/ in it)
@@ -92,7 +97,7 @@ def save_checkpoint(output_dir: str, step: int, *, model, tokenizer, optimizer, 
 
     # the HF model + the sharded model + AdamW's two moments (float32 each) + RNG and small state (LoRA: the
     # adapter's file + its sharded copy + its two moments: kilobytes to megabytes, hence sizes in KiB too)
-    needed = _tensor_bytes(_saved_parameters(model)) * 4
+    needed = _tensor_bytes(_saved_parameters(model)) * 4 + _kept_set_bytes(state)
     final = write_atomically(os.path.join(output_dir, f"checkpoint-{step}"), write, needed_bytes=needed, world=world,
                              manifest={"step": step})
     if total_limit is not None and world.main:
@@ -329,6 +334,12 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.0f} {unit}"
     return f"{n} bytes"
+
+
+def _kept_set_bytes(state: dict) -> int:
+    """The kept sets of the partial rollouts in flight (truncated sampling), in bytes (module docstring's bound)."""
+    return sum(t.numel() * t.element_size() for g in state.get("in_flight", ()) for m in g.get("members", ())
+               if isinstance(m, dict) and m.get("kept") is not None for t in m["kept"].values())
 
 
 def _tensor_bytes(tensors) -> int:
