@@ -387,10 +387,12 @@ class KeptSets:
             torch.arange(k, device=rows.device) - offsets.index_select(0, entry_row))
         return KeptSets(self.ids.index_select(0, src), offsets)
 
-    def check(self, n: int, vocab: int, target_ids: Optional[torch.Tensor] = None, name: str = "kept") -> None:
+    def check(self, n: int, vocab: int, target_ids: Optional[torch.Tensor] = None, name: str = "kept", *,
+              first_duplicate=None) -> None:
         """ValueError (one line, naming `name`) unless these are N positions' sets of distinct ids in
         [0, vocab), each non-empty one holding its position's target (`target_ids`, N of them, flattened):
-        a target outside its set would have log-prob -inf."""
+        a target outside its set would have log-prob -inf. first_duplicate: a faster `KeptSets.first_duplicate`
+        (the ops pass the native one on the CPU)."""
         offsets, ids = self.offsets, self.ids
         if offsets.numel() != n + 1:
             raise ValueError(f"{name}.offsets must have N + 1 = {n + 1} entries (one set per position of "
@@ -407,13 +409,19 @@ class KeptSets:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{name}.ids must lie in [0, {vocab}) (the vocabulary), found {lo if lo < 0 else hi}")
-        rows = self.entry_rows()
-        key = torch.sort(rows * vocab + ids).values  # (position, id) pairs, sorted: a repeat is a neighbour
-        if bool((key[1:] == key[:-1]).any()):
-            bad = int(key[1:][key[1:] == key[:-1]][0])
-            raise ValueError(f"{name}: position {bad // vocab} keeps id {bad % vocab} twice; a set holds distinct ids")
+        bad = (first_duplicate or KeptSets.first_duplicate)(self, vocab)
+        if bad is not None:
+            pos = int(torch.searchsorted(offsets, torch.tensor(bad, device=offsets.device), right=True)) - 1
+            raise ValueError(f"{name}: position {pos} keeps id {int(ids[bad])} twice; a set holds distinct ids")
         if target_ids is not None:
             self.check_targets(target_ids, name)
+
+    def first_duplicate(self, vocab: int) -> Optional[int]:
+        """The index (into ids) of an entry whose id its set holds twice, or None (ids in [0, vocab))."""
+        key = self.entry_rows() * vocab + self.ids
+        sorted_key, order = torch.sort(key, stable=True)  # (position, id) pairs in order: a repeat is a neighbour
+        repeat = (sorted_key[1:] == sorted_key[:-1]).nonzero()
+        return int(order[1:][repeat[0]]) if repeat.numel() else None
 
     def check_targets(self, target_ids: torch.Tensor, name: str = "kept", positions: Optional[torch.Tensor] = None) -> None:
         """ValueError unless every non-empty set holds its position's target (`target_ids`, one per position,

@@ -97,8 +97,19 @@ def _weight_args(weight, bias):
     return weight, bias, _DTYPE_BITS[weight.dtype]
 
 
+def _by_id(c: KeptChunk, vocab: int):
+    """(order [Kc], starts [U + 1]): the chunk's entries sorted by id (stable) and where each distinct id's
+    group starts (the C++ counting sort), computed once per chunk."""
+    if c.by_id is None:
+        k = c.ids.numel()
+        order, starts = torch.empty(k, dtype=torch.int64), torch.empty(min(k, vocab) + 1, dtype=torch.int64)
+        groups = _native().kept_group(c.ids.data_ptr(), k, vocab, order.data_ptr(), starts.data_ptr())
+        c.by_id = (order, starts[:groups + 1])
+    return c.by_id
+
+
 def _kept_logits(hidden_c, weight, bias, c: KeptChunk):
-    order, starts = c.by_id()
+    order, starts = _by_id(c, weight.shape[0])
     weight, bias, bits = _weight_args(weight, bias)
     hidden_c = hidden_c.float().contiguous()
     r = torch.empty(c.ids.numel(), dtype=torch.float32)
@@ -130,7 +141,7 @@ def _kept_grad_(r, c: KeptChunk, lse, g, logit_map, g_entropy=None, entropy=None
 
 
 def _kept_scatter(dr, hidden_c, weight, c: KeptChunk, grads: KeptGrads):
-    order, starts = c.by_id()
+    order, starts = _by_id(c, weight.shape[0])
     weight, _, bits = _weight_args(weight, None)
     hidden_c = hidden_c.float().contiguous()
     gh = None if grads.grad_hidden is None else grads.grad_hidden[c.start:c.end]

@@ -40,21 +40,12 @@ class KeptChunk:
     offsets: Tensor  # [C + 1] int64, from 0
     rows: Tensor  # [Kc] int64, the chunk row of each entry
     target_entry: Tensor  # [C] int64, the entry (index into ids) of each row's target
-    _by_id: Optional[tuple] = None
+    by_id: Optional[tuple] = None  # a backend's grouping of the entries by id, kept from logits to scatter
 
     @property
     def target_local(self) -> Tensor:
         """[C] int64: each row's target as an index inside the row."""
         return self.target_entry - self.offsets[:-1]
-
-    def by_id(self) -> tuple[Tensor, Tensor]:
-        """(order [Kc], starts [U + 1]): the entries sorted by id (stable: by row within an id) and where each
-        distinct id's group starts, for kernels that read each weight row once per chunk."""
-        if self._by_id is None:
-            sorted_ids, order = torch.sort(self.ids, stable=True)
-            counts = torch.unique_consecutive(sorted_ids, return_counts=True)[1]
-            self._by_id = (order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
-        return self._by_id
 
 
 @dataclass(frozen=True)
