@@ -548,28 +548,3 @@ def fused(hidden, weight, bias, target, logit_map, dloss_dlogp: Callable, needs=
 
     return (logp, entropy, *chunk_driver.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))
 
-
-# ----------------------------------------------------------------------------------------------
-# The kept-set route (truncated sampling; grpo_fast/ops/kept.py)
-# ----------------------------------------------------------------------------------------------
-
-
-def kept_forward(hidden, weight, bias, target, kept, logit_map):
-    from grpo_fast.ops import kept as kept_route
-
-    return kept_route.forward(kept_route.TORCH_KEPT_OPS, hidden, weight, bias, target, kept, logit_map)
-
-
-def kept_backward(hidden, weight, bias, target, kept, lse, grad_logp, logit_map, needs=(True, True, True),
-                  grad_entropy=None, entropy=None):
-    from grpo_fast.ops import kept as kept_route
-
-    return kept_route.backward(kept_route.TORCH_KEPT_OPS, hidden, weight, bias, target, kept, lse, grad_logp, logit_map,
-                               needs, grad_entropy=grad_entropy, entropy=entropy)
-
-
-def kept_fused(hidden, weight, bias, target, kept, logit_map, dloss_dlogp, needs=(True, True, True), grad_entropy=None):
-    from grpo_fast.ops import kept as kept_route
-
-    return kept_route.fused(kept_route.TORCH_KEPT_OPS, hidden, weight, bias, target, kept, logit_map, dloss_dlogp,
-                            needs, grad_entropy=grad_entropy)

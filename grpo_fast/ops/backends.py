@@ -71,12 +71,12 @@ def get(name: str) -> SimpleNamespace:
         return _from_row_ops(cpu.ROW_OPS, cpu.KEPT_OPS)
     if name == "triton":
         try:
-            from grpo_fast.kernels import linear_logprobs
+            from grpo_fast.kernels import kept_logprobs, linear_logprobs
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(f"backend='triton' needs the `triton` package: {err}") from err
         return SimpleNamespace(
             forward=linear_logprobs.forward, backward=linear_logprobs.backward, fused=linear_logprobs.fused,
-            kept_forward=linear_logprobs.kept_forward, kept_backward=linear_logprobs.kept_backward,
-            kept_fused=linear_logprobs.kept_fused,
+            kept_forward=kept_logprobs.kept_forward, kept_backward=kept_logprobs.kept_backward,
+            kept_fused=kept_logprobs.kept_fused,
         )
     raise ValueError(f"backend={name!r} is unknown; expected one of {list(BACKENDS)}")

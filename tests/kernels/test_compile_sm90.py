@@ -5,7 +5,8 @@ constexpr specialisation of arguments equal to 1, shared memory. This compiles e
 of time for sm_90 (Triton's own compiler and ptxas, no driver) in a subprocess without
 TRITON_INTERPRET, with the bf16 and fp32 launch configurations of `GPU_CONFIGS`, and checks that the bf16
 matmuls use Hopper's wgmma, that the H loop is software-pipelined (async copies) and that shared
-memory fits an H100/H200 block (227 KiB).
+memory fits an H100/H200 block (227 KiB). The kept-set kernels (kernels/kept_logprobs.py: gathers, no
+tl.dot) are compiled too, for the fit only.
 """
 
 import json
@@ -23,6 +24,7 @@ import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from grpo_fast.kernels import kept_logprobs as KK
 from grpo_fast.kernels import linear_logprobs as K
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
@@ -75,6 +77,23 @@ for dtype in (torch.bfloat16, torch.float32):  # fp16 shares bf16's code path an
             out.append(compile_(K._logits_to_grad_kernel, sig, dict(BLOCK_N=K.to_grad_rows(cfg), BLOCK_V=cfg.block_v,
                                                                     SOFTCAP=softcap, HAS_ENTROPY_GRAD=entropy, **one),
                                 K.LaunchConfig(cfg.block_n, cfg.block_v, cfg.block_k, K.TO_GRAD_WARPS, cfg.num_stages)))
+    # the kept-set kernels (truncated sampling): gathers, no tl.dot; their launch parameters are KK's
+    kept_cfg = K.LaunchConfig(block_n=1, block_v=KK.BLOCK_V, block_k=KK.BLOCK_K, num_warps=KK.NUM_WARPS, num_stages=1)
+    for has_bias, softcap, flag in [(True, False, False), (False, True, True)]:
+        blocks = dict(BLOCK_V=KK.BLOCK_V, BLOCK_K=KK.BLOCK_K)
+        rows = dict(hidden_ptr=t, weight_ptr=t, bias_ptr=t, target_ptr="*i64", ids_ptr="*i64", offsets_ptr="*i64")
+        sig = dict(rows, out_ptr="*fp32", z_ptr="*fp32", N="i32", H="i32", pre="fp32", post="fp32", stride_h="i32",
+                   stride_w="i32")
+        out.append(compile_(KK._kept_fwd_kernel, sig, dict(HAS_BIAS=has_bias, SOFTCAP=softcap, STORE_Z=flag, **blocks),
+                            kept_cfg))
+        sig = dict(rows, lse_ptr="*fp32", g_ptr="*fp32", g_h_ptr="*fp32", h_ent_ptr="*fp32", z_ptr="*fp32",
+                   dr_ptr="*fp32", H="i32", pre="fp32", post="fp32", stride_h="i32", stride_w="i32")
+        out.append(compile_(KK._kept_dlogits_kernel, sig, dict(HAS_BIAS=has_bias, SOFTCAP=softcap, STORED=flag,
+                                                               HAS_ENTROPY_GRAD=flag, **blocks), kept_cfg))
+        sig = dict(hidden_ptr=t, weight_ptr=t, ids_ptr="*i64", offsets_ptr="*i64", dr_ptr="*fp32", grad_hidden_ptr=t,
+                   grad_weight_ptr="*fp32", H="i32", stride_h="i32", stride_w="i32", stride_gh="i32")
+        out.append(compile_(KK._kept_scatter_kernel, sig, dict(NEED_H=True, NEED_W=has_bias or flag, **blocks),
+                            kept_cfg))
     for r in out:
         r.setdefault("dtype", str(dtype))
 print(json.dumps(out))
@@ -96,12 +115,14 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stderr[-4000:]}"
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * 2 * 6
+    assert len(results) == 2 * (2 * 6 + 2 * 3)
     assert {r["consts"].get("HAS_ENTROPY_GRAD") for r in results} == {None, "False", "True"}
-    assert {r["consts"]["SOFTCAP"] for r in results} == {"False", "True"}  # the model's soft-cap, every kernel
+    assert {r["consts"].get("SOFTCAP") for r in results} == {None, "False", "True"}  # the model's soft-cap, every
+    # kernel that maps logits (the kept scatter reads dr only)
+    assert {r["kernel"] for r in results} >= {"_kept_fwd_kernel", "_kept_dlogits_kernel", "_kept_scatter_kernel"}
     for r in results:
         assert r["shared"] <= 227 * 1024, f"{r['kernel']} {r['dtype']}: {r['shared']} bytes of shared memory"
-        if r["kernel"] != "_logits_to_grad_kernel":
+        if r["kernel"] != "_logits_to_grad_kernel" and not r["kernel"].startswith("_kept"):
             assert r["async_copy"] > 0, f"{r['kernel']} {r['dtype']} {r['consts']}: the H loop is not pipelined"
             if r["dtype"] != "torch.float32":
                 assert r["wgmma"] > 0, f"{r['kernel']} {r['dtype']} {r['consts']}: no wgmma (Hopper MMA)"
