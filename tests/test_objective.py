@@ -373,3 +373,58 @@ def test_loss_options_from_grpo_config():
         vespo_k_neg=4.0, vespo_lambda_neg=1.0, use_bias_correction_kl=True, entropy_coef=0.01,
     )
     assert LossOptions(epsilon_low=0.1).clip_range == (0.1, 0.1) and LossOptions(epsilon_high=0.3).clip_range == (0.2, 0.3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept sets (truncated sampling): the log-softmax over each position's set
+# ---------------------------------------------------------------------------------------------
+
+
+def test_kept_logprobs_are_the_renormalised_kept_distribution():
+    """Independently: per position, the log-softmax of the set's logits alone (float64), its entropy, the
+    gradient zero outside the set; an empty set is the whole vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 3, 11, generator=g) * 3).double().requires_grad_(True)
+    target = torch.tensor([[4, 0, 10], [7, 7, 2]])
+    sets = [[4, 1, 9], [], [10], [3, 7, 5, 0], [7, 8], list(range(11))]
+    kept = objective.KeptSets.from_lists(sets)
+    lp, entropy = objective.token_logprobs(logits, target, 0.7, logit_scale=1.5, logit_softcap=4.0, kept=kept)
+    (lp.sum() + entropy.sum()).backward()
+    z = objective.LogitMap(0.7, 1.5, 4.0)(logits.detach().double()).view(6, 11)
+    for n, ids in enumerate(sets):
+        ids = ids or list(range(11))
+        q = torch.log_softmax(z[n, ids], -1)
+        assert_close(lp.view(-1)[n], q[ids.index(int(target.view(-1)[n]))], atol=1e-6, name=f"logp {n}")
+        assert_close(entropy.view(-1)[n], -(q.exp() * q).sum(), atol=1e-6, name=f"entropy {n}")
+        outside = [i for i in range(11) if i not in ids]
+        assert torch.isfinite(logits.grad).all() and not logits.grad.view(6, 11)[n, outside].any()
+    full_lp, full_entropy = objective.token_logprobs(logits.detach(), target, 0.7, logit_scale=1.5, logit_softcap=4.0)
+    assert torch.equal(lp.detach().view(-1)[1], full_lp.view(-1)[1])  # the empty set: the whole vocabulary
+    assert_close(lp.detach().view(-1)[5], full_lp.view(-1)[5], atol=1e-6, name="a set of every id")
+    none_lp, none_entropy = objective.token_logprobs(logits.detach(), target, 0.7, logit_scale=1.5, logit_softcap=4.0,
+                                                     kept=None)
+    assert torch.equal(none_lp, full_lp) and torch.equal(none_entropy, full_entropy)
+
+
+@pytest.mark.parametrize("sets,offsets,pattern", [
+    ([[1, 2], [3]], None, r"kept.offsets must have N \+ 1 = 4 entries"),
+    ([[1, 2], [3], [11]], None, r"kept.ids must lie in \[0, 11\).*found 11"),
+    ([[1, 2], [3, 3], [4]], None, r"position 1 keeps id 3 twice"),
+    ([[1, 2], [5], [4]], None, r"the target id 3 at position 1 is not in its kept set \(1 ids\)"),
+    (None, [0, 2, 1, 3], r"kept.offsets must be non-decreasing, got 2 then 1 at position 1"),
+    (None, [1, 2, 3, 3], r"kept.offsets must run from 0 to len\(ids\) = 3"),
+])
+def test_kept_sets_are_checked(sets, offsets, pattern):
+    kept = objective.KeptSets.from_lists(sets) if sets is not None else objective.KeptSets(
+        torch.tensor([1, 3, 4]), torch.tensor(offsets))
+    with pytest.raises(ValueError, match=pattern):
+        objective.token_logprobs(torch.randn(3, 11), torch.tensor([1, 3, 4]), kept=kept)
+
+
+def test_kept_sets_type_and_selection():
+    with pytest.raises(ValueError, match="KeptSets.ids must be a 1-D int64 tensor"):
+        objective.KeptSets(torch.tensor([1.0]), torch.tensor([0, 1]))
+    kept = objective.KeptSets.from_lists([[1, 2], [], [5, 6, 7]])
+    assert kept.lengths.tolist() == [2, 0, 3] and kept.truncates and not objective.KeptSets.none(3).truncates
+    picked = kept.select(torch.tensor([2, 0]))
+    assert picked.ids.tolist() == [5, 6, 7, 1, 2] and picked.offsets.tolist() == [0, 3, 5]
