@@ -367,6 +367,9 @@ class GRPOTrainer:
             line = "warning: --unsafe_code_execution: model-written code runs WITHOUT isolation (limits only)\n" + line
         if self.kept_source.active:  # (truncated sampling: where the kept sets come from)
             line += "\n" + self.kept_source.line()
+            if self.kept_source.rebuilds and c.max_staleness:
+                line += ("; stale tokens' sets are rebuilt from the current policy, not the one that sampled them "
+                         "(an approximation: sampling/kept_set_misses counts the sampled tokens they left out)")
         return line
 
     def evaluate(self, rows: Optional[list] = None) -> dict:
