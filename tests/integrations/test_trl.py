@@ -387,3 +387,20 @@ def test_loss_options_read_from_the_trainer(pair):
     assert options.clip_range == (fast.args.epsilon, fast.args.epsilon_high) == (fast.epsilon_low, fast.epsilon_high)
     assert (options.delta, options.importance_sampling_level) == (fast.args.delta, fast.importance_sampling_level)
     assert (options.max_completion_length, options.backend) == (fast.args.max_completion_length, fast.fused_backend)
+
+
+def test_truncated_sampling_keeps_trls_semantics_and_warns():
+    """TRL 1.16 scores over the whole vocabulary whatever top_k / top_p / min_p: the backend keeps that (parity) and
+    says so once; untruncated sampling says nothing."""
+    import warnings
+    from types import SimpleNamespace
+
+    from grpo_fast.integrations.trl import warn_truncation
+
+    for args in (SimpleNamespace(top_k=0, top_p=0.8, min_p=None), SimpleNamespace(top_k=20, top_p=1.0, min_p=None),
+                 SimpleNamespace(top_k=0, top_p=1.0, min_p=0.1)):
+        with pytest.warns(UserWarning, match="keeps TRL 1.16's semantics.*native trainer replays the kept sets"):
+            warn_truncation(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_truncation(SimpleNamespace(top_k=0, top_p=1.0, min_p=None))
