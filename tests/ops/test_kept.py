@@ -2,11 +2,13 @@
 
 The spec is `objective.token_logprobs(..., kept=)` / `grpo_loss_reference(..., kept=)` on float64 logits of
 the same inputs (the log-softmax over each position's kept set); gradients by autograd back to float64
-copies of hidden, weight and bias. Tolerances as the other op tests: float32 2e-5 x the magnitude compared
-(the spec itself rounds its logits to float32); bfloat16 2x the error plain PyTorch makes in bf16 (the
-spec fed bf16 matmul logits, measured live) plus 2e-3 x the magnitude. Measured on these cases, max abs
-against the float64 spec: float32 1e-7 to 1.5e-6 (values of order 1 to 10); bfloat16 ~4e-3 on log-probs
-and 1e-2 to 3e-2 on gradients, plain bf16 about the same.
+copies of hidden, weight and bias. Tolerances as the other op tests: float32 2e-5 x max(1, the magnitude
+compared) (the spec itself rounds its logits to float32); bfloat16 2x the error plain PyTorch makes in
+bf16 (the spec fed bf16 matmul logits, measured live) plus 2e-3 x the magnitude. Measured on these cases,
+max abs against the float64 spec (values up to ~15): float32, plain 2e-7 to 3e-6, the backends 2e-7 to
+3e-6; bfloat16 (a third of the positions on the full-vocabulary route, whose bf16 logit slab is plain's
+error), plain 9e-3 to 2.4e-2, the backends 7e-3 to 3.2e-2 (Triton's kept route takes exact fp32 products
+of the bf16 operands: 1e-6 on its log-probs).
 `linear_topk` equals a stable descending sort of the materialised mapped logits (ties: lower id first), ids
 exactly.
 """
@@ -40,7 +42,7 @@ class KeptCase:
     softcap: Optional[float] = None
     empty_every: int = 0  # every that-many positions has an empty set (the full vocabulary), 0: none
     neighbours: bool = True  # half the sets hold the target's neighbours (target +- 1), the others leave them out
-    masked: bool = False  # a mask with a fully masked row (the masked op)
+    masked: bool = False  # [3, n / 3] positions and a mask with a fully masked row (the masked op)
 
 
 def make_sets(case: KeptCase, target: torch.Tensor, seed: int = 3) -> KeptSets:
@@ -67,7 +69,7 @@ def make_sets(case: KeptCase, target: torch.Tensor, seed: int = 3) -> KeptSets:
 
 def make_inputs(case: KeptCase, lead=None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    lead = lead or (case.n,)
+    lead = lead or ((3, case.n // 3) if case.masked else (case.n,))
     h = torch.randn(*lead, case.hidden, generator=g).to(case.dtype)
     w = (torch.randn(case.vocab, case.hidden, generator=g) * case.hidden**-0.5 * 2).to(case.dtype)
     b = (torch.randn(case.vocab, generator=g) * 0.5).to(case.dtype) if case.bias else None
@@ -77,7 +79,7 @@ def make_inputs(case: KeptCase, lead=None, seed: int = 0):
     mask = None
     if case.masked:
         mask = torch.rand(lead, generator=g) > 0.3
-        mask.view(-1, lead[-1])[0] = False  # a fully masked row
+        mask[0] = False  # a fully masked row
     return h, w, b, target, g_logp, g_entropy, mask
 
 
@@ -114,6 +116,7 @@ def check(case: KeptCase, backend: str):
     kept = make_sets(case, target)
     if mask is not None:  # the spec sees every position; the op only the active ones (their upstream gradient 0)
         g_logp, g_entropy = g_logp * mask, g_entropy * mask
+        assert 0 < int(mask.sum()) < mask.numel()
     ref = spec(h, w, b, target, case, kept, g_logp, g_entropy)
     plain = spec(h, w, b, target, case, kept, g_logp, g_entropy, dtype=case.dtype)
     got = run_op(h, w, b, target, case, kept, g_logp, g_entropy, backend, mask)
