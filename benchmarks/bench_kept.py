@@ -2,8 +2,8 @@
 full-vocabulary fused ops on the same tokens.
 
     python benchmarks/bench_kept.py                          # CPU preset (float32), writes results/kept_cpu.*
-    python benchmarks/bench_kept.py --preset cuda --out DIR  # GPU preset (bf16, Triton)
-    python benchmarks/bench_kept.py --preset cuda --dry_run  # the GPU preset's code on tiny sizes, on the CPU
+    python benchmarks/bench_kept.py --device cuda --out DIR  # GPU preset (bf16, Triton; = --preset cuda)
+    python benchmarks/bench_kept.py --device cuda --dry_run  # the GPU preset's code on tiny sizes, on the CPU
                                                              # (Triton's interpreter): checks it runs, times nothing
     python benchmarks/bench_kept.py --sizes 512x576x49152 --ks 20 --rounds 1
 
@@ -18,7 +18,9 @@ sampler's top-k / top-p sets share their ids far more):
 Targets (issue 50): kept loss <= 0.2 x full loss at k <= 512; topk <= 1.1 x full logp.
 
 Time: best (and median) over `--rounds` interleaved rounds of `--repeats` calls after a warm-up (the CPU is
-shared with other jobs: the best is the least disturbed run). Memory: the extra peak of one call over what
+shared with other jobs: the best is the least disturbed run). On the CPU also the process's CPU seconds per
+call (all its threads), best of the same calls: a descheduled thread inflates the wall clock, not these,
+so their ratios are the steadier ones on a loaded machine. Memory: the extra peak of one call over what
 was in use before it (VmHWM reset before the call on CPU, torch.cuda.max_memory_allocated on GPU), and the
 same minus the gradients every implementation returns (grad_weight V x H, grad_hidden N x H): the
 workspace, which for the kept route should be O(N k), never O(N V).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import harness
@@ -109,12 +112,16 @@ def measure(size, ks, dtype_name, device, backend, repeats, rounds):
         if k != ks[0]:  # the full-vocabulary calls once per size
             fns = {name: fn for name, fn in fns.items() if not name.startswith("full")}
         times = {name: [] for name in fns}
+        cpu_times = {name: [] for name in fns}
         for fn in fns.values():  # warm-up (first-call costs: thread pools, the Triton compile)
             fn()
         for r in range(rounds):
             order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]  # rotating: every call sees the same load
             for name in order:
-                times[name] += harness.timeit(fns[name], repeats=repeats, device=device).times_s
+                for _ in range(repeats):
+                    cpu_start = time.process_time()
+                    times[name].append(harness.time_call(fns[name], device))
+                    cpu_times[name].append(time.process_time() - cpu_start)
         grads_bytes = (v * h + n * h) * x["weight"].element_size()
         for name, fn in fns.items():
             harness.release_memory()
@@ -122,7 +129,8 @@ def measure(size, ks, dtype_name, device, backend, repeats, rounds):
                 fn()
             workspace = mem.extra_bytes - (grads_bytes if "loss" in name else 0)
             rows[name] = dict(best_s=min(times[name]), median_s=sorted(times[name])[len(times[name]) // 2],
-                              extra_peak_mb=mem.extra_bytes / 2**20, workspace_mb=workspace / 2**20)
+                              best_cpu_s=min(cpu_times[name]), extra_peak_mb=mem.extra_bytes / 2**20,
+                              workspace_mb=workspace / 2**20)
         del x
     return rows
 
@@ -134,14 +142,16 @@ def report(result) -> str:
              "Every token active with a kept set of k random distinct ids holding its target (the worst case for "
              "the reuse of weight rows). `x full`: the time over the full-vocabulary op of the same kind "
              "(loss: fused_linear_grpo_loss forward + backward; logp and topk: one no-grad pass, against the "
-             "full-vocabulary logp). Targets: kept loss <= 0.2x, topk <= 1.1x. Workspace: the extra peak minus "
+             "full-vocabulary logp); `x full (CPU)`: the same on the process's CPU seconds (steadier under load). "
+             "Targets: kept loss <= 0.2x, topk <= 1.1x. Workspace: the extra peak minus "
              "the gradients every loss returns (grad_weight V x H, grad_hidden N x H).", ""]
     for size, rows in result["sizes"].items():
-        lines += [f"## N x H x V = {size}", "", "| call | best s | median s | x full | extra peak MB | workspace MB |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"## N x H x V = {size}", "", "| call | best s | median s | x full | best CPU s | x full (CPU) | "
+                  "extra peak MB | workspace MB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, row in rows.items():
-            base = rows["full loss" if "loss" in name else "full logp"]["best_s"]
-            lines.append(f"| {name} | {row['best_s']:.4f} | {row['median_s']:.4f} | {row['best_s'] / base:.3f} | "
+            base = rows["full loss" if "loss" in name else "full logp"]
+            lines.append(f"| {name} | {row['best_s']:.4f} | {row['median_s']:.4f} | {row['best_s'] / base['best_s']:.3f} | "
+                         f"{row['best_cpu_s']:.3f} | {row['best_cpu_s'] / base['best_cpu_s']:.3f} | "
                          f"{row['extra_peak_mb']:.0f} | {row['workspace_mb']:.0f} |")
         lines.append("")
     return "\n".join(lines)
@@ -150,6 +160,7 @@ def report(result) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--device", choices=sorted(PRESETS), help="the preset of that device (same as --preset)")
     parser.add_argument("--sizes", nargs="+", help="N x H x V, e.g. 512x576x49152 (default: the preset's)")
     parser.add_argument("--ks", nargs="+", type=int, help="kept-set sizes (default: the preset's)")
     parser.add_argument("--repeats", type=int)
@@ -158,6 +169,7 @@ def main(argv=None):
                         help="the preset's code on tiny sizes on the CPU (Triton through its interpreter); no results")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    args.preset = args.device or args.preset
     preset = dict(PRESETS[args.preset])
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before grpo_fast's kernels are imported
