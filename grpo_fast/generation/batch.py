@@ -64,16 +64,16 @@ class Rollouts:
 
     @classmethod
     def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
-        def join(values):
-            if values[0] is None:
-                return None
+        def join(name, values):
+            if values[0] is None or (name == "kept" and any(v is None for v in values)):
+                return None  # (kept sets that some parts lack: the trainer rebuilds them all)
             if isinstance(values[0], dict):
                 return {k: sum(v.get(k, 0) for v in values) for k in values[0]}
             if isinstance(values[0], torch.Tensor):
                 return torch.cat(values)
             return [x for v in values for x in v]
 
-        return cls(**{f.name: join([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+        return cls(**{f.name: join(f.name, [getattr(p, f.name) for p in parts]) for f in fields(cls)})
 
     def completion_lengths(self) -> torch.Tensor:
         return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.float32)

@@ -153,7 +153,7 @@ class PolicyPass:
 def policy_pass(model, packer, batch, source: KeptSource, *, temperature: float, backend: str,
                 routed_experts=None) -> PolicyPass:
     """The old policy's log-probs of `batch`'s completions (`forward.completion_logprobs` under truncation): over
-    the batch's kept sets, or over the sets this pass rebuilds (`source.rebuilds` and the batch has none yet)."""
+    the batch's kept sets, or over the sets this pass rebuilds where it has none (not returned, or not yet)."""
     from ..models import routing
     from ..models.adapter import causal_lm_of, logit_transform
     from ..ops import masked_linear_logprobs
@@ -163,7 +163,7 @@ def policy_pass(model, packer, batch, source: KeptSource, *, temperature: float,
     logit_map = {"temperature": temperature, **logit_transform(causal_lm_of(model).config)}
     n = len(batch.prompt_ids)
     logp, full = [torch.zeros(0) for _ in range(n)], [torch.zeros(0) for _ in range(n)]
-    rebuilding = source.rebuilds and batch.kept is None
+    rebuilding = batch.kept is None  # (rebuilt where the batch came without them: also a mixed partial-rollout round)
     kept = [KeptTokens.none(0) for _ in range(n)] if rebuilding else None
     misses = 0
     micro_batches = packer.micro_batches(batch.prompt_ids, batch.completion_ids, routed_experts=routed_experts,

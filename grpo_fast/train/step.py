@@ -100,7 +100,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
     micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include, batch.routed_experts,
                                               kept=batch.kept))
-    rebuilds = kept_source is not None and kept_source.rebuilds and batch.kept is None
+    rebuilds = kept_source is not None and kept_source.active and batch.kept is None  # (any batch without its sets)
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count

@@ -3,6 +3,7 @@ kept tokens, vLLM's rule on the k largest logits equals it on whole logits, vLLM
 of its format: Model Runner V2 cannot start here) becomes the same record, and kept sets ride partial rollouts'
 members through a checkpoint. vLLM's own functions against the rule: tests/rollout/test_vllm_engine.py."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -169,6 +170,11 @@ def test_kept_sets_pack_into_a_micro_batch_and_round_trip_a_checkpoint(tmp_path)
     packed = pack([a, b, a], rows=[1, 2], width=3)  # rows of a micro-batch, padded to its longest completion
     assert packed.lengths.tolist() == [1, 2, 3, 2, 1, 0] and packed.ids.tolist() == [7, 8, 9, 1, 2, 6, 3, 4, 5]
     assert KeptTokens.cat([a, b]).lists() == a.lists() + b.lists()
+    from grpo_fast.generation.batch import Rollouts
+
+    part = Rollouts([[1]], [[4, 5]], [torch.zeros(2)], ["stop"], [""], [{}], kept=[a])
+    assert Rollouts.concat([part, part]).kept == [a, a]
+    assert Rollouts.concat([part, dataclasses.replace(part, kept=None)]).kept is None  # (the trainer rebuilds them)
 
     # a member continued over two rounds keeps its sets; the checkpoint holds them, and the format without them
     first = Member().extended(SimpleNamespace(token_ids=[4, 5], logprobs=[-0.1, -0.2], finish_reason=None, kept=a), 1)
