@@ -231,7 +231,7 @@ class Routes:
         self.n = kept.num_positions
         self.full = (lengths == 0).nonzero().squeeze(-1)
         self.kept = (lengths > 0).nonzero().squeeze(-1)
-        self.sets = kept.select(self.kept)
+        self.sets = kept if self.full.numel() == 0 else kept.select(self.kept)
 
     @staticmethod
     def of(kept: Optional[KeptSets]) -> Optional["Routes"]:

@@ -27,8 +27,13 @@ import torch
 from torch import Tensor
 
 from ..objective import LogitMap
-from . import row_ops
+from . import chunk_driver, row_ops
 from .linear_logprobs import check_targets, validate_linear
+
+# On a GPU (the `triton` backend: cuBLAS slabs, torch.topk) a chunk's logit slab may take 1/128 of the memory:
+# 1.1 GB on an H200 (3600 rows at V = 151936 in bf16), ~5x that at the peak with the float32 temporaries of
+# torch.topk and the row statistics. The CPU backends keep the forward's slab budget (row_ops.SLAB_BYTES).
+CUDA_MEMORY_FRACTION = 128
 
 
 class LinearTopK(NamedTuple):
@@ -79,7 +84,12 @@ def _chunk_loop(hidden, weight, bias, target, logit_map, k, backend):
         row_ops_, rows_topk = cpu.ROW_OPS, cpu.row_topk
     else:
         row_ops_, rows_topk = row_ops.TORCH_ROW_OPS, torch_row_topk
-    step, spans = row_ops._plan(n, vocab, None, weight.element_size())
+    if hidden.device.type == "cuda":  # the slab and its ~4 float32 temporaries within a few % of the GPU's memory
+        budget = torch.cuda.get_device_properties(hidden.device).total_memory // CUDA_MEMORY_FRACTION
+        step, spans = chunk_driver.plan(n, vocab, weight.element_size(), budget=budget, min_rows=row_ops.MIN_ROWS,
+                                        balanced=True)
+    else:
+        step, spans = row_ops._plan(n, vocab, None, weight.element_size())
     slab = weight.new_empty(step, vocab) if n else None
     for s, e in spans:
         logits = row_ops._logits(slab, hidden[s:e], weight, bias, row_ops_)

@@ -342,3 +342,17 @@ def test_linear_topk_bad_k():
     for bad in (0, 301, 2.0):
         with pytest.raises(ValueError, match=r"k must be an integer in \[1, 300\]"):
             linear_topk(h, w, k=bad, backend="cpu")
+
+
+@pytest.mark.gpu
+def test_linear_topk_gpu():
+    """On CUDA (cuBLAS slabs, torch.topk, the GPU's chunk budget): Qwen2.5-0.5B's head in bf16, k = 512."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(300, 896, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(151936, 896, device="cuda", generator=gen) * 0.05).bfloat16()
+    w[1000] = w[77]  # a tie
+    out = linear_topk(h, w, k=512, temperature=0.7, backend="auto")
+    z = objective.LogitMap(0.7)((h @ w.t()).float())
+    order = torch.sort(z, dim=-1, descending=True, stable=True)
+    assert torch.equal(out.ids, order.indices[:, :512])
+    assert_close(out.lse, torch.logsumexp(z, -1), atol=scaled(2e-6, out.lse), name="lse")
