@@ -102,13 +102,12 @@ class TruncationStats:
 
     def __init__(self, source: Optional[KeptSource] = None):
         self.truncated = source is not None and source.active  # (every rank alike: its collectives meet)
-        self.rebuilt = False  # (set where this pass rebuilt the sets: alike on every rank)
+        self.rebuilt = False  # this pass rebuilds the sets (its caller says so, alike on every rank: a collective)
         self.diffs, self.cut, self.misses = [], [], 0
 
     def missed(self, count: int) -> None:
         """Sampled tokens a rebuilt kept set left out (then added to it)."""
         self.misses += int(count)
-        self.rebuilt = True
 
     def add(self, trainer: torch.Tensor, sampling: torch.Tensor, full: Optional[torch.Tensor] = None) -> None:
         """One completion's log-probs `[C]`: the trainer's (over the kept sets), the engine's (NaN: not sampled),
@@ -122,16 +121,17 @@ class TruncationStats:
         from ..distributed import ONE_PROCESS, gather_rows, sum_over_ranks
 
         world = world or ONE_PROCESS
+        out = {}  # (every collective below runs on every rank: the flags are alike there)
         diffs = gather_rows(torch.cat(self.diffs) if self.diffs else torch.zeros(0), world)
-        if not diffs.numel():
-            return {}
-        ratio = diffs.exp()
-        lo, hi = RATIO_BAND
-        out = {"sampling/engine_ratio_mean": ratio.mean().item(),
-               "sampling/engine_ratio_outside": ((ratio < lo) | (ratio > hi)).float().mean().item()}
+        if diffs.numel():
+            ratio = diffs.exp()
+            lo, hi = RATIO_BAND
+            out["sampling/engine_ratio_mean"] = ratio.mean().item()
+            out["sampling/engine_ratio_outside"] = ((ratio < lo) | (ratio > hi)).float().mean().item()
         if self.truncated:
             cut = gather_rows(torch.cat(self.cut) if self.cut else torch.zeros(0), world)
-            out["sampling/kept_mass_mean"] = cut.mean().item() if cut.numel() else 0.0
+            if cut.numel():
+                out["sampling/kept_mass_mean"] = cut.mean().item()
         if self.rebuilt:
             out["sampling/kept_set_misses"] = sum_over_ranks([self.misses], world)[0]
         return out

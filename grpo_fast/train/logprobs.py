@@ -128,8 +128,8 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
                 done = policy_pass(trained.model, trained.packer, batch, kept_source, temperature=temperature,
                                    backend=backend, routed_experts=batch.routed_experts)
                 trainer_logp, rebuilt, kept = done.logp, done.kept, done.kept if done.kept is not None else kept
-                if rebuilt is not None:
-                    stats.missed(done.misses)
+                stats.rebuilt = rebuilt is not None  # (every rank alike: its batch came without sets)
+                stats.missed(done.misses)
             else:
                 trainer_logp = compute(trained.model, batch.routed_experts)
         metrics.update(sampling_stats(trainer_logp, batch.sampling_logp))

@@ -106,6 +106,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     policy_sum, bonus_entropy = 0.0, [0.0, 0.0]  # sum of H over the bonus's tokens, their count
     sampling_gap = _SamplingGap()  # with importance_weights: the engine-trainer log-prob gap and IS ratios
     truncation = kept_sets.TruncationStats(kept_source)  # ... its ratios, the mass the truncation cut
+    truncation.rebuilt = rebuilds
     router_stats = RouterStats()  # with router: the micro-batches' Switch losses and the experts' loads
     for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
         _zero_backward(model, wrapped, base, packer)  # the collectives of the passes this rank lacks
@@ -196,7 +197,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     out["bonus_entropy"] = bonus_entropy[0] / max(bonus_entropy[1], 1.0)
     out["policy_loss"] = policy_sum if not skipped else float("nan")
     out.update(sampling_gap.metrics(world))
-    if importance_weights is not None or truncation.rebuilt:
+    if importance_weights is not None or rebuilds:  # (alike on every rank: the metrics gather over them)
         out.update(truncation.metrics(world))
     if batch.routed_experts is not None:  # the engine's routing against this step's forwards (all ranks record)
         out.update(routing_replay.metrics(sum_over_ranks(routing_replay.counts(mb.routing for mb in micro_batches), world)))
