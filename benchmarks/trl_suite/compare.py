@@ -16,7 +16,11 @@ from pathlib import Path
 
 MODES = ("stock", "backend")
 TOLERANCE = 3e-3  # the relative agreement claimed for step-1 values under TRL's default bf16
+NEAR_ZERO = 1e-4  # below this a value is a cancellation (an on-policy step-1 loss is a sum of advantages ~ 0): its
+#                   relative difference measures rounding, not agreement; the absolute difference is what to read
 TIMING = ("time", "runtime", "per_second", "flos")
+# Why a test differs or fails in both modes, as found by reading it: {test id or its name before "[": reason}
+EXPLANATIONS = Path(__file__).with_name("explanations.json")
 
 
 def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
@@ -96,15 +100,17 @@ def report(out: Path) -> str:
     differing = [t for t in tests if results["stock"].get(t, ("absent",))[0] != results["backend"].get(t, ("absent",))[0]]
     lines += [f"## Tests whose outcome differs ({len(differing)})", ""]
     if differing:
-        lines += ["| test | stock | backend | first error line (the failing mode's) |", "| --- | --- | --- | --- |"]
+        lines += ["| test | stock | backend | first error line (the failing mode's) | why |",
+                  "| --- | --- | --- | --- | --- |"]
         for t in differing:
             (s, sm), (b, bm) = results["stock"].get(t, ("absent", "")), results["backend"].get(t, ("absent", ""))
-            lines.append(f"| `{t}` | {s} | {b} | {_cell(bm if b in ('failed', 'error') else sm)} |")
+            lines.append(f"| `{t}` | {s} | {b} | {_cell(bm if b in ('failed', 'error') else sm)} | {why(t)} |")
     both = [t for t in tests if t not in differing and results["stock"][t][0] in ("failed", "error")]
     lines += ["", f"## Tests that fail in both modes ({len(both)})", ""]
     if both:
-        lines += ["| test | stock's first error line | backend's |", "| --- | --- | --- |"]
-        lines += [f"| `{t}` | {_cell(results['stock'][t][1])} | {_cell(results['backend'][t][1])} |" for t in both]
+        lines += ["| test | stock's first error line | backend's | why |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{t}` | {_cell(results['stock'][t][1])} | {_cell(results['backend'][t][1])} | {why(t)} |"
+                  for t in both]
 
     compared = [t for t in trained if any(r.get("log_history") for r in recorded["backend"].get(t, []))]
     lines += ["", f"## Metric names ({len(compared)} tests that trained in both modes)", ""]
@@ -116,21 +122,36 @@ def report(out: Path) -> str:
     lines += name_diffs or ["Every one logged the same metric names in both modes (timing metrics aside)."]
 
     worst: dict[str, tuple[float, str, float, float]] = {}
+    largest_gap: dict[str, float] = {}
     for t in compared:
         stock, backend = step_one(recorded["stock"][t]), step_one(recorded["backend"][t])
         for name in set(stock) & set(backend):
+            largest_gap[name] = max(largest_gap.get(name, 0.0), abs(stock[name] - backend[name]))
+            if max(abs(stock[name]), abs(backend[name])) < NEAR_ZERO:
+                continue
             rel = relative(stock[name], backend[name])
             if name not in worst or rel > worst[name][0]:
                 worst[name] = (rel, t, stock[name], backend[name])
     lines += ["", "## Step-1 values", "",
               f"The first optimizer step's metrics (TRL's `_metrics` means) and mean micro-batch loss, per metric the "
-              f"largest relative difference over the tests that trained in both modes (tolerance {TOLERANCE:g}).", "",
-              "| metric | max relative difference | in test | stock | backend |", "| --- | --- | --- | --- | --- |"]
-    for name in sorted(worst):
-        rel, t, s, b = worst[name]
-        flag = "" if rel <= TOLERANCE else " **over**"
-        lines.append(f"| {name} | {rel:.2e}{flag} | `{t}` | {s:.6g} | {b:.6g} |")
+              f"largest relative difference over the tests that trained in both modes (tolerance {TOLERANCE:g}), "
+              f"values under {NEAR_ZERO:g} in magnitude left out of the relative column (a cancellation: read the "
+              f"largest absolute difference).", "",
+              "| metric | max relative difference | in test | stock | backend | max absolute difference |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for name in sorted(largest_gap):
+        if name in worst:
+            rel, t, s, b = worst[name]
+            flag = "" if rel <= TOLERANCE else " **over**"
+            lines.append(f"| {name} | {rel:.2e}{flag} | `{t}` | {s:.6g} | {b:.6g} | {largest_gap[name]:.2e} |")
+        else:
+            lines.append(f"| {name} | (all near zero) | | | | {largest_gap[name]:.2e} |")
     return "\n".join(lines) + "\n"
+
+
+def why(test: str) -> str:
+    reasons = json.loads(EXPLANATIONS.read_text()) if EXPLANATIONS.exists() else {}
+    return _cell(reasons.get(test) or reasons.get(test.split("[", 1)[0]) or "")
 
 
 def _cell(text: str) -> str:

@@ -143,3 +143,68 @@ def test_unknown_environment_raises_trls_error_on_a_moe_model(tmp_path):
     assert trainer.aux_loss_enabled
     with pytest.raises(ValueError, match="not among the environments"):
         trainer.train()
+
+
+def multiply_tool(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+def test_qwen3_moe_with_tools_trains_like_stock(tmp_path):
+    """TRL's test_train_with_tools on a tiny Qwen3-MoE (router loss on, as TRL defaults), stock and backend: the
+    same scripted completions (a valid tool call, one with a wrong argument name, a plain answer; then "Done!"
+    after each tool result), one step each, log the same tool metrics, loss, aux_loss and entropy."""
+    from unittest.mock import patch
+
+    from datasets import Dataset
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from tests.models.test_moe import tiny_moe
+    from tests.tiny_model import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = qwen3_chat_template  # a template TRL parses tool calls from
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    call = '<tool_call>\n{{"name": "multiply_tool", "arguments": {{"a": 3, "{}": 4}}}}\n</tool_call>'
+    scripted = {3: [ids(call.format("b")), ids(call.format("c")), ids("no tool")], 2: [ids("Done!")] * 2}
+
+    def fake_generate(input_ids, **kwargs):
+        rows = scripted[input_ids.shape[0]]
+        width = max(map(len, rows))
+        padded = [row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows]
+        return torch.cat([input_ids, torch.tensor(padded, device=input_ids.device)], dim=1)
+
+    def reward(completions, **kwargs):  # distinct per completion (conversational: the messages' text)
+        return [float(len(str(c)) % 7) for c in completions]
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "ab"}]] * 3})
+    logged = []
+    for cls in (GRPOTrainer, FastGRPOTrainer):
+        args = grpo_config(tmp_path / cls.__name__, per_device_train_batch_size=3, num_generations=3,
+                           max_completion_length=128, max_steps=1, gradient_checkpointing=False)
+        trainer = cls(model=str(tmp_path / "model"), reward_funcs=reward, args=args, train_dataset=dataset,
+                      tools=[multiply_tool])
+        assert trainer.aux_loss_enabled
+        with patch.object(trainer.model, "generate", side_effect=fake_generate):
+            trainer.train()
+        logged.append(next(h for h in trainer.state.log_history if "loss" in h))
+    stock, fast = logged
+    assert fast["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert fast["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert stock["reward_std"] > 0, "equal rewards: zero advantages, the loss would be the router loss alone"
+    for key in ("tools/call_frequency", "tools/failure_frequency", "loss", "aux_loss", "entropy"):
+        assert_close(fast[key], stock[key], atol=scaled(1e-6, stock[key]), rtol=1e-5, name=key)
