@@ -13,7 +13,9 @@ Where the sets come from (`KeptSource`, resolved once at build; the run's first 
   logits (`ops.linear_topk`: one vocab pass, the k largest and the lse; `truncation.kept_from_candidates`), the
   sampled token kept where rounding put it at the edge (counted: `sampling/kept_set_misses`). That pass is the
   log-probs stage's old-policy pass where one runs (more than one update per batch, a reference, the sampling
-  check), else the step's own forward (one update per batch: its hidden states are the old policy's).
+  check), else the step's own forward (one update per batch: its hidden states are the old policy's). A batch that
+  came without its sets whatever the source (a partial-rollout round mixing members with and without them) is
+  rebuilt the same way: nothing is ever scored over the whole vocabulary under truncation.
 """
 
 from __future__ import annotations
