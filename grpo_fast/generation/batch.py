@@ -47,6 +47,11 @@ class Rollouts:
     # truncated sampling (generation/truncation.py): each completion token's kept set, where the engine returned
     # them or the old policy's pass rebuilt them (`KeptTokens` each); None: no truncation, or not rebuilt yet
     kept: Optional[list] = None
+    # vision-language prompts (models/vision.py): each completion's prompt's image processor outputs (a mapping:
+    # pixel_values, image_grid_thw, ...; the prompt ids hold the expanded image tokens), one object shared by the G
+    # completions of a group, so that the trainer encodes a prompt's images once; None: a text-only batch (an entry's
+    # None: a text-only prompt)
+    image_inputs: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

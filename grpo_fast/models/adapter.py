@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..ops import masked_linear_logprobs
+from . import vision
 
 # Config fields that make a model transform its logits after the lm_head (Gemma's soft-cap, Cohere's
 # logit_scale, Granite's logits_scaling, ...): the fused ops apply them (`objective.LogitMap`), read as
@@ -34,7 +35,11 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
 
 
 def decoder_of(lm: nn.Module) -> nn.Module:
-    """The backbone that returns the final (normed) hidden states: `model.model` for Llama."""
+    """The backbone that returns the final (normed) hidden states: `model.model` for Llama; for a vision-language
+    model the fused path trains on images (models/vision.py), its multimodal backbone, which merges the image
+    features into the language model's inputs."""
+    if vision.supports_images(lm.config):
+        return vision.backbone_of(lm)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     decoder = decoder if decoder is not None and decoder is not lm else getattr(lm, "base_model", None)
     if decoder is None or decoder is lm:
@@ -108,11 +113,13 @@ def check_fusable(lm: nn.Module, name: str = "model") -> None:
     output_head(lm)
 
 
-def completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+def completion_hidden_states(lm: nn.Module, input_ids, attention_mask, logits_to_keep: int, **multimodal
+                             ) -> torch.Tensor:
     """Final hidden states `[B, logits_to_keep, H]` at the positions that predict the last
     `logits_to_keep` tokens of `input_ids [B, L]`: positions L-1-logits_to_keep .. L-2 (the last
-    prompt position predicts the first completion token)."""
-    out = decoder_of(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    prompt position predicts the first completion token). multimodal: a VLM's image inputs as its backbone takes
+    them (pixel_values, image_grid_thw, mm_token_type_ids, ...: the processor's outputs)."""
+    out = decoder_of(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **multimodal)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[:, -logits_to_keep - 1 : -1]
 

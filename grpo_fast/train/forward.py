@@ -14,12 +14,12 @@ import torch
 
 from ..compat import attention_implementation
 from ..generation import truncation
-from ..models import routing
+from ..models import routing, vision
 from ..models.adapter import causal_lm_of, decoder_of, logit_transform, output_head, unshard_head
 from ..models.moe import router_logits_of
 from ..ops import masked_linear_logprobs
 from .attention import packed_attention, supports_packed_attention
-from .packing import PackedMicroBatch, pack_sequences, plan_micro_batches
+from .packing import PackedMicroBatch, pack_sequences, plan_group_micro_batches, plan_micro_batches
 
 
 def policy_parts(model):
@@ -51,10 +51,14 @@ def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtyp
     instead of `base` itself (the DDP-wrapped policy, whose forward is the decoder's).
     router_logits: an MoE decoder's router logits of the same forward too, `(hidden, router logits)`:
     one [L, E] tensor per MoE layer, a row per token of the packed row (all real: no padding there).
+    A row with images (a VLM, `mb.images`): the image encoder runs first, once per distinct prompt (`image_inputs`).
     """
     param = next(base.parameters())
-    attention = packed_attention(base) if mb.attention == "packed" else contextlib.nullcontext()
+    attention = packed_attention(vision.language_model_of(base)) if mb.attention == "packed" else contextlib.nullcontext()
     inputs = mb.model_inputs()
+    if mb.images is not None:
+        with torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+            inputs.update(image_inputs(base, mb))
     if mb.attention == "mask" and attention_implementation(base.config) == "eager":
         # eager attention adds the mask to the scores: a bool mask would add 1 and 0 (a packed tiny GPT-OSS's hidden
         # states were off by up to 0.97, a Llama's by 4.5), so it gets the additive form transformers builds
@@ -65,6 +69,13 @@ def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtyp
         out = (forward or base)(**inputs, **extra)
     hidden = out.last_hidden_state[0][mb.hidden_index].to(param.dtype)  # (1, L, H) -> (b, Tc, H)
     return (hidden, router_logits_of(out)) if router_logits else hidden
+
+
+def image_inputs(base, mb: PackedMicroBatch) -> dict:
+    """A VLM row's encoder outputs as its backbone takes them (`mm_encoder_outputs`): the encoder once per distinct
+    prompt of the row, each prompt's features shared by the sequences that show them (models/vision.py)."""
+    outputs = vision.row_encoder_outputs(vision.encoder_outputs(base, mb.images), mb.images)
+    return {} if outputs is None else {"mm_encoder_outputs": outputs}
 
 
 def attention_mode(model) -> str:
@@ -93,41 +104,60 @@ class Packer:
         self.routing_replay = routing_replay
 
     def micro_batches(self, prompt_ids, completion_ids, include: Optional[Sequence[bool]] = None, routed_experts=None,
-                      kept=None):
+                      kept=None, images=None):
         """Yield PackedMicroBatch over samples with a completion (and `include[i]` when given); with the engine's
         routing records (`Rollouts.routed_experts`), each carries its `routing.Replay`; with kept sets
-        (`Rollouts.kept`, truncated sampling), its `objective.KeptSets`."""
+        (`Rollouts.kept`, truncated sampling), its `objective.KeptSets`; with a VLM's images (`Rollouts.images`: each
+        sample's prompt's processor outputs, shared by a group, or None), its `vision.RowImages`, a group kept in one
+        micro-batch where it fits (`plan_group_micro_batches`)."""
         lengths = [
             0 if (include is not None and not include[i]) or not completion_ids[i]
             else len(prompt_ids[i]) + len(completion_ids[i]) - 1
             for i in range(len(prompt_ids))
         ]
         attention = self.attention or attention_mode(self.model)  # checkpointing may be switched on later
-        for rows in plan_micro_batches(lengths, self.max_tokens):
+        keys = self._image_keys(prompt_ids, images)
+        plan = plan_micro_batches(lengths, self.max_tokens) if keys is None else \
+            plan_group_micro_batches(lengths, keys, self.max_tokens)
+        for rows in plan:
             mb = pack_sequences(prompt_ids, completion_ids, rows, device=self.device, attention=attention)
+            if keys is not None:
+                mb.images = vision.RowImages.of(mb, prompt_ids, completion_ids, images, keys,
+                                                decoder_of(causal_lm_of(self.model)))
             if routed_experts is not None:
                 mb.routing = routing.Replay.of(mb, routed_experts, replay=self.routing_replay)
             if kept is not None:
                 mb.kept = truncation.pack(kept, mb.rows, mb.target_ids.shape[1], device=self.device)
             yield mb
 
+    def _image_keys(self, prompt_ids, images) -> Optional[list]:
+        """Each sample's group key among the samples with images (`vision.group_keys`); None: no images at all.
+        Images for a model the fused path cannot train on them are refused here, before any forward."""
+        if images is None or all(x is None for x in images):
+            return None
+        if len(images) != len(prompt_ids):
+            raise ValueError(f"images: expected one entry per sample ({len(prompt_ids)}), got {len(images)}")
+        vision.check_images_supported(causal_lm_of(self.model).config, "the policy")
+        return vision.group_keys(prompt_ids, images)
+
 
 @torch.no_grad()
 def completion_logprobs(model, packer: Packer, prompt_ids, completion_ids, *, temperature: float, backend: str,
-                        routed_experts=None, kept=None) -> list[torch.Tensor]:
+                        routed_experts=None, kept=None, images=None) -> list[torch.Tensor]:
     """Per-sample log-probs `[C_i]` (float32, CPU) of the completion tokens under `model`, no grad.
 
     Used for the old-policy and reference passes: hidden states, then the fused linear op, so no
     logits tensor exists here either. Samples with an empty completion get an empty tensor. The
     log-probs are of the model's own logit map (its scale and soft-cap, then `temperature`).
     routed_experts: the engine's routing records (routing replay: `Packer.routing_replay`). kept: each completion's
-    kept sets (truncated sampling: `Rollouts.kept`), the support of its log-softmax.
+    kept sets (truncated sampling: `Rollouts.kept`), the support of its log-softmax. images: a VLM's
+    (`Rollouts.images`), each prompt's encoded once per micro-batch.
     """
     base, weight, bias = policy_parts(model)
     logit_map = logit_transform(causal_lm_of(model).config)
     out = [torch.zeros(0) for _ in prompt_ids]
     for mb in _without_dropout(model, packer.micro_batches(prompt_ids, completion_ids, routed_experts=routed_experts,
-                                                           kept=kept)):
+                                                           kept=kept, images=images)):
         with routing.replaying(base, mb.routing):
             hidden = completion_hidden(base, mb, packer.amp_dtype)
         logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.completion_mask, bias=bias,

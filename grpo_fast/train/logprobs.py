@@ -117,7 +117,8 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
     kept = batch.kept
     compute = lambda m, routed=None: completion_logprobs(m, trained.packer, batch.prompt_ids,  # noqa: E731
                                                          batch.completion_ids, temperature=temperature,
-                                                         backend=backend, routed_experts=routed, kept=kept)
+                                                         backend=backend, routed_experts=routed, kept=kept,
+                                                         images=batch.image_inputs)
     reference = trained.reference
     metrics = {}
     old_logp = is_weights = ref_logp = rebuilt = None

@@ -50,6 +50,38 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return [sorted(b) for b in bins]
 
 
+def plan_group_micro_batches(lengths: Sequence[int], keys: Sequence, max_tokens: int) -> list[list[int]]:
+    """`plan_micro_batches` with the samples that share a key (a VLM prompt's G completions: `keys[i]`, None for a
+    sample of its own) kept in one micro-batch wherever they fit, so that a prompt's images are encoded once per
+    step, not once per micro-batch its completions landed in. First-fit decreasing over whole groups; a group longer
+    than the budget is cut by `plan_micro_batches` into pieces that are placed the same way."""
+    plan_micro_batches(lengths, max_tokens)  # (its checks: the budget, no sample longer than it)
+    groups: dict = {}
+    for i, n in enumerate(lengths):
+        if n > 0:
+            groups.setdefault(("own", i) if keys[i] is None else ("key", keys[i]), []).append(i)
+    units = []
+    for members in groups.values():
+        if sum(lengths[i] for i in members) <= max_tokens:
+            units.append(members)
+        else:
+            pieces = plan_micro_batches([lengths[i] if i in members else 0 for i in range(len(lengths))], max_tokens)
+            units.extend(pieces)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for unit in sorted(units, key=lambda u: (-sum(lengths[i] for i in u), u[0])):
+        size = sum(lengths[i] for i in unit)
+        for b, free in enumerate(room):
+            if size <= free:
+                bins[b].extend(unit)
+                room[b] -= size
+                break
+        else:
+            bins.append(list(unit))
+            room.append(max_tokens - size)
+    return [sorted(b) for b in bins]
+
+
 @dataclass
 class PackedMicroBatch:
     """One packed forward. `b` sequences, `L` packed tokens, `Tc` the longest completion.
@@ -76,6 +108,7 @@ class PackedMicroBatch:
     rows: list[int]
     routing: Optional[object] = None
     kept: Optional[object] = None
+    images: Optional[object] = None  # a VLM's images of the row (`models.vision.RowImages`), set by the Packer
 
     @property
     def num_tokens(self) -> int:

@@ -99,7 +99,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
     micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include, batch.routed_experts,
-                                              kept=batch.kept))
+                                              kept=batch.kept, images=batch.image_inputs))
     rebuilds = kept_source is not None and kept_source.active and batch.kept is None  # (any batch without its sets)
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
