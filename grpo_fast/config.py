@@ -82,6 +82,7 @@ def _f(default, help: str, choices=None, bounds: Optional[Bounds] = None):
 class GRPOConfig:
     # ---- model and data ----------------------------------------------------------------------
     model: Optional[str]
+    freeze_vision_tower: bool
     dataset: Optional[str]
     task: str
     task_train_size: int

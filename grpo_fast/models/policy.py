@@ -15,6 +15,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 
 from ..options import mirror, option, options_record
+from . import vision
 from .precision import Precision
 
 
@@ -28,6 +29,7 @@ class PolicyOptions:
     lora_base_model: Optional[str] = mirror(None)
     load_in_4bit: bool = mirror(False)
     gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory (slower).")
+    freeze_vision_tower: bool = option(True, "Vision-language models: keep the image encoder (the vision tower and its projector or merger) frozen, as most VLM GRPO recipes do; its features are then computed without autograd, once per prompt. False: it trains too (its gradient accumulates once per prompt, whatever the group size). LoRA adapters go on the language model only either way. Text-only models: ignored.")
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,14 @@ def prepare_policy(options: PolicyOptions, precision: Precision, budget: Context
         model_config = AutoConfig.from_pretrained(path)  # checked before the weights load
         check_context(budget, model_config, repr(path))
         models.logit_transform(model_config, repr(path))  # (its values checked before the weights load)
-        model, loaded_tokenizer = models.load_policy(path, dtype=precision.weights_dtype(), load_in_4bit=options.load_in_4bit)
+        if vision.supports_images(model_config):  # a VLM: no causal-LM class loads it
+            if options.load_in_4bit:
+                raise ValueError(f"GRPOConfig.load_in_4bit=True is not supported for the vision-language model "
+                                 f"{path!r} ({model_config.model_type}) yet: set load_in_4bit=False")
+            model, loaded_tokenizer = vision.load_vision_language(path, dtype=precision.weights_dtype())
+        else:
+            model, loaded_tokenizer = models.load_policy(path, dtype=precision.weights_dtype(),
+                                                         load_in_4bit=options.load_in_4bit)
         tokenizer = tokenizer or loaded_tokenizer
     elif tokenizer is None:
         raise ValueError("GRPOTrainer: a model was passed without its tokenizer; pass tokenizer= too")
@@ -124,6 +133,11 @@ def prepare_policy(options: PolicyOptions, precision: Precision, budget: Context
     from .adapter import causal_lm_of, check_fusable
 
     check_fusable(causal_lm_of(model), "model")
+    if vision.supports_images(causal_lm_of(model).config):
+        if options.freeze_vision_tower:
+            vision.freeze_encoder(causal_lm_of(model))
+        if options.use_peft and not lora.is_lora(model) and adapter_path is None:  # LoRA on the language model only
+            peft_config = vision.language_model_lora(causal_lm_of(model), peft_config or lora.lora_config(lora_options))
     if not getattr(model, "is_loaded_in_4bit", False):  # (bitsandbytes placed a 4-bit model at load; .to refuses it)
         model.to(device)
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:

@@ -111,6 +111,18 @@ def lora_exclusions(lm: nn.Module) -> str:
     return "(" + "|".join(re.escape(name) for name in encoder_modules(lm)) + r")(\..*)?"
 
 
+def language_model_lora(lm: nn.Module, peft_config):
+    """A copy of the peft LoraConfig that leaves the image encoder without adapters (`lora_exclusions`); one that
+    names its own exclude_modules is kept as it is."""
+    import copy
+
+    if getattr(peft_config, "exclude_modules", None):
+        return peft_config
+    peft_config = copy.deepcopy(peft_config)
+    peft_config.exclude_modules = lora_exclusions(lm)
+    return peft_config
+
+
 def trains_encoder(backbone: nn.Module) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for name, child in backbone.named_children()
                                            if name != "language_model" for p in child.parameters())
