@@ -26,6 +26,7 @@ from typing import Any, Optional
 from . import config_checks
 from .bounds import FINITE, FINITE_AT_LEAST_0, INTEGER_AT_LEAST_0, INTEGER_AT_LEAST_1, Bounds
 from .data.inputs import InputOptions
+from .distributed import SequenceParallelOptions
 from .generation import modes
 from .generation.agents import AgentOptions
 from .generation.agents.loop import LoopOptions
@@ -58,7 +59,7 @@ DECLARING_RECORDS = (LossOptions, AdvantageOptions, SandboxOptions, JudgeOptions
                      ModeOptions, EarlyExitOptions, MultiAnswerOptions, RoundOptions, GenerateOptions,
                      Precision, OptimizerOptions, EngineOptions, PolicyOptions, InputOptions,
                      LoraOptions, ReportOptions, StepOptions, ISOptions, EvalOptions, AgentOptions, SamplingOptions,
-                     RoutingOptions)
+                     RoutingOptions, SequenceParallelOptions)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -229,6 +230,7 @@ class GRPOConfig:
     max_grad_norm: float
     gradient_checkpointing: bool
     distributed_strategy: str = _f("auto", "Under torchrun (more than one rank): how the policy is spread. ddp: every rank holds the whole model, gradients all-reduced once per optimizer step. fsdp2: parameters, gradients and optimizer state sharded over the ranks (torch's fully_shard, one unit per decoder layer plus the root); each layer is all-gathered for its forward and backward, gradients reduce-scattered. auto: fsdp2 when parameters + gradients + AdamW's two moments would take more than half of one device's memory (a GPU's, or this host's RAM shared by its local ranks), else ddp. One process: ignored.", DISTRIBUTED_STRATEGIES)
+    sequence_parallel_size: int
     max_steps: int = _f(20, "Optimizer steps to train (the default run: 20 steps of 8 prompts x 8 completions; see max_train_minutes to bound the wall time instead).", bounds=INTEGER_AT_LEAST_1)
     max_train_minutes: Optional[float] = _f(None, "Stop training after this many minutes of the loop (then evaluate and save as at the end). None: no time limit.", bounds=Bounds(low=0, low_open=True, text="a number of minutes > 0"))
     seed: int = _f(42, "Seed for data order, sampling and initialisation.")
@@ -249,7 +251,7 @@ class GRPOConfig:
     save_final: bool = _f(True, "Save the trained model (HF format) to output_dir/final at the end.")
     save_total_limit: Optional[int] = _f(2, "Keep at most this many checkpoint-* folders (oldest deleted). None: keep all.", bounds=INTEGER_AT_LEAST_1)
     resume_from_checkpoint: Optional[str] = _f(None, "A checkpoint folder to resume from, or 'latest' for the newest one in output_dir.")
-    resume_override: Optional[list] = _f(None, "Resume only: config fields to change from the run's saved values (e.g. learning_rate,beta); the new values take effect (a learning rate or AdamW option reaches the restored optimizer and scheduler) and are logged. A resumed run otherwise keeps every option it was trained with, and a differing one is refused, except run control (max_steps, max_train_minutes, save_*, logging_steps, eval_*, log_level, report_to, run_name, project, log_completions, num_completions_to_print, disable_tqdm, sampling_check_steps, max_signal_free_steps, output_dir) and the execution layout (per_device_train_batch_size and gradient_accumulation_steps at the same global batch, distributed_strategy, max_tokens_per_microbatch, loss_backend, gradient_checkpointing, vllm_gpu_memory_utilization, vllm_enable_sleep_mode), which may change freely. While partial rollouts have groups in flight, model, dataset, task, prompt_column, num_generations, max_prompt_length, max_completion_length, max_staleness, rollout_mode and seed cannot be overridden.")
+    resume_override: Optional[list] = _f(None, "Resume only: config fields to change from the run's saved values (e.g. learning_rate,beta); the new values take effect (a learning rate or AdamW option reaches the restored optimizer and scheduler) and are logged. A resumed run otherwise keeps every option it was trained with, and a differing one is refused, except run control (max_steps, max_train_minutes, save_*, logging_steps, eval_*, log_level, report_to, run_name, project, log_completions, num_completions_to_print, disable_tqdm, sampling_check_steps, max_signal_free_steps, output_dir) and the execution layout (per_device_train_batch_size and gradient_accumulation_steps at the same global batch, distributed_strategy, sequence_parallel_size, max_tokens_per_microbatch, loss_backend, gradient_checkpointing, vllm_gpu_memory_utilization, vllm_enable_sleep_mode), which may change freely. While partial rollouts have groups in flight, model, dataset, task, prompt_column, num_generations, max_prompt_length, max_completion_length, max_staleness, rollout_mode and seed cannot be overridden.")
     overwrite_output_dir: bool = _f(False, "Start a fresh run in an output_dir that holds an earlier run, deleting that run's files (checkpoints, final/, metrics, TensorBoard events, plot, summary). Without it a fresh run refuses a non-empty output_dir (resume it instead).")
     max_signal_free_steps: int
     log_level: str = _f("warning", "Log level of grpo_fast and of vLLM (the CLI sets vLLM's before it starts). warning keeps vLLM's repeated CPU notices out of a run's log.", LOG_LEVELS)

@@ -66,6 +66,14 @@ def _routing(c) -> str:
     return "routing_replay=True" if c.routing_replay else "record_routing=True"
 
 
+def _sequence_parallel(c) -> bool:
+    return c.sequence_parallel_size > 1
+
+
+def _truncates(c) -> bool:  # (generation.engines.base.SamplingOptions.truncates)
+    return c.temperature != 0 and ((c.top_k or 0) > 0 or c.top_p < 1 or (c.min_p or 0) > 0)
+
+
 COMBINATIONS = (
     # rollout modes that shape their own groups (a mode's own rows: its `checks()`, checked first)
     _parallel_only("dynamic_sampling", False),
@@ -126,6 +134,19 @@ COMBINATIONS = (
                 "adapter, to merge onto the full-precision base)"),
     Combination("load_in_4bit", _equals(False), "False", lambda c: not c.use_peft,
                 "without use_peft=True (a 4-bit base trains only through an adapter: QLoRA)"),
+    # sequence parallelism (train/sequence_parallel.py): what is not sharded over a row's ranks yet (the rows of many
+    # ranks below hold too: partial rollouts, dynamic sampling, early_exit and multi_answer run in one process)
+    Combination("sequence_parallel_size", _equals(1), "1",
+                lambda c: _sequence_parallel(c) and _truncates(c),
+                lambda c: f"with truncated sampling (top_k={c.top_k}, top_p={c.top_p}, min_p={c.min_p}): its kept sets are "
+                          f"packed and rebuilt over whole rows, not sharded yet"),
+    Combination("sequence_parallel_size", _equals(1), "1", lambda c: _sequence_parallel(c) and _records_routing(c),
+                lambda c: f"with {_routing(c)}: the engine's routing records are replayed per packed token, not sharded "
+                          f"yet"),
+    Combination("sequence_parallel_size", _equals(1), "1",
+                lambda c: _sequence_parallel(c) and (c.router_aux_loss_coef or 0) > 0,
+                lambda c: f"with router_aux_loss_coef={c.router_aux_loss_coef}: the Switch loss multiplies means over "
+                          f"a row's tokens, not combined across shards yet"),
     # many ranks (torchrun): what runs in one process only, for now
     Combination("rollout_mode", _modes_with(lambda m: m.runs_on_many_ranks), "", lambda c: True,
                 lambda c: f"the {' and '.join(modes_where(lambda m: not m.runs_on_many_ranks))} modes run in one "
@@ -152,7 +173,11 @@ def check_combinations(c) -> None:
 
 
 def check_ranks(c, world_size: int) -> None:
-    """What many ranks do not run yet (the `ranks` rows), refused by name before any rank works."""
+    """What many ranks do not run yet (the `ranks` rows), refused by name before any rank works; a
+    sequence_parallel_size that does not divide the world size."""
+    from .distributed import check_sequence_parallel
+
+    check_sequence_parallel(c.sequence_parallel_size, int(world_size))
     for row in COMBINATIONS:
         if row.ranks and _broken(row, c):
             raise ValueError(f"GRPOConfig.{row.field}={getattr(c, row.field)!r} is not supported under torchrun "

@@ -8,6 +8,11 @@ the adaptive entropy controller's entropy, and the logged metrics (combined over
 `metrics.reduction` declares each, written by rank 0). A single process (no WORLD_SIZE, or 1) has
 `World()` and none of this runs. docs/design.md, "Many ranks", explains the rules that keep FSDP2's
 collectives in step.
+
+Sequence parallelism (`sequence_parallel_size` N > 1, Ulysses: grpo_fast/train/sequence_parallel.py) lays the
+ranks out as a (dp, sp) mesh, sp fastest: ranks `d*N .. d*N + N-1` form sequence-parallel group d and hold one
+contiguous 1/N of every packed row of their group's micro-batches. DDP and FSDP2 still span the whole world
+(FSDP2 shards over every rank), so gradients are averaged over dp x N ranks.
 """
 
 from __future__ import annotations
@@ -16,14 +21,24 @@ import contextlib
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from .bounds import INTEGER_AT_LEAST_1
 from .compat import settle_fsdp_root
+from .options import option, options_record
 from .processes import die_with_launcher
+
+
+@options_record
+@dataclass(frozen=True)
+class SequenceParallelOptions:
+    """How a packed row is spread over ranks (`distributed.join`)."""
+
+    sequence_parallel_size: int = option(1, "Ulysses sequence parallelism: split every packed micro-batch row into this many contiguous shards, one per rank, so one long sequence's activations are spread over N devices (verl's ulysses_sequence_parallel_size, accelerate's sp_size; world size = data-parallel size x N, under torchrun with DDP or FSDP2). Each rank still samples its own share; the N ranks of a group exchange their completions and train on the union. Attention runs after an all-to-all (sequence gathered, heads scattered), so the model's query heads must be a multiple of N and its KV heads a multiple or a divisor of N. 1: off.", bounds=INTEGER_AT_LEAST_1)
 
 
 @dataclass(frozen=True)
@@ -31,11 +46,23 @@ class World:
     rank: int = 0
     size: int = 1
     joined: bool = False  # a torch.distributed group spans this world (torchrun), even of one rank
+    sp_size: int = 1  # sequence_parallel_size: consecutive ranks sharing the rows of one group's micro-batches
+    sp_group: Optional[object] = field(default=None, compare=False, repr=False)  # this rank's group (N > 1)
 
     @property
     def main(self) -> bool:
         """The rank that writes files: metrics, checkpoints, the progress bar."""
         return self.rank == 0
+
+    @property
+    def sp_rank(self) -> int:
+        """Which contiguous shard of a packed row this rank holds (0 without sequence parallelism)."""
+        return self.rank % self.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: ranks / sequence_parallel_size (the ranks without sequence parallelism)."""
+        return self.size // self.sp_size
 
 
 ONE_PROCESS = World()
@@ -45,11 +72,14 @@ ONE_PROCESS = World()
 _peers: list[tuple[str, int]] = []
 
 
-def join(strategy: str = "auto") -> World:
+def join(strategy: str = "auto", sequence_parallel_size: int = 1) -> World:
     """The torchrun world of this process (its default group made if nobody made it yet: NCCL with
     one GPU per rank, else gloo), or ONE_PROCESS. A torchrun world of one rank is one process too,
-    unless `distributed_strategy='fsdp2'` asks for FSDP2 there (a check of the sharded path on one GPU)."""
+    unless `distributed_strategy='fsdp2'` asks for FSDP2 there (a check of the sharded path on one GPU).
+    sequence_parallel_size N > 1: the (dp, sp) mesh's groups are made too (N must divide the world size:
+    refused in one line before any group is made)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_sequence_parallel(sequence_parallel_size, size)
     if size == 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
         return ONE_PROCESS
     die_with_launcher()  # (grpo-fast's ranks set it at start; a script of the user's under torchrun here)
@@ -67,7 +97,27 @@ def join(strategy: str = "auto") -> World:
     world = World(dist.get_rank(), dist.get_world_size(), joined=True)
     global _peers
     _peers = gather_objects((socket.gethostname(), os.getpid()), world)  # for naming a rank that dies
+    if sequence_parallel_size > 1:
+        world = World(world.rank, world.size, True, sequence_parallel_size, _sequence_parallel_group(world, sequence_parallel_size))
     return world
+
+
+def check_sequence_parallel(n: int, world_size: int) -> None:
+    """sequence_parallel_size N against the world size, in one line (before any rank works)."""
+    if n > 1 and world_size % n:
+        raise ValueError(f"GRPOConfig.sequence_parallel_size={n} is invalid: expected a divisor of the number of ranks "
+                         f"(WORLD_SIZE={world_size}; ranks = data-parallel size x sequence_parallel_size, under torchrun)")
+
+
+def _sequence_parallel_group(world: World, n: int):
+    """This rank's sequence-parallel group: ranks d*N .. d*N + N-1 (every rank makes every group, in the same
+    order, as torch.distributed.new_group requires). gloo: the all-to-alls run on the CPU; with CUDA, NCCL."""
+    mine = None
+    for first in range(0, world.size, n):
+        group = dist.new_group(list(range(first, first + n)))
+        if first <= world.rank < first + n:
+            mine = group
+    return mine
 
 
 def dead_peers(wait_s: float = 2.0) -> list[tuple[int, int]]:

@@ -53,7 +53,7 @@ from .reporting.metrics import logs_step, open_logger, progress, reduce_metrics,
 from .reporting.options import ReportOptions
 from .run import checkpoint, resume
 from .run import folder as run_folder
-from .train import advantages, generate, kept_sets, logprobs, step, sync
+from .train import advantages, generate, kept_sets, logprobs, sequence_parallel, step, sync
 from .train import evaluate as evaluation
 from .train.advantages import AdvantageOptions
 from .train.forward import Packer
@@ -106,7 +106,7 @@ class GRPOTrainer:
             # training an adapter folder (or evaluating a LoRA run's final/): the config takes the adapter's shape
             config = dataclasses.replace(config, **lora.fields_of_folder(config.model, config.lora_dropout))
         c = self.config = config
-        self.world = distributed.join(c.distributed_strategy)  # under torchrun: this rank's place; one process: World()
+        self.world = distributed.join(c.distributed_strategy, c.sequence_parallel_size)  # under torchrun: this rank's place; one process: World()
         if self.world.size > 1:
             config_checks.check_ranks(c, os.environ.get("WORLD_SIZE"))  # what many ranks do not run yet
         if engine is not None:  # an engine from elsewhere: the contract first, before any work
@@ -132,6 +132,7 @@ class GRPOTrainer:
         model, tokenizer, model_path = prepare_policy(PolicyOptions.from_config(c), precisions, budget, c, model,
                                                       tokenizer, peft_config)
         moe.router_loss(causal_lm_of(model), c.router_aux_loss_coef)  # an MoE router loss we compute, or none asked for
+        sequence_parallel.check_model(model, c.sequence_parallel_size, c.router_aux_loss_coef)  # (N > 1: heads, ...)
         routes = routing.RoutingOptions.from_config(c)
         if routes.records:  # routing replay: an MoE whose routing can be recorded and replayed
             routing.check_replayable(causal_lm_of(model))
@@ -157,6 +158,7 @@ class GRPOTrainer:
         cuda = next(model.parameters()).is_cuda
         packer = Packer(model, c.token_budget(cuda=cuda), amp_dtype=precisions.amp_dtype(cuda),
                         routing_replay=routes.routing_replay)
+        packer.attention = sequence_parallel.packer_attention(model, c.sequence_parallel_size)  # (N = 1: None, as it was)
         loss_options = LossOptions.from_config(c, **logit_transform(causal_lm_of(model).config))  # (the model's map)
         self.options = Options(loss_options, AdvantageOptions.from_config(c), SamplingOptions.from_config(c))
         self.generation = generate.GenerateOptions.from_config(c)  # the generate stage's (the mode's, the rounds')

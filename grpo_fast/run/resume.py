@@ -47,7 +47,7 @@ RUN_CONTROL = ("max_steps", "max_train_minutes", "save_steps", "save_total_limit
 # (resuming on more or fewer ranks, or another machine, needs them; the global batch itself is checked).
 LAYOUT = ("per_device_train_batch_size", "gradient_accumulation_steps", "distributed_strategy",
           "max_tokens_per_microbatch", "loss_backend", "gradient_checkpointing", "vllm_gpu_memory_utilization",
-          "vllm_enable_sleep_mode", "lora_sync")
+          "vllm_enable_sleep_mode", "lora_sync", "sequence_parallel_size")
 # What the groups carried over by partial rollouts were sampled and sized with: never overridden while
 # groups are in flight (they would continue under other lengths, group sizes or prompts).
 IN_FLIGHT = ("model", "dataset", "task", "task_train_size", "prompt_column", "num_generations", "max_prompt_length",

@@ -15,6 +15,7 @@ The stage returns a `SideInputs` record; the loop puts its tensors into the batc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..generation.batch import Rollouts
 from ..models.precision import default_is_correction
 from ..options import mirror, option, options_record
 from ..reporting.metrics import Pooled
+from . import sequence_parallel
 from .forward import completion_logprobs
 from .kept_sets import TruncationStats, policy_pass
 
@@ -115,7 +117,9 @@ def side_inputs(batch: Rollouts, trained, policy: ISPolicy, *, temperature: floa
     pass rebuilds them first where the engine did not return them (it runs then for the reference too)."""
     truncated = kept_source is not None and kept_source.active
     kept = batch.kept
-    compute = lambda m, routed=None: completion_logprobs(m, trained.packer, batch.prompt_ids,  # noqa: E731
+    sp = sequence_parallel.group_of(trained.parallel)  # sequence parallelism: sharded passes over the group's union
+    logprobs_of = completion_logprobs if sp is None else functools.partial(sequence_parallel.completion_logprobs, group=sp)
+    compute = lambda m, routed=None: logprobs_of(m, trained.packer, batch.prompt_ids,  # noqa: E731
                                                          batch.completion_ids, temperature=temperature,
                                                          backend=backend, routed_experts=routed, kept=kept,
                                                          images=batch.image_inputs)

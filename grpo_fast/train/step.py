@@ -51,7 +51,7 @@ from ..models.moe import RouterStats, router_loss
 from ..objective import LossOptions
 from ..ops import fused_linear_grpo_loss, masked_linear_logprobs
 from ..options import mirror, option, options_record
-from . import kept_sets
+from . import kept_sets, sequence_parallel
 from .forward import Packer, completion_hidden, policy_parts
 
 __all__ = ["LossOptions", "optimizer_step", "step_metrics", "step_slices", "train_step", "trainable_mask",
@@ -95,11 +95,14 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     wrapped = None if parallel is None else parallel.forward  # DDP module or FSDP2 root: its forward is the decoder's
     base = decoder_of(causal_lm_of(model))  # (the lm_head weight is read after each forward: FSDP2 unshards it there)
     router = router_loss(causal_lm_of(model), router_aux_loss_coef)  # None: a dense model, or the MoE's loss off
+    sp = sequence_parallel.group_of(parallel)  # sequence parallelism: the group trains on its ranks' union, sharded
+    batch = batch if sp is None else sp.union(batch)
     include = trainable_mask(batch, options)
     step_tokens = trainable_tokens(batch, options)
     num_items = step_tokens if num_items_in_batch is None else num_items_in_batch
     micro_batches = list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, include, batch.routed_experts,
                                               kept=batch.kept, images=batch.image_inputs))
+    micro_batches = sequence_parallel.shard_all(micro_batches, sp, base)
     rebuilds = kept_source is not None and kept_source.active and batch.kept is None  # (any batch without its sets)
     optimizer.zero_grad(set_to_none=True)
     totals, skipped, loss_sum = {}, False, 0.0
@@ -109,12 +112,13 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     truncation.rebuilt = rebuilds
     router_stats = RouterStats()  # with router: the micro-batches' Switch losses and the experts' loads
     for _ in range(parallel.rounds(len(micro_batches)) - len(micro_batches) if parallel is not None else 0):
-        _zero_backward(model, wrapped, base, packer)  # the collectives of the passes this rank lacks
+        _zero_backward(model, wrapped, base, packer, sp)  # the collectives of the passes this rank lacks
     for k, mb in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         no_sync = parallel is not None and parallel.strategy == "ddp" and not last
         # one all-reduce a step; the engine's routing replayed (R3) through the backward too (checkpointing's recompute)
-        with wrapped.no_sync() if no_sync else contextlib.nullcontext(), routing_replay.replaying(base, mb.routing):
+        with wrapped.no_sync() if no_sync else contextlib.nullcontext(), routing_replay.replaying(base, mb.routing), \
+                sequence_parallel.attending(base, mb):
             if router is None:
                 hidden = completion_hidden(base, mb, packer.amp_dtype, forward=wrapped)
             else:
@@ -150,7 +154,7 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
                 covered = mask if entropy_mask is None else mask * entropy_mask
                 entropy_weights = objective.entropy_bonus_weights(
                     mask, entropy_mask, normaliser=covered.sum().clamp(min=1.0) * len(micro_batches) * scale)
-            loss, metrics = fused_linear_grpo_loss(
+            loss, metrics = (fused_linear_grpo_loss if sp is None else sequence_parallel.loss_of(mb))(
                 hidden, weight, mb.target_ids, advantages, mask, old_logp=old_logp,
                 ref_logp=None if batch.ref_logp is None else mb.pad(batch.ref_logp),
                 is_weights=is_weights, is_ratio=is_ratio, entropy_weights=entropy_weights,
@@ -204,19 +208,21 @@ def train_step(model, optimizer, packer: Packer, batch: Rollouts, options: LossO
     if router is not None:
         out.update(router_stats.metrics(world))
     out.update(loss=loss_sum if not skipped else float("nan"), grad_norm=grad_norm, skipped=float(skipped),
-               num_tokens=float(sum(mb.num_tokens for mb in micro_batches)), num_micro_batches=float(len(micro_batches)))
+               num_tokens=float(sum(mb.num_tokens for mb in micro_batches)),  # (sequence parallelism: this shard's)
+               num_micro_batches=float(len(micro_batches)) / (1 if sp is None else sp.size))  # (... the group's share)
     return out
 
 
-def _zero_backward(model, forward, base, packer: Packer) -> None:
+def _zero_backward(model, forward, base, packer: Packer, sp=None) -> None:
     """A forward of one token through the wrapped policy and the backward of zero times it: a rank
     with fewer micro-batches than another takes part in the gradient all-reduce (DDP) or in the
-    layers' all-gathers and reduce-scatters (FSDP2) with zero gradients."""
-    (mb,) = packer.micro_batches([[0]], [[0]])
-    hidden = completion_hidden(base, mb, packer.amp_dtype, forward=forward)
-    _, weight, bias = policy_parts(model)  # an untied lm_head gets no gradient from the decoder
-    zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0)
-    zero.backward()
+    layers' all-gathers and reduce-scatters (FSDP2) with zero gradients (sp: sharded, its all-to-alls too)."""
+    (mb,) = sequence_parallel.shard_all(list(packer.micro_batches([[0]], [[0]])), sp, base)
+    with sequence_parallel.attending(base, mb):
+        hidden = completion_hidden(base, mb, packer.amp_dtype, forward=forward)
+        _, weight, bias = policy_parts(model)  # an untied lm_head gets no gradient from the decoder
+        zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0)
+        zero.backward()
 
 
 class _SamplingGap:
@@ -264,6 +270,8 @@ def _in_step_is_weights(hidden, weight, bias, mb, batch: Rollouts, options: Loss
 def _logprobs(hidden, weight, bias, mb, mask, options: LossOptions):
     """(log-probs, entropies) (b, Tc) of the micro-batch's targets where `mask` is set, no grad: over its kept sets
     under truncated sampling (`mb.kept`), else `models.adapter.masked_logprobs` as it is."""
+    if isinstance(mb, sequence_parallel.ShardedMicroBatch):  # the whole rows, summed over the group
+        return sequence_parallel.logprobs(hidden, weight, bias, mb, mask, options)
     if mb.kept is None:
         return masked_logprobs(hidden, weight, bias, mb.target_ids, mask, options=options)
     return masked_linear_logprobs(hidden.to(weight.dtype), weight, mb.target_ids, mask, bias=bias, kept=mb.kept,
@@ -337,7 +345,7 @@ def split_groups(num_groups: int, parts: int) -> list[list[int]]:
 def items_per_step(batch: Rollouts, steps: StepOptions, options: LossOptions, world) -> float:
     """dapo's normaliser (TRL's): the generation batch's trainable tokens shared evenly by its step slices
     (all ranks' tokens / ranks: DDP averages the ranks' gradients, TRL's normaliser under accelerate)."""
-    tokens = sum_over_ranks([trainable_tokens(batch, options)], world)[0] / world.size
+    tokens = sum_over_ranks([trainable_tokens(batch, options)], world)[0] / world.dp_size  # (a group trains its union)
     return tokens / min(steps.steps_per_generation, len(batch) // steps.group_size)
 
 
