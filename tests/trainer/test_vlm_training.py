@@ -1,0 +1,86 @@
+"""A vision-language model through the training stages (issue 51): the optimizer step and the log-probs stage.
+
+The tiny Qwen2-VL (M-RoPE) of tests/models/test_vision.py, its image encoder frozen (freeze_vision_tower's default).
+- Two groups' image tokens in one packed row train as one group per row: the same loss and gradients.
+- A step moves the language model and lm_head, never the frozen encoder.
+- The log-probs stage's old-policy and reference passes see the images: the reference (a frozen copy at step 0)
+  gives the policy's log-probs, and both differ from the same prompts run without their images.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo_fast.distributed import ONE_PROCESS, Parallel
+from grpo_fast.models import vision
+from grpo_fast.models.policy import Policy, Reference, frozen_copy
+from grpo_fast.train.forward import Packer, completion_logprobs
+from grpo_fast.train.logprobs import ISPolicy, side_inputs
+from grpo_fast.train.step import train_step
+from tests.helpers import assert_close, scaled
+from tests.models.test_vision import OPTIONS, CaptureGrads, G, tiny_vlm, vlm_batch
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    model, processor = tiny_vlm("qwen2_vl")
+    vision.freeze_encoder(model)
+    return model, processor
+
+
+def test_two_groups_in_one_packed_row_train_as_one_group_per_row(qwen2_vl):
+    model, processor = qwen2_vl
+    batch = vlm_batch("qwen2_vl", processor, n_images=(3, 1), seed=5)
+    lengths = [len(p) + len(c) - 1 for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
+    runs = {}
+    for budget in (sum(lengths), max(sum(lengths[:G]), sum(lengths[G:]))):  # both groups in one row; one per row
+        trained = copy.deepcopy(model)
+        packer = Packer(trained, max_tokens=budget)
+        rows = [mb.rows for mb in packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=batch.image_inputs)]
+        optimizer = CaptureGrads(trained)
+        runs[len(rows)] = (rows, train_step(trained, optimizer, packer, batch, OPTIONS, max_grad_norm=1.0), optimizer.grads)
+    (one_row, packed, packed_grads), (per_group, apart, apart_grads) = runs[1], runs[2]
+    assert one_row == [list(range(2 * G))] and sorted(per_group) == [list(range(G)), list(range(G, 2 * G))]
+    for name in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean"):
+        assert_close(packed[name], apart[name], atol=scaled(1e-5, apart[name]), name=name)
+    assert packed_grads.keys() == apart_grads.keys()
+    for name, grad in apart_grads.items():
+        assert_close(packed_grads[name], grad, atol=scaled(2e-5, grad), rtol=1e-3, name=f"grad {name}")
+
+
+def test_a_step_moves_the_language_model_not_the_frozen_encoder(qwen2_vl):
+    model = copy.deepcopy(qwen2_vl[0])
+    batch = vlm_batch("qwen2_vl", qwen2_vl[1], n_images=(1,), seed=7)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    metrics = train_step(model, optimizer, Packer(model, max_tokens=4096), batch, OPTIONS, max_grad_norm=1.0)
+    assert metrics["skipped"] == 0
+    encoder = tuple(vision.encoder_modules(model))
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not any(n.startswith(encoder) for n in moved)
+    assert any(".language_model." in n for n in moved) and "lm_head.weight" in moved
+
+
+def test_log_probs_stage_runs_the_old_policy_and_the_reference_on_the_images(qwen2_vl):
+    model, processor = qwen2_vl
+    batch = vlm_batch("qwen2_vl", processor, n_images=(3, 1), seed=9)
+    packer = Packer(model, max_tokens=4096)
+    own = completion_logprobs(model, packer, batch.prompt_ids, batch.completion_ids, temperature=OPTIONS.temperature,
+                              backend="cpu", images=batch.image_inputs)
+    batch.sampling_logp = [lp + 0.01 for lp in own]
+    policy = Policy(model, None, None, packer, Parallel(model, ONE_PROCESS),
+                    Reference(frozen_copy(model), Parallel(model, ONE_PROCESS)))
+    is_policy = ISPolicy(shares_weights=False, use_is=True, in_step=False, needs_old_logp=True, mode="token_truncate",
+                         cap=3.0, clip_min=None)
+    side = side_inputs(batch, policy, is_policy, temperature=OPTIONS.temperature, backend="cpu", check=False)
+    blind = completion_logprobs(model, packer, batch.prompt_ids, batch.completion_ids, temperature=OPTIONS.temperature,
+                                backend="cpu")  # (the image tokens as plain embeddings: what a dropped image gives)
+    for i, expected in enumerate(own):
+        assert_close(side.old_logp[i], expected, atol=scaled(1e-6, expected), name=f"old log-probs {i}")
+        assert_close(side.ref_logp[i], expected, atol=scaled(1e-6, expected), name=f"reference log-probs {i}")
+        assert_close(side.is_weights[i], torch.full_like(expected, -0.01).exp(), atol=1e-5, name=f"IS weights {i}")
+        assert (blind[i] - expected).abs().max() > 1e-3
+    assert side.metrics["sampling/logp_diff_max"] == pytest.approx(0.01, rel=1e-3)
