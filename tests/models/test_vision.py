@@ -1,7 +1,8 @@
 """Vision-language models on the fused path (grpo_fast/models/vision.py) equal the model's own forward (fp32).
 
-Two families, tiny and random, built here (nothing downloaded): Qwen2-VL (M-RoPE: 3-D positions from its
-get_rope_index) and LLaVA (a CLIP tower, a projector, a Llama; 1-D positions). Images go through the family's PIL
+Four families, tiny and random, built here (nothing downloaded): with M-RoPE (3-D positions from their own
+get_rope_index) Qwen2-VL, Qwen2.5-VL (its tower's window attention) and Qwen3-VL (deepstack: tower features added
+inside the decoder's first layers); without it LLaVA (a CLIP tower, a projector, a Llama). Images go through the PIL
 image processor (`Qwen2VLImageProcessorPil`, `LlavaImageProcessorPil`); the prompt is a tokenizer's text around the
 image placeholders, expanded as the library's processor does (Qwen2-VL: `image_grid_thw.prod() / merge_size**2`
 tokens an image; LLaVA: a CLIP patch grid, the CLS token dropped).
@@ -47,6 +48,26 @@ def tiny_vlm(family: str, seed: int = 0):
             image_token_id=IMAGE, video_token_id=303, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END, tie_word_embeddings=False)
         processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    elif family == "qwen2_5_vl":  # its vision tower's window attention: windows of 2 x 2 merged patches
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [4, 6, 6]}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                               fullatt_block_indexes=[1], initializer_range=0.1),
+            image_token_id=IMAGE, video_token_id=303, vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END, tie_word_embeddings=False)
+        processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    elif family == "qwen3_vl":  # deepstack: the tower's layer-0 features added to the decoder's first layer's output
+        config = transformers.Qwen3VLConfig(
+            text_config=dict(TEXT, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                 "mrope_section": [4, 6, 6], "mrope_interleaved": True}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,
+                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0], initializer_range=0.1),
+            image_token_id=IMAGE, video_token_id=303, vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END, tie_word_embeddings=False)
+        processor = transformers.Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16)
     elif family == "llava":  # a 28 x 28 image is a 2 x 2 grid of 14-pixel patches: 4 image tokens
         config = transformers.LlavaConfig(
             vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
@@ -73,7 +94,7 @@ def image_prompt(family: str, processor, tokenizer, n_images: int, seed: int) ->
     """(prompt ids with each image's placeholder expanded, the image processor's outputs) of a prompt with n images."""
     images = [image(seed + k, width=56 + 28 * (k % 2)) for k in range(n_images)]
     inputs = dict(processor(images, return_tensors="pt"))
-    if family == "qwen2_vl":
+    if family.startswith("qwen"):
         merge = processor.merge_size
         counts = [int(grid.prod()) // merge**2 for grid in inputs["image_grid_thw"]]
     else:
@@ -162,10 +183,13 @@ class CountCalls:
 @pytest.fixture(scope="module")
 def vlms():
     """One tiny model (and image processor) per family, built once for the module; tests work on deep copies."""
-    return {family: tiny_vlm(family) for family in ("qwen2_vl", "llava")}
+    return {family: tiny_vlm(family) for family in FAMILIES}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fused_path_equals_the_models_own_forward(vlms, family):
     """Two groups of G = 4 (1 image, 3 images) packed into one row: per-token log-probs, the loss and every
     gradient (the image encoder's included) equal the model's own forward, one sequence at a time."""
