@@ -82,12 +82,25 @@ def backbone_of(lm: nn.Module) -> nn.Module:
     return backbone
 
 
+def is_backbone(decoder: nn.Module) -> bool:
+    """`decoder` is a VLM's multimodal backbone (what `adapter.decoder_of` gives for a supported VLM)."""
+    return hasattr(decoder, "get_image_features") and hasattr(decoder, "language_model")
+
+
+def check_placeholders_have_images(backbone: nn.Module, input_ids: torch.Tensor) -> None:
+    """A row passed without images holds no image placeholder: the decoder would read the placeholder token's own
+    embedding there, silently (a pass that did not hand the batch's image inputs on)."""
+    token = image_token_id(backbone.config)
+    if bool((input_ids == token).any()):
+        raise ValueError(f"a packed row holds image placeholder tokens (id {token}) but no images came with it: pass "
+                         f"the batch's image_inputs (Rollouts.image_inputs) to the pass that packs it")
+
+
 def language_model_of(decoder: nn.Module) -> nn.Module:
     """The module whose attention packed rows switch (`train.attention.packed_attention`): a VLM backbone's language
     model (switching the backbone's composite config would switch its vision encoder's attention too), else
     `decoder` itself."""
-    return decoder.language_model if hasattr(decoder, "get_image_features") and hasattr(decoder, "language_model") \
-        else decoder
+    return decoder.language_model if is_backbone(decoder) else decoder
 
 
 def encoder_modules(lm: nn.Module) -> dict[str, nn.Module]:

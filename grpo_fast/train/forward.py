@@ -59,6 +59,8 @@ def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtyp
     if mb.images is not None:
         with torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
             inputs.update(image_inputs(base, mb))
+    elif vision.is_backbone(base):
+        vision.check_placeholders_have_images(base, mb.input_ids)
     if mb.attention == "mask" and attention_implementation(base.config) == "eager":
         # eager attention adds the mask to the scores: a bool mask would add 1 and 0 (a packed tiny GPT-OSS's hidden
         # states were off by up to 0.97, a Llama's by 4.5), so it gets the additive form transformers builds

@@ -248,6 +248,8 @@ def test_bad_image_inputs_are_refused_in_one_line(vlms):
         list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=[{"pixels": 1}] * G))
     with pytest.raises(ValueError, match=r"^images: expected one entry per sample \(4\), got 1"):
         list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=batch.image_inputs[:1]))
+    with pytest.raises(ValueError, match=r"^a packed row holds image placeholder tokens \(id 300\) but no images"):
+        completion_logprobs(model, packer, batch.prompt_ids, batch.completion_ids, temperature=1.0, backend="cpu")
 
 
 def test_vlms_without_support_are_refused_by_name():
