@@ -124,10 +124,12 @@ class Entries:
 
 def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollouts:
     """Flatten the engine's groups (one list of n Completion per prompt) into a Rollouts (with their routing
-    records, and their kept sets, when every completion carries them)."""
+    records, and their kept sets, when every completion carries them; with their prompts' image inputs where any
+    prompt has images)."""
     flat = [(p, r, c) for p, r, group in zip(prompt_ids, rows, groups, strict=True) for c in group]
     routed = [c.routed_experts for _, _, c in flat]
     kept = [c.kept for _, _, c in flat]
+    images = [c.image_inputs for _, _, c in flat]  # (one dict per prompt, shared by its group's completions)
     return Rollouts(
         prompt_ids=[p for p, _, _ in flat],
         completion_ids=[list(c.token_ids) for _, _, c in flat],
@@ -137,4 +139,5 @@ def from_engine(groups, prompt_ids: list[list[int]], rows: list[dict]) -> Rollou
         rows=[r for _, r, _ in flat],
         routed_experts=routed if flat and all(x is not None for x in routed) else None,
         kept=kept if flat and all(x is not None for x in kept) else None,
+        image_inputs=images if any(x is not None for x in images) else None,
     )

@@ -41,6 +41,8 @@ class Completion:
                else None.
     kept:      with truncated sampling, where the engine returns them, each token's kept set (the support its
                log-prob is normalised over; generation/truncation.py's `KeptTokens`); else None.
+    image_inputs: a prompt with images: its image processor outputs (pixel_values, image_grid_thw, ...), one dict
+               shared by the prompt's n completions (processed once: generation/images.py); else None.
     """
 
     token_ids: list[int]
@@ -49,6 +51,7 @@ class Completion:
     text: str
     routed_experts: Optional["torch.Tensor"] = None
     kept: Optional["KeptTokens"] = None
+    image_inputs: Optional[dict] = None
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,7 @@ class RolloutEngine:
     streams_groups = False  # `_generate` calls on_group itself, as each group finishes (else: after the call)
     records_routing = False  # its completions carry `routed_experts` (routing replay; built with record_routing)
     returns_kept_sets = False  # under truncated sampling its completions carry `kept` (else the trainer rebuilds them)
+    takes_images = False  # `_generate` takes images= and image_inputs= (a vision-language model's prompts)
 
     def shares_weights_with(self, model) -> bool:
         """Whether it samples with `model`'s own weights (then nothing is synced and no IS is needed)."""
@@ -342,6 +346,7 @@ class RolloutEngine:
         seed: Union[int, Sequence[int], None] = None,
         regex: Optional[str] = None,
         on_group: Optional[Callable[[int, list[Completion]], None]] = None,
+        images: Optional[Sequence] = None,
         **options,
     ) -> list[list[Completion]]:
         """Sample `n` completions for every prompt; returns one group (list of n) per prompt, in order.
@@ -358,7 +363,16 @@ class RolloutEngine:
         on_group(i, group): called with prompt i's group as soon as all its n completions have finished
         (vLLM: while the engine still decodes the other prompts, so they can be scored meanwhile; an
         engine that cannot stream calls it for every group after the batch), in the calling thread.
+        images: a vision-language model's prompts: one `generation.images.ImagePrompt` (or None: text only) per prompt;
+        prompt_ids then hold each image's placeholder tokens expanded (what the trainer trains on). Each prompt's images
+        are processed once, the result shared by its n completions (`Completion.image_inputs`).
         """
+        from ..images import check_image_prompts, processed
+
+        images = check_image_prompts(images, len(prompt_ids) if isinstance(prompt_ids, Sequence) else -1)
+        if images is not None and not self.takes_images:
+            raise ValueError(f"images: {type(self).__name__} does not take images (a vision-language model's prompts); "
+                             f"use the HF or vLLM engine")
         prompts, request = validate_request(
             prompt_ids,
             n=n,
@@ -372,8 +386,18 @@ class RolloutEngine:
         )
         if not prompts:
             return []
+        extra = {}
+        if images is not None:  # each prompt's images processed once, shared by its completions (and its on_group)
+            inputs = processed(images)
+            extra = {"images": images, "image_inputs": inputs}
+            on_group = _with_image_inputs(on_group, inputs) if on_group is not None else None
         # (an engine that does not stream keeps the two-argument _generate)
-        groups = self._generate(prompts, request, on_group) if self.streams_groups else self._generate(prompts, request)
+        groups = (self._generate(prompts, request, on_group, **extra) if self.streams_groups
+                  else self._generate(prompts, request, **extra))
+        if images is not None:
+            for group, shared in zip(groups, extra["image_inputs"], strict=True):
+                for c in group:
+                    c.image_inputs = shared
         assert len(groups) == len(prompts) and all(len(g) == request.n for g in groups)
         if on_group is not None and not self.streams_groups:
             for i, group in enumerate(groups):
@@ -446,6 +470,17 @@ class RolloutEngine:
 
     def wake(self) -> None:
         """Restore what `sleep` released."""
+
+
+def _with_image_inputs(on_group: Callable[[int, list[Completion]], None], inputs: list) -> Callable:
+    """on_group, its group's completions given their prompt's image inputs first (a streamed group is scored, and
+    may be batched, before `generate` returns)."""
+    def call(i: int, group: list[Completion]) -> None:
+        for c in group:
+            c.image_inputs = inputs[i]
+        on_group(i, group)
+
+    return call
 
 
 @contextlib.contextmanager

@@ -15,6 +15,12 @@ Truncated sampling (top_k, top_p < 1, min_p > 0): a processor after the warpers 
 
 With `record_routing` (routing replay, an MoE policy) it also records the experts each sampled token's step routed
 to (`models/routing.py`: the last position of every forward of `generate`), into `Completion.routed_experts`.
+
+A vision-language model's prompts (`images=`, generation/images.py) go to the model's own `generate` with their image
+inputs: each prompt's images processed once (`RolloutEngine.generate`), a batch's rows given their prompt's tensors
+(concatenated over the rows' images, `batched_image_inputs`) and the image-token types the M-RoPE families read.
+transformers' `generate` runs the vision tower on every row of the batch (a prompt's n rows: n times, in the prefill):
+the trainer's passes run it once per prompt (models/vision.py).
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class HFEngine(RolloutEngine):
             routing.check_replayable(model)
         self.records_routing = bool(record_routing)
         self.returns_kept_sets = True  # (its own warpers: _RecordKeptSets)
+        self.takes_images = is_vision_language(model)  # (a VLM's generate takes pixel inputs)
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -167,8 +174,10 @@ class HFEngine(RolloutEngine):
     def update_adapter(self, version: int, tensors: dict) -> None:
         """Nothing to load: the policy module carries its live adapter."""
 
-    def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None, images=None,
+                  image_inputs=None) -> list[list[Completion]]:
         rows = [p for p in prompts for _ in range(request.n)]
+        row_images = [x for x in image_inputs for _ in range(request.n)] if image_inputs else None
         # per-prompt seeds: row j of prompt i samples with its own generator, seeded seed_i + j (as vLLM
         # seeds a request's j-th completion); one seed for the call: the global RNG, seeded once
         row_seeds = [s + j for s in request.seed for j in range(request.n)] if request.per_prompt_seeds else None
@@ -180,15 +189,18 @@ class HFEngine(RolloutEngine):
                 torch.manual_seed(request.seed)
             for start in range(0, len(rows), self.batch_size):
                 seeds = row_seeds[start : start + self.batch_size] if row_seeds is not None else None
-                completions += self._generate_batch(rows[start : start + self.batch_size], request, stop_ids, seeds)
+                pixels = row_images[start : start + self.batch_size] if row_images is not None else None
+                completions += self._generate_batch(rows[start : start + self.batch_size], request, stop_ids, seeds,
+                                                    pixels)
         return [completions[i * request.n : (i + 1) * request.n] for i in range(len(prompts))]
 
     def _generate_batch(self, rows: list[list[int]], request: SamplingRequest, stop_ids: set[int],
-                        row_seeds: list[int] | None) -> list[Completion]:
+                        row_seeds: list[int] | None, row_images: list | None = None) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         limits = [min(request.max_new_tokens, self.max_model_len - len(r)) for r in rows]
         input_ids, attention_mask = _left_pad(rows, self.pad_id, self.model.device)
+        pixels = image_model_inputs(self.model, input_ids, row_images) if row_images is not None else {}
         recorder = _RecordSampledLogprobs()
         kept = _RecordKeptSets() if request.sampling.truncates else None  # (truncated sampling: the kept sets)
         # temperature/top_k/top_p unset (None): transformers adds no warpers of its own, ours below
@@ -205,6 +217,7 @@ class HFEngine(RolloutEngine):
             sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
+                **pixels,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([*self._output_format(request.regex), *_warpers(request.sampling),
                                                       *([kept] if kept is not None else []), recorder,
@@ -257,6 +270,65 @@ class HFEngine(RolloutEngine):
         ids = ids[:end]
         return Completion(ids, logprobs[:end], reason, self.tokenizer.decode(ids, skip_special_tokens=True),
                           routed_experts=None if routed is None else routed[:end].clone())
+
+
+# ---- vision-language models -------------------------------------------------------------------------------------
+
+
+def is_vision_language(model) -> bool:
+    """A transformers VLM: a config with a vision sub-config (its generate takes pixel inputs)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def image_token_id(config) -> int:
+    token = getattr(config, "image_token_id", None)
+    return int(token if token is not None else config.image_token_index)  # (older LLaVA configs' name)
+
+
+def batched_image_inputs(per_row: list) -> dict:
+    """One batch's image inputs from its rows' (each row: its prompt's processor outputs, or None for a text-only
+    row), in row order: tensors indexed by image or patch (Qwen's pixel_values and image_grid_thw, LLaVA's
+    pixel_values) are concatenated; those indexed by prompt (Idefics3's [1, images, C, H, W] pixel_values and its
+    pixel_attention_mask) are padded with empty images to the most images a row has (the model drops all-zero
+    images) and stacked, a text-only row all padding."""
+    import torch
+
+    given = [x for x in per_row if x is not None]
+    if not given:
+        return {}
+    out = {}
+    for key in given[0]:
+        values = [x[key] for x in given]
+        if key in ("pixel_values", "pixel_attention_mask") and values[0].dim() == (5 if key == "pixel_values" else 4):
+            most = max(v.shape[1] for v in values)
+            empty = values[0].new_zeros((1, most, *values[0].shape[2:]))
+            rows = []
+            for x in per_row:
+                v = empty if x is None else x[key]
+                rows.append(torch.cat([v, empty[:, : most - v.shape[1]]], dim=1))
+            out[key] = torch.cat(rows)
+        else:
+            out[key] = torch.cat(values)
+    return out
+
+
+def image_model_inputs(model, input_ids: torch.Tensor, row_images: list) -> dict:
+    """`generate`'s image keyword arguments for a batch: the rows' image inputs (`batched_image_inputs`) on the model's
+    device (floating ones in its dtype), and where the model's forward reads them the token types (1: an image token)
+    the M-RoPE families need for their 3-D positions (`mm_token_type_ids`) or Gemma 3 for its image blocks
+    (`token_type_ids`)."""
+    import inspect
+
+    param = next(model.parameters())
+    inputs = {k: (v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device))
+              for k, v in batched_image_inputs(row_images).items()}
+    named = inspect.signature(model.forward).parameters
+    types = (input_ids == image_token_id(model.config)).int()
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in named:
+            inputs[key] = types
+            break
+    return inputs
 
 
 @contextlib.contextmanager
