@@ -155,6 +155,9 @@ COMBINATIONS = (
                 ranks=True),
     Combination("max_staleness", _equals(0), "", lambda c: True, "partial rollouts run in one process for now",
                 ranks=True),
+    Combination("freeze_vision_tower", _equals(True), "", lambda c: True,
+                "a VLM's image encoder trains in one process for now (it runs outside DDP's forward: a rank without a "
+                "trainable completion would leave its gradient out of the all-reduce)", ranks=True),
 )
 
 

@@ -81,3 +81,15 @@ def test_log_probs_stage_runs_the_old_policy_and_the_reference_on_the_images(qwe
         assert_close(side.ref_logp[i], expected, atol=scaled(1e-6, expected), name=f"reference log-probs {i}")
         assert_close(side.is_weights[i], torch.full_like(expected, -0.01).exp(), atol=1e-5, name=f"IS weights {i}")
     assert side.metrics["sampling/logp_diff_max"] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_a_trained_image_encoder_is_refused_on_many_ranks_by_name():
+    """DDP with the encoder frozen trains as one process (checked by hand: 2 gloo ranks, each one group, gradients
+    within 7e-7 relative of one process's); a trained encoder runs outside DDP's forward and is refused there."""
+    from grpo_fast import config_checks
+    from grpo_fast.config import GRPOConfig
+
+    with pytest.raises(ValueError, match=r"^GRPOConfig.freeze_vision_tower=False is not supported under torchrun "
+                                         r"\(WORLD_SIZE=2\) yet: a VLM's image encoder trains in one process"):
+        config_checks.check_ranks(GRPOConfig(freeze_vision_tower=False), 2)
+    config_checks.check_ranks(GRPOConfig(), 2)
