@@ -129,6 +129,7 @@ class GRPOConfig:
     num_generations: int
     max_prompt_length: Optional[int]
     prompt_truncation: str
+    bad_images: str
     max_completion_length: int
     temperature: float
     top_p: float

@@ -140,10 +140,12 @@ class GRPOTrainer:
         agent = None if parts is None else build_agent(  # (renders the tools too)
             parts[0], tokenizer, AgentOptions.from_config(c, refuse_after=c.completions_per_step * c.steps_per_generation),
             parts[1])
-        prompt_ids = inputs.encode(train_rows, tokenizer, input_options, agent)
+        # (a dataset with images: encoded by the VLM's processor, each prompt's ImagePrompt for the engine)
+        prompt_ids, prompt_images, train_rows = inputs.encode_with_images(train_rows, tokenizer, input_options, agent,
+                                                                          model, model_path, eval_rows)
         check_prompt_lengths(prompt_ids, budget, model.config, "train_dataset")
         self.data = generate.TrainData(rows=train_rows, prompt_ids=prompt_ids, reward_funcs=reward_funcs, judge=judge,
-                                       agent=agent)
+                                       agent=agent, images=prompt_images)
         ref_model = reference_copy(model, c.beta)  # (before many ranks wrap the policy)
         self.engine = engine if engine is not None else engine_build.build_engine(
             engine_build.EngineOptions.from_config(c, lora_route=c.lora_route,

@@ -34,6 +34,9 @@ class InputOptions:
     reward_weights: Optional[list] = option(None, "One weight per reward function (TRL). None: all 1.")
     partial_credit_judge: Optional[str] = mirror(None)
     thought_end: Optional[str] = mirror(None)
+    max_staleness: int = mirror(0)  # (partial rollouts: refused with images)
+    rollout_mode: str = mirror("parallel")  # (a mode that does not take images: refused with them)
+    bad_images: str = option("error", "Datasets with images (an image or images column: README, \"Vision-language models\"): a row whose image is missing, not an image, too large for PIL or the processor, or whose prompt with its images expanded is over max_prompt_length is refused before any work, naming the rows (error), or dropped and counted (skip).", ("error", "skip"))
 
 
 def reward_options(config, graded_per_prompt: int) -> dict:
@@ -179,6 +182,39 @@ def encode(rows, tokenizer, options: InputOptions, agent=None) -> list[list[int]
                                tools=agent.chat.schemas if agent is not None else None,
                                chat_template_kwargs=options.chat_template_kwargs)
     return ids
+
+
+def encode_with_images(rows, tokenizer, options: InputOptions, agent, model, model_path=None, eval_rows=None
+                       ) -> tuple[list[list[int]], Optional[list], list]:
+    """(prompt ids, their `ImagePrompt`s or None, the rows kept): a dataset with an image column is encoded by the
+    model's processor (data/images.py: checked, placeholders expanded; bad rows refused or skipped); a text-only one as
+    `encode` does. A vision-language prompt's images need a VLM; held-out rows with images are refused (evaluation
+    samples text prompts only)."""
+    from .images import encode_image_prompts, image_base_dir, image_column
+
+    column = image_column(rows, "train_dataset")
+    if eval_rows is not None and image_column(eval_rows, "eval_dataset") is not None:
+        raise ValueError("eval_dataset: held-out rows with images are not supported yet (evaluation samples text "
+                         "prompts); leave eval_dataset out, or its image column")
+    if column is None:
+        return encode(rows, tokenizer, options, agent), None, list(rows)
+    from ..generation.modes import modes_where, rollout_mode
+    from ..models.adapter import causal_lm_of
+    from .vision import processor_for
+
+    if agent is not None or not rollout_mode(options.rollout_mode).takes_images:
+        raise ValueError(f"train_dataset has images: rollout_mode={options.rollout_mode!r} takes text prompts only; use "
+                         f"one of {modes_where(lambda m: m.takes_images)}")
+    if options.max_staleness:  # (a round's requests continue in vLLM's request loop as token prompts)
+        raise ValueError(f"train_dataset has images: max_staleness={options.max_staleness} (partial rollouts) is not "
+                         f"supported with images (a group in flight would continue without them); set max_staleness=0")
+    processor = processor_for(causal_lm_of(model), tokenizer, model_path)
+    ids, images, kept = encode_image_prompts(rows, processor, prompt_column=options.prompt_column,
+                                             max_prompt_length=options.max_prompt_length,
+                                             base_dir=image_base_dir(options.dataset),
+                                             chat_template_kwargs=options.chat_template_kwargs,
+                                             bad_images=options.bad_images)
+    return ids, images, [rows[i] for i in kept]
 
 
 def thought_end(options) -> str:

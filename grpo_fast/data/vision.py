@@ -79,6 +79,23 @@ def load_processor(path: str | os.PathLike, *, tokenizer=None):
     return AutoProcessor.from_pretrained(path, **kwargs)
 
 
+def processor_for(model, tokenizer, model_path=None):
+    """The processor of the run's VLM `model`: `tokenizer` where it is one (a processor passed as the tokenizer), else
+    loaded from `model_path` or the folder the model was loaded from (`load_processor`, with the run's tokenizer). A
+    model that is not a vision-language one is refused in one line."""
+    if getattr(model.config, "vision_config", None) is None:
+        raise ValueError(f"train_dataset has images but the model ({model.config.model_type}) is not a "
+                         f"vision-language model; use a VLM (README, \"Vision-language models\") or drop the image column")
+    if is_processor(tokenizer):
+        return tokenizer
+    path = model_path or getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not path or not os.path.isdir(os.fspath(path)):
+        raise ValueError(f"train_dataset has images: the model's processor is loaded from its folder, and the model "
+                         f"{type(model).__name__} was not loaded from one (name_or_path={path!r}); pass the processor "
+                         f"as tokenizer=")
+    return load_processor(path, tokenizer=tokenizer)
+
+
 def is_processor(processing_class) -> bool:
     """Whether `processing_class` is a multimodal processor (has an image processor), not a bare tokenizer."""
     from transformers.processing_utils import ProcessorMixin

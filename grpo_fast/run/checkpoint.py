@@ -16,7 +16,10 @@ crash never leaves a half-written `checkpoint-N` or `final/`.
                             offsets): at most 4 k + 8 bytes a token, k = top_k (2 KiB at k = 512), so at most
                             (max_staleness + 1) x prompts_per_generation x num_generations x max_completion_length
                             x 2 KiB: 270 MB for 2 x 8 x 8 x 1024 tokens at max_staleness 1 (sets the trainer
-                            rebuilds from the old policy, vLLM on the CPU's, are never saved)
+                            rebuilds from the old policy, vLLM on the CPU's, are never saved); a group in flight
+                            names its prompt by index, so a prompt's images (a VLM's dataset) would come back with the
+                            dataset, but partial rollouts with images are refused when the trainer is built
+                            (data/inputs.py: encode_with_images), so none is ever saved
         manifest.json      {"step", "files": {relative path: size in bytes}}: written last (rank 0, once every
                             rank has written), so a folder whose files do not match it was damaged after the
                             write (a truncated copy, a bad disk); final/ has one too ("merged": merged/ in it)

@@ -49,6 +49,7 @@ class TrainData:
     reward_funcs: list
     judge: Optional[Callable] = None  # SGPO's partial-credit judge (the advantages stage's)
     agent: Optional[object] = None  # multi_turn: the tools, chat template and tool runner (grpo_fast/generation/agents)
+    images: Optional[list] = None  # a dataset with images: each prompt's ImagePrompt (None: text only; generation/images.py)
 
 
 @options_record
@@ -165,7 +166,7 @@ def sampled(engine, tokenizer, data: TrainData, prompt_index: list[int], first: 
     with _closed_on_error(scorer), engine_weights():
         batch = sample_groups(mode, engine, tokenizer, prompts, rows, first, options.mode, sampling,
                               lambda: next_seed(state, options), on_group=scorer.on_group if scorer is not None else None,
-                              agent=data.agent)
+                              agent=data.agent, images=[data.images[i] for i in prompt_index] if data.images else None)
     if scorer is None:
         return batch, None
     return batch, functools.partial(scorer.finish, range(len(batch) // options.group_size))

@@ -67,6 +67,7 @@ class RolloutMode:
     # its batch keeps the kept sets an engine returns under truncated sampling (Rollouts.kept); else the trainer
     # rebuilds them from the old policy (train/kept_sets.py)
     carries_kept_sets: bool = False
+    takes_images: bool = False  # `sample` takes images= (a VLM's prompts: one generation.images.ImagePrompt each)
 
     def checks(self) -> tuple:
         """`options.Combination` rows that hold while this mode is chosen (config_checks checks them before its table's)."""
@@ -124,13 +125,18 @@ def modes_where(has: Callable[[RolloutMode], bool]) -> list[str]:
 
 
 def sample_groups(mode: RolloutMode, engine, tokenizer, prompts: list[list[int]], rows: list[dict], first: int, c,
-                  sampling, seed: Callable[[], int], *, on_group=None, agent=None):
+                  sampling, seed: Callable[[], int], *, on_group=None, agent=None, images=None):
     """`mode.sample` with what it takes: on_group where the caller streams groups (the mode must stream them),
-    agent where the mode takes one."""
+    agent where the mode takes one, images (prompts with images) where it takes them (else refused by name)."""
     extra = {"on_group": on_group} if on_group is not None else {}
     assert not extra or mode.streams_groups, f"rollout mode {mode.name!r} does not stream its groups"
     if mode.takes_agent:
         extra["agent"] = agent
+    if images is not None:
+        if not mode.takes_images:
+            raise ValueError(f"rollout_mode={mode.name!r} does not take prompts with images; use one of "
+                             f"{modes_where(lambda m: m.takes_images)}")
+        extra["images"] = images
     return mode.sample(engine, tokenizer, prompts, rows, first, c, sampling, seed, **extra)
 
 

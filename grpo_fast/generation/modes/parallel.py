@@ -17,16 +17,19 @@ class Parallel(RolloutMode):
     streams_groups = True
     carries_routing = True  # its batch is the engine's completions as they came (from_engine)
     carries_kept_sets = True  # (from_engine, and partial rollouts' members)
+    takes_images = True  # (the engine processes each prompt's images once: Rollouts.image_inputs via from_engine)
 
     def sequence_text(self, c, longest=False) -> str:
         return "max_completion_length"
 
-    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, on_group=None):
+    def sample(self, engine, tokenizer, prompts, rows, first, c, sampling, seed, on_group=None, images=None):
         from ..batch import from_engine
         from ..engines.base import prompt_seeds
 
+        extra = {"images": images} if images is not None else {}  # (an engine without images need not take the keyword)
         groups = engine.generate(prompts, n=c.num_generations, max_new_tokens=c.max_completion_length,
-                                 sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first), on_group=on_group)
+                                 sampling=sampling, seed=prompt_seeds(seed(), len(prompts), first), on_group=on_group,
+                                 **extra)
         return from_engine(groups, prompts, rows)
 
     def advantages(self, batch, c, judge=None, *, world=None):
