@@ -300,6 +300,25 @@ def row_encoder_outputs(outputs: list, row: RowImages) -> Optional[dict]:
     return {"image": type(outputs[0])(**fields)}
 
 
+def takes_encoder_outputs(backbone: nn.Module) -> bool:
+    """The backbone's forward takes precomputed encoder outputs (`mm_encoder_outputs`, transformers 5.19); older
+    releases merge through `merged_embeddings` instead."""
+    return "mm_encoder_outputs" in inspect.signature(backbone.forward).parameters
+
+
+def merged_embeddings(backbone: nn.Module, input_ids: torch.Tensor, outputs: dict) -> torch.Tensor:
+    """`inputs_embeds` with the row's image features written over its placeholders, in order (what the backbone's
+    own forward does with `mm_encoder_outputs`): for a transformers without that argument. Deepstack features
+    (Qwen3-VL) enter the decoder's layers and need the backbone's own merge: refused here."""
+    image = outputs["image"]
+    if getattr(image, "deepstack_features", None) is not None:
+        raise ValueError(f"{type(backbone).__name__}: its deepstack image features need the backbone's own merge "
+                         f"(mm_encoder_outputs, transformers >= 5.19); this transformers lacks it")
+    embeds = backbone.get_input_embeddings()(input_ids)
+    features = torch.cat(list(image.pooler_output)).to(embeds.dtype)
+    return embeds.masked_scatter((input_ids == image_token_id(backbone.config))[..., None], features)
+
+
 # ---- loading -----------------------------------------------------------------------------------------------------
 
 

@@ -77,7 +77,11 @@ def image_inputs(base, mb: PackedMicroBatch) -> dict:
     """A VLM row's encoder outputs as its backbone takes them (`mm_encoder_outputs`): the encoder once per distinct
     prompt of the row, each prompt's features shared by the sequences that show them (models/vision.py)."""
     outputs = vision.row_encoder_outputs(vision.encoder_outputs(base, mb.images), mb.images)
-    return {} if outputs is None else {"mm_encoder_outputs": outputs}
+    if outputs is None:
+        return {}
+    if vision.takes_encoder_outputs(base):
+        return {"mm_encoder_outputs": outputs}
+    return {"input_ids": None, "inputs_embeds": vision.merged_embeddings(base, mb.input_ids, outputs)}
 
 
 def attention_mode(model) -> str:
