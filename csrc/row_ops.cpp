@@ -410,9 +410,11 @@ float floor_of_kth(const float* maxima, int64_t n, int64_t k, uint32_t* hist) {
     return floor == floor ? floor : -std::numeric_limits<float>::infinity();  // (the lowest bucket's edge is a NaN)
 }
 
+// lse [rows] and, with target, target_logit [rows] of the same z (the forward's row statistics, in the same sweep:
+// the row is still in cache; a separate row_stats pass cost another read of the slab and another parallel region).
 template <typename T>
 void row_topk_impl(const T* logits, int64_t rows, int64_t vocab, int64_t k, LogitMap map, float* values, int64_t* ids,
-                   int64_t* count_ge) {
+                   int64_t* count_ge, float* lse, const int64_t* target, float* target_logit) {
     // blocks of ~V / 4k logits (so at least 4k blocks), a multiple of 16 (whole vectors) from 16 on
     const int64_t wanted = std::min<int64_t>(64, vocab / (4 * k));
     const int64_t block = wanted >= 16 ? wanted / 16 * 16 : std::max<int64_t>(1, wanted);
@@ -426,6 +428,13 @@ void row_topk_impl(const T* logits, int64_t rows, int64_t vocab, int64_t k, Logi
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; ++r) {
             const float* x = row_f32(logits, r, vocab, buf.data());
+            float sum, tsum, m;
+            if (map.softcap)
+                stats_row_softcap(x, vocab, map.pre, map.post, &sum, &tsum, &m);
+            else
+                stats_row(x, vocab, map.pre, &sum, &tsum, &m);
+            lse[r] = m + std::log(sum);
+            if (target) target_logit[r] = map(x[target[r]]);
             if (!identity) map_row(x, mapped.data(), vocab, map);
             const float* z = identity ? x : mapped.data();
             block_maxima(z, vocab, block, maxima.data());
@@ -613,19 +622,27 @@ void kept_scatter(std::uintptr_t hidden_p, std::uintptr_t weight_p, int weight_b
 
 // values [rows, k] f32, ids [rows, k] int64: the k largest z = map(logits) of each row, descending, equal values by
 // lower id; count_ge [rows] int64: how many z of the row are >= the k-th.
+// lse_p [rows] f32: each row's logsumexp of z; target_p [rows] int64 (or 0) and target_logit_p [rows] f32: z of the
+// target.
 void row_topk(std::uintptr_t logits_p, int dtype_bits, int64_t rows, int64_t vocab, int64_t k, double pre, double post,
-              bool softcap, std::uintptr_t values_p, std::uintptr_t ids_p, std::uintptr_t count_ge_p) {
+              bool softcap, std::uintptr_t values_p, std::uintptr_t ids_p, std::uintptr_t count_ge_p, std::uintptr_t lse_p,
+              std::uintptr_t target_p, std::uintptr_t target_logit_p) {
     check_dtype(dtype_bits);
     if (k < 1 || k > vocab) throw std::invalid_argument("row_topk: k must be in [1, vocab]");
     const LogitMap map = logit_map(pre, post, softcap);
     auto* values = reinterpret_cast<float*>(values_p);
     auto* ids = reinterpret_cast<int64_t*>(ids_p);
     auto* count_ge = reinterpret_cast<int64_t*>(count_ge_p);
+    auto* lse = reinterpret_cast<float*>(lse_p);
+    const auto* target = reinterpret_cast<const int64_t*>(target_p);
+    auto* target_logit = reinterpret_cast<float*>(target_logit_p);
     pybind11::gil_scoped_release release;
     if (dtype_bits == 32)
-        row_topk_impl(reinterpret_cast<const float*>(logits_p), rows, vocab, k, map, values, ids, count_ge);
+        row_topk_impl(reinterpret_cast<const float*>(logits_p), rows, vocab, k, map, values, ids, count_ge, lse, target,
+                      target_logit);
     else
-        row_topk_impl(reinterpret_cast<const bf16_t*>(logits_p), rows, vocab, k, map, values, ids, count_ge);
+        row_topk_impl(reinterpret_cast<const bf16_t*>(logits_p), rows, vocab, k, map, values, ids, count_ge, lse, target,
+                      target_logit);
 }
 
 // exp_approx over a float32 buffer, so the tests can measure its error against exp in float64.
@@ -651,6 +668,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("kept_logits", &kept_logits, "r[e] = hidden[rows[e]] . weight[ids[e]] + bias[ids[e]], walked by id groups");
     m.def("kept_scatter", &kept_scatter,
           "grad_hidden, grad_weight (+=), grad_bias (+=) of the kept entries' d loss / d r, walked by id groups");
-    m.def("row_topk", &row_topk, "each row's k largest z = map(logits), descending (ties: lower id), and how many are >= the k-th");
+    m.def("row_topk", &row_topk, "each row's k largest z = map(logits), descending (ties: lower id), how many are >= the "
+          "k-th, the row's lse and the target's z");
     m.def("exp_approx_", &exp_approx_, "in place: x <- exp_approx(x), the vectorised exp of the row passes");
 }

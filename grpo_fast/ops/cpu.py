@@ -73,15 +73,20 @@ def _grad_(logits, target, lse, g, logit_map, g_entropy=None, entropy=None):
 ROW_OPS = RowOps(stats=_stats, grad_=_grad_, slab_dtypes=tuple(_DTYPE_BITS))
 
 
-def row_topk(logits, k: int, logit_map):
-    """(values [C, k] f32, ids [C, k] int64, count_ge [C] int64) of z = logit_map(logits [C, V]) (ops/topk.py)."""
+def row_topk(logits, k: int, logit_map, target=None):
+    """(values [C, k] f32, ids [C, k] int64, count_ge [C] int64, lse [C] f32, target_logit [C] f32 or None) of
+    z = logit_map(logits [C, V]) (ops/topk.py), in one pass over the slab."""
     logits = _slab(logits)
     c, v = logits.shape
     values, ids = torch.empty(c, k, dtype=torch.float32), torch.empty(c, k, dtype=torch.int64)
     count_ge = torch.empty(c, dtype=torch.int64)
+    lse = torch.empty(c, dtype=torch.float32)
+    target_logit = None if target is None else torch.empty(c, dtype=torch.float32)
+    target = None if target is None else target.to(torch.int64).contiguous()
     _native().row_topk(logits.data_ptr(), _DTYPE_BITS[logits.dtype], c, v, k, *_map(logit_map), values.data_ptr(),
-                       ids.data_ptr(), count_ge.data_ptr())
-    return values, ids, count_ge
+                       ids.data_ptr(), count_ge.data_ptr(), lse.data_ptr(), 0 if target is None else target.data_ptr(),
+                       0 if target_logit is None else target_logit.data_ptr())
+    return values, ids, count_ge, lse, target_logit
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ to replay them for any kept set of at most k tokens.
 
 The pass is the forward's chunk loop (grpo_fast/ops/row_ops.py): per chunk of C tokens one `[C, V]` slab of
 logits (a matmul, bounded by the slab budget), then per row the top k and the lse, so memory is O(C V + N k).
-`cpu`: one C++ pass per row (a running top-k kept in a heap, the row scanned in vector blocks; the lse from
-the forward's row pass); `torch` (and `triton` on CUDA: there is no dedicated Triton kernel, cuBLAS and
-`torch.topk` do the slab): torch.topk per slab, ties then put in order.
+`cpu`: one C++ pass per row (its lse, target logit and top k: block maxima, a floor under the k-th, the
+few candidates above it sorted; csrc/row_ops.cpp); `torch`, and `triton` on CUDA (there is no dedicated
+Triton kernel: cuBLAS and torch.topk do the slab): torch.topk per slab, ties then put in order.
 
 Order and ties: values descending, equal values by lower id first; which of several equal values at the
 k-th place are kept follows the same rule (the lowest ids). `torch.topk` leaves the order of ties
@@ -21,6 +21,7 @@ unspecified, and vLLM's top-k keeps every logit equal to the k-th (`count_ge` sa
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -83,7 +84,7 @@ def _chunk_loop(hidden, weight, bias, target, logit_map, k, backend):
 
         row_ops_, rows_topk = cpu.ROW_OPS, cpu.row_topk
     else:
-        row_ops_, rows_topk = row_ops.TORCH_ROW_OPS, torch_row_topk
+        row_ops_, rows_topk = row_ops.TORCH_ROW_OPS, functools.partial(torch_row_topk, row_ops=row_ops.TORCH_ROW_OPS)
     if hidden.device.type == "cuda":  # the slab and its ~4 float32 temporaries within a few % of the GPU's memory
         budget = torch.cuda.get_device_properties(hidden.device).total_memory // CUDA_MEMORY_FRACTION
         step, spans = chunk_driver.plan(n, vocab, weight.element_size(), budget=budget, min_rows=row_ops.MIN_ROWS,
@@ -93,18 +94,20 @@ def _chunk_loop(hidden, weight, bias, target, logit_map, k, backend):
     slab = weight.new_empty(step, vocab) if n else None
     for s, e in spans:
         logits = row_ops._logits(slab, hidden[s:e], weight, bias, row_ops_)
-        values[s:e], ids[s:e], count_ge[s:e] = rows_topk(logits, k, logit_map)
-        probe = target[s:e] if target is not None else torch.zeros(e - s, dtype=torch.int64, device=hidden.device)
-        logp, _, lse[s:e] = row_ops_.stats(logits, probe, logit_map)
+        values[s:e], ids[s:e], count_ge[s:e], lse[s:e], target_c = rows_topk(
+            logits, k, logit_map, None if target is None else target[s:e])
         if target is not None:
-            target_logit[s:e] = logp + lse[s:e]
+            target_logit[s:e] = target_c
     return values, ids, lse, count_ge, target_logit
 
 
-def torch_row_topk(logits: Tensor, k: int, logit_map: LogitMap):
-    """(values [C, k] f32, ids [C, k] int64, count_ge [C] int64) of z = logit_map(logits [C, V]), in the
-    order of the module docstring: torch.topk, then ties put in order (and, where the k-th value ties
-    beyond k, the kept ones chosen by lowest id)."""
+def torch_row_topk(logits: Tensor, k: int, logit_map: LogitMap, target: Optional[Tensor] = None, *, row_ops):
+    """(values [C, k] f32, ids [C, k] int64, count_ge [C] int64, lse [C] f32, target_logit [C] f32 or None) of
+    z = logit_map(logits [C, V]), in the order of the module docstring: torch.topk, then ties put in order
+    (and, where the k-th value ties beyond k, the kept ones chosen by lowest id)."""
+    probe = target if target is not None else torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    logp, _, lse = row_ops.stats(logits, probe, logit_map)
+    target_logit = None if target is None else logp + lse
     z = logit_map(logits.float())
     values, ids = torch.topk(z, k, dim=-1)
     kth = values[:, -1:]
@@ -119,5 +122,5 @@ def torch_row_topk(logits: Tensor, k: int, logit_map: LogitMap):
     by_id = ids.sort(dim=-1).indices  # ids ascending, then a stable sort by value: ties by lower id
     ids, values = ids.gather(-1, by_id), values.gather(-1, by_id)
     order = values.sort(dim=-1, descending=True, stable=True).indices
-    return values.gather(-1, order), ids.gather(-1, order), count_ge
+    return values.gather(-1, order), ids.gather(-1, order), count_ge, lse, target_logit
 
