@@ -268,11 +268,18 @@ def encoder_outputs(backbone: nn.Module, row: RowImages) -> list:
     param = next(encoder.parameters())
     token = image_token_id(backbone.config)
     grad = trains_encoder(backbone)
+    named = inspect.signature(backbone.get_image_features).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in named.values())
+    returns_dict = {"return_dict": True} if "return_dict" in named or takes_kwargs else {}
     outs = []
     for k, inputs in enumerate(row.inputs):
         with torch.set_grad_enabled(grad):
             out = backbone.get_image_features(**_encoder_arguments(backbone, inputs, param.device, param.dtype),
-                                              return_dict=True)
+                                              **returns_dict)
+        if not hasattr(out, "pooler_output"):  # (releases before 5.19 may return the per-image features bare)
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            out = BaseModelOutputWithPooling(pooler_output=tuple(out))
         features = sum(f.shape[0] for f in out.pooler_output)
         if row.placeholders[k] != features:
             i = row.rows[row.of_sequence.index(k)]
