@@ -547,4 +547,3 @@ def fused(hidden, weight, bias, target, logit_map, dloss_dlogp: Callable, needs=
         return logits
 
     return (logp, entropy, *chunk_driver.param_grads(hidden, weight, bias, needs, spans, hidden.dtype, chunk_grad))
-
