@@ -20,6 +20,13 @@ cast_lm_head_to_fp32, use_liger_kernel (its layer kernels), gradient accumulatio
 load-balancing loss (router_aux_loss_coef, TRL's aux_loss: from the decoder's router logits, models/moe.py).
 Anything else raises a ValueError naming the option when the trainer is built.
 
+Vision-language models run TRL's own VLM path (its processor, image columns, generation and batches): the image
+inputs TRL hands its log-prob passes go to the model's multimodal backbone (`lm.model`: image features merged into
+the language model's inputs, M-RoPE positions for the Qwen-VL families, Gemma 3's image blocks from token_type_ids),
+whose final hidden states the fused ops take in place of TRL's lm_head and log-softmax. The backbone runs per
+completion, as in TRL (the native trainer encodes a prompt's images once: models/vision.py). Refused by name: the
+tile-indexed layouts (LFM2-VL, InternVL) and a VLM's MoE router loss.
+
 Truncated sampling (top_k > 0, top_p < 1, min_p > 0) keeps TRL 1.16's semantics, for parity with stock TRL: TRL samples
 from the truncated distribution (vLLM with `logprobs_mode="processed_logprobs"`, or transformers' warpers) but
 computes the old-policy, reference and current log-probs over the whole vocabulary, so its vLLM IS ratio carries
@@ -75,9 +82,14 @@ from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # the table: TRL 1.16's eight (and any registered since)
-# Model inputs of vision-language models: the decoder-only path here does not feed them
+# Model inputs of vision-language models as TRL 1.16 hands them to its log-prob passes (`num_images`: its own, the
+# images of each row), by what their first axis counts: images (or an image's patches, by image_grid_thw), or rows
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                    "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles", "num_images")
+_PER_IMAGE_KEYS = ("image_grid_thw", "image_sizes", "image_position_ids")
+_PER_ROW_KEYS = ("pixel_attention_mask", "token_type_ids", "mm_token_type_ids")
+# tile-indexed layouts (LFM2-VL's spatial_shapes, InternVL's num_tiles): not checked here, refused by name
+_REFUSED_KEYS = ("spatial_shapes", "num_tiles")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,9 +117,12 @@ def check_supported_args(args) -> None:
 def check_supported_trainer(trainer) -> None:
     """Refuse, naming the option, what only shows once the trainer is built (models, distribution)."""
     check_supported_args(trainer.args)
-    if getattr(trainer, "_is_vlm", False):
-        raise ValueError("vision-language models are not supported by the fused path (images enter through the "
-                         "model's own forward); use trl.GRPOTrainer")
+    if getattr(trainer, "_is_vlm", False):  # images through the model's own multimodal backbone (`_multimodal_backbone`)
+        _multimodal_backbone(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)))
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise ValueError("router_aux_loss_coef (the MoE router loss) with a vision-language model is not supported by "
+                             "the fused path (the router logits of the multimodal backbone are untested); unset it or "
+                             "use trl.GRPOTrainer")
     if getattr(trainer, "is_fsdp_enabled", False):
         # accelerate turns FSDP on only on accelerators, so no CPU test can run TRL's FSDP path: refused, not guessed
         raise ValueError("FSDP is not supported by the fused path: TRL's FSDP path is untested with grpo_fast's fused "
@@ -163,10 +178,68 @@ def loss_options(trainer) -> LossOptions:
     )
 
 
-def _reject_multimodal(values: dict) -> None:
-    given = [key for key in MULTIMODAL_KEYS if values.get(key) is not None]
-    if given:
-        raise ValueError(f"multimodal inputs {given} are not supported by the fused path; use trl.GRPOTrainer")
+# ----------------------------------------------------------------------------------------------
+# Vision-language models: TRL's own VLM path (its processor, its batches), the fused loss in place of the logits
+# ----------------------------------------------------------------------------------------------
+
+
+def _multimodal_backbone(lm):
+    """The VLM's multimodal backbone (`lm.model`): its forward takes the image inputs, merges the image features into
+    the language model's inputs (and, for the M-RoPE families, builds the 3-D positions) and returns the final hidden
+    states, what the lm_head multiplies, so the fused ops replace exactly TRL's lm_head and log-softmax."""
+    backbone = lm.base_model
+    if backbone is lm or not hasattr(backbone, "get_image_features"):
+        raise ValueError(f"{type(lm).__name__}: a vision-language model needs a multimodal backbone with "
+                         f"get_image_features at lm.{lm.base_model_prefix} for the fused path; use trl.GRPOTrainer")
+    return backbone
+
+
+def _image_inputs(values: dict) -> dict:
+    """The multimodal model inputs among `values` (TRL's batch, or its log-prob pass's keyword arguments), given ones
+    only; the tile-indexed layouts are refused by name."""
+    given = {key: values[key] for key in MULTIMODAL_KEYS if values.get(key) is not None}
+    refused = [key for key in _REFUSED_KEYS if key in given]
+    if refused:
+        raise ValueError(f"multimodal inputs {refused} (tile-indexed images: LFM2-VL, InternVL) are not supported by the "
+                         f"fused path; use trl.GRPOTrainer")
+    return given
+
+
+def _rows_image_inputs(images: dict, start: int, end: int, rows: int) -> dict:
+    """The image inputs of rows start:end of a batch of `rows` (TRL 1.16's layouts): pixel_values by image patches
+    (image_grid_thw), by image (one entry per image: num_images), or by row; the per-image and per-row tensors by
+    their axis. num_images (TRL's own) is dropped: the model does not take it."""
+    num_images = images.get("num_images")
+    if start == 0 and end == rows:
+        return {k: v for k, v in images.items() if k != "num_images"}
+    assert num_images is not None, "a chunk of a batch with images needs TRL's num_images"
+    first, last = sum(num_images[:start]), sum(num_images[:end])
+    out = {}
+    pixels, grid = images.get("pixel_values"), images.get("image_grid_thw")
+    if pixels is not None and grid is not None:  # Qwen-VL: an image's rows of patches, grid t x h x w of them
+        patches = grid.prod(-1).tolist()
+        out["pixel_values"] = pixels[sum(patches[:first]) : sum(patches[:last])]
+    elif pixels is not None and pixels.size(0) == sum(num_images):
+        out["pixel_values"] = pixels[first:last]
+    elif pixels is not None:
+        out["pixel_values"] = pixels[start:end]
+    for key in _PER_IMAGE_KEYS:
+        if key in images:
+            out[key] = images[key][first:last]
+    for key in _PER_ROW_KEYS:
+        if key in images:
+            out[key] = images[key][start:end]
+    return out
+
+
+def _completion_hidden(lm, input_ids, attention_mask, logits_to_keep, router, images: dict):
+    """(hidden `[B, logits_to_keep, H]`, router loss or None): the text decoder's (`models.moe`), or with image
+    inputs the multimodal backbone's over the images (a VLM's router loss is refused when the trainer is built)."""
+    if not images:
+        return completion_hidden_and_router_loss(lm, input_ids, attention_mask, logits_to_keep, router)
+    out = _multimodal_backbone(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **images)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[:, -logits_to_keep - 1 : -1], None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,8 +268,13 @@ class FastGRPOMixin:
         mask, here without logits. Used for the old-policy and reference passes (under no_grad). compute_aux_loss:
         the MoE router loss too, TRL's: the mean over the row chunks of each one's (its real tokens').
         With gradients enabled the entropies carry a gradient, as stock TRL 1.16's do (its fused head returns a
-        differentiable entropy whatever entropy_coef is), so a subclass may put them in its loss."""
-        _reject_multimodal(extra)
+        differentiable entropy whatever entropy_coef is), so a subclass may put them in its loss.
+        A VLM's image inputs (TRL's keyword arguments: pixel_values, image_grid_thw, num_images, ...) go to its
+        multimodal backbone, each row chunk with its own images (`_rows_image_inputs`)."""
+        unknown = sorted(set(extra) - set(MULTIMODAL_KEYS))
+        if unknown:
+            raise TypeError(f"_get_per_token_logps_and_entropies() got unexpected keyword arguments {unknown}")
+        images = _image_inputs(extra)
         options = loss_options(self)
         lm = causal_lm_of(self.accelerator.unwrap_model(model))
         weight, bias = output_head(lm)
@@ -205,8 +283,9 @@ class FastGRPOMixin:
         logps, entropies, aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):  # row chunks bound the decoder's activations
             ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            chunk = _rows_image_inputs(images, start, start + len(ids), len(input_ids)) if images else {}
             with self.accelerator.autocast():
-                hidden, aux = completion_hidden_and_router_loss(lm, ids, att, logits_to_keep, router)
+                hidden, aux = _completion_hidden(lm, ids, att, logits_to_keep, router, chunk)
             aux_losses.append(aux)
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
                                             options=options,
@@ -217,8 +296,9 @@ class FastGRPOMixin:
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), aux_loss
 
     def _compute_loss(self, model, inputs):
-        """TRL's `_compute_loss` (same loss, gradients and logged metrics) through the fused GRPO loss."""
-        _reject_multimodal(inputs)
+        """TRL's `_compute_loss` (same loss, gradients and logged metrics) through the fused GRPO loss (a VLM's
+        micro-batch with its own image inputs, as TRL splits them)."""
+        images = _rows_image_inputs(_image_inputs(inputs), 0, len(inputs["prompt_ids"]), len(inputs["prompt_ids"]))
         mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
@@ -231,7 +311,7 @@ class FastGRPOMixin:
         weight, bias = output_head(lm)
         router = router_loss(lm, self.router_aux_loss_coef) if getattr(self, "aux_loss_enabled", False) else None
         with self.accelerator.autocast():  # (and the MoE router loss from the same decoder forward)
-            hidden, aux = completion_hidden_and_router_loss(lm, input_ids, attention_mask, completion_ids.size(1), router)
+            hidden, aux = _completion_hidden(lm, input_ids, attention_mask, completion_ids.size(1), router, images)
         hidden = hidden.to(weight.dtype)
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
