@@ -183,14 +183,17 @@ def loss_options(trainer) -> LossOptions:
 # ----------------------------------------------------------------------------------------------
 
 
-def _multimodal_backbone(lm):
+def _multimodal_backbone(lm, given=()):
     """The VLM's multimodal backbone (`lm.model`): its forward takes the image inputs, merges the image features into
     the language model's inputs (and, for the M-RoPE families, builds the 3-D positions) and returns the final hidden
-    states, what the lm_head multiplies, so the fused ops replace exactly TRL's lm_head and log-softmax."""
+    states, what the lm_head multiplies, so the fused ops replace exactly TRL's lm_head and log-softmax.
+    given: the image inputs at hand (named where the model has no such backbone)."""
     backbone = lm.base_model
     if backbone is lm or not hasattr(backbone, "get_image_features"):
-        raise ValueError(f"{type(lm).__name__}: a vision-language model needs a multimodal backbone with "
-                         f"get_image_features at lm.{lm.base_model_prefix} for the fused path; use trl.GRPOTrainer")
+        inputs = f"multimodal inputs {sorted(given)} given, but " if given else ""
+        raise ValueError(f"{inputs}{type(lm).__name__} has no multimodal backbone (get_image_features at "
+                         f"lm.{lm.base_model_prefix}) for the fused path to run the images through; use a "
+                         f"vision-language model or trl.GRPOTrainer")
     return backbone
 
 
@@ -237,7 +240,7 @@ def _completion_hidden(lm, input_ids, attention_mask, logits_to_keep, router, im
     inputs the multimodal backbone's over the images (a VLM's router loss is refused when the trainer is built)."""
     if not images:
         return completion_hidden_and_router_loss(lm, input_ids, attention_mask, logits_to_keep, router)
-    out = _multimodal_backbone(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **images)
+    out = _multimodal_backbone(lm, images)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **images)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[:, -logits_to_keep - 1 : -1], None
 
