@@ -231,24 +231,29 @@ class Routes:
         self.n = kept.num_positions
         self.full = (lengths == 0).nonzero().squeeze(-1)
         self.kept = (lengths > 0).nonzero().squeeze(-1)
-        self.sets = kept if self.full.numel() == 0 else kept.select(self.kept)
+        self.all_kept = self.full.numel() == 0  # (then nothing is copied in or out)
+        self.sets = kept if self.all_kept else kept.select(self.kept)
 
     @staticmethod
     def of(kept: Optional[KeptSets]) -> Optional["Routes"]:
         """None where nothing truncates (no sets, or all empty): the caller's full-vocabulary path, unchanged."""
         return Routes(kept) if kept is not None and kept.truncates else None
 
+    def take(self, t: Optional[Tensor], idx: Tensor) -> Optional[Tensor]:
+        """The rows `idx` (self.full or self.kept) of a per-row tensor."""
+        if t is None or (self.all_kept and idx is self.kept):
+            return t
+        return t.index_select(0, idx)
+
     def merge(self, full: Optional[Tensor], kept: Tensor) -> Tensor:
         """[n, ...] from the full route's rows and the kept route's."""
+        if self.all_kept:
+            return kept
         out = kept.new_empty((self.n, *kept.shape[1:]))
         if full is not None:
             out[self.full] = full
         out[self.kept] = kept
         return out
-
-
-def _take(t, idx):
-    return None if t is None else t.index_select(0, idx)
 
 
 def _add_params(a, b):
@@ -260,18 +265,21 @@ def _add_params(a, b):
 
 def routed_forward(impl, hidden, weight, bias, target, routes: Routes, logit_map):
     """(logp, entropy, lse) [n] f32 of `impl`'s full route and its kept route (`impl.kept_forward`)."""
-    full = impl.forward(_take(hidden, routes.full), weight, bias, _take(target, routes.full), logit_map) \
-        if routes.full.numel() else (None, None, None)
-    kept = impl.kept_forward(_take(hidden, routes.kept), weight, bias, _take(target, routes.kept), routes.sets, logit_map)
+    take, full = routes.take, (None, None, None)
+    if routes.full.numel():
+        full = impl.forward(take(hidden, routes.full), weight, bias, take(target, routes.full), logit_map)
+    kept = impl.kept_forward(take(hidden, routes.kept), weight, bias, take(target, routes.kept), routes.sets, logit_map)
     return tuple(routes.merge(f, k) for f, k in zip(full, kept, strict=True))
 
 
 def routed_backward(impl, hidden, weight, bias, target, routes: Routes, lse, grad_logp, logit_map, needs,
                     grad_entropy=None, entropy=None):
     """(grad_hidden [n, H], grad_weight, grad_bias) of both routes."""
+    take = routes.take
+
     def args(idx):
-        extra = {} if grad_entropy is None else dict(grad_entropy=_take(grad_entropy, idx), entropy=_take(entropy, idx))
-        return (_take(hidden, idx), weight, bias, _take(target, idx)), (_take(lse, idx), _take(grad_logp, idx)), extra
+        extra = {} if grad_entropy is None else dict(grad_entropy=take(grad_entropy, idx), entropy=take(entropy, idx))
+        return (take(hidden, idx), weight, bias, take(target, idx)), (take(lse, idx), take(grad_logp, idx)), extra
 
     full = (None, None, None)
     if routes.full.numel():
@@ -287,9 +295,11 @@ def routed_fused(impl, hidden, weight, bias, target, routes: Routes, logit_map, 
                  grad_entropy=None):
     """(logp, entropy, grad_hidden, grad_weight, grad_bias) of both routes in one pass each.
     `dloss_at(rows, logp) -> g`: the loss gradient of the call's rows `rows` (int64) given their log-probs."""
+    take = routes.take
+
     def run(idx, fn, *route_args):
-        extra = {} if grad_entropy is None else dict(grad_entropy=_take(grad_entropy, idx))
-        return fn(_take(hidden, idx), weight, bias, _take(target, idx), *route_args, logit_map,
+        extra = {} if grad_entropy is None else dict(grad_entropy=take(grad_entropy, idx))
+        return fn(take(hidden, idx), weight, bias, take(target, idx), *route_args, logit_map,
                   lambda s, e, lp: dloss_at(idx[s:e], lp), needs, **extra)
 
     full = run(routes.full, impl.fused) if routes.full.numel() else (None,) * 5
