@@ -117,12 +117,24 @@ def _version_gap_shims() -> None:
     import_utils.__getattr__ = missing
 
 
+def _import_modeling_modules() -> None:
+    """Load the stand-ins' modeling modules now, so the per-test snapshot (`_modeling_state`) holds them before any
+    test can patch them."""
+    import transformers
+
+    from .standins import MODELS
+
+    for _, class_name, _ in MODELS.values():
+        getattr(transformers, class_name, None)
+
+
 def pytest_configure(config):
     mode, cache = _settings()
     import datasets
     import trl
 
     _version_gap_shims()
+    _import_modeling_modules()
 
     datasets.load_dataset = _local_load_dataset(datasets.load_dataset, cache)
     _recording(trl.GRPOTrainer)
@@ -147,13 +159,40 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item not in deselected]
 
 
+def _modeling_state() -> dict:
+    """The attributes of every loaded transformers modeling module and of the classes defined there: what Liger's
+    kernel patching (use_liger_kernel=True) replaces for the whole process, not for the model it was given."""
+    import sys
+
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers.models.") and module is not None:
+            state[module] = dict(vars(module))
+            for value in list(vars(module).values()):
+                if isinstance(value, type) and value.__module__ == name:
+                    state[value] = dict(vars(value))
+    return state
+
+
+def _restore(state: dict) -> None:
+    for owner, attributes in state.items():
+        for key, value in attributes.items():
+            if vars(owner).get(key, _restore) is not value and key not in ("__dict__", "__weakref__"):
+                setattr(owner, key, value)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
+    """Record what the test trains; afterwards undo any patching of transformers' modeling modules (Liger's
+    kernels replace RMSNorm, MLP and rotary classes process-wide: on a CPU, where its Triton kernels cannot run,
+    every later test would fail, whichever mode)."""
     _current["test"] = item.nodeid
+    state = _modeling_state()
     try:
         yield
     finally:
         _current["test"] = None
+        _restore(state)
 
 
 @pytest.hookimpl(trylast=True)
