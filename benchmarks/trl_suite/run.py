@@ -44,6 +44,9 @@ def run_mode(mode: str, tests: Path, cache: Path, out: Path, timeout: int, extra
                HF_HUB_CACHE=str(cache / "hub"), HF_HOME=str(cache / "hf_home"), TRL_SUITE_MODE=mode,
                TRL_SUITE_CACHE=str(cache), TRL_SUITE_LOGS=str(out / f"trl_suite_{mode}_logs.json"),
                TRL_EXPERIMENTAL_SILENCE="1", WANDB_MODE="disabled",
+               # one thread: on a shared 2-core machine OpenMP threads spin against the other processes (the repo's
+               # own suite runs one thread a worker for that reason: a vLLM module 327 s -> 55 s)
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     command = [sys.executable, "-m", "pytest", str(tests / TEST_FILE.name), "-p", "benchmarks.trl_suite.plugin",
                "-p", "no:cacheprovider", "--timeout", str(timeout), "-rA", "-v", "--durations", "0",
