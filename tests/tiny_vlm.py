@@ -187,3 +187,21 @@ def image_rows(n: int, *, images_per_row: int = 1, seed: int = 0) -> list[dict]:
                      "images": [image(56 + 28 * (k % 2), 56, seed=seed + 10 * i + k) for k in range(images_per_row)],
                      "answer": str(i)})
     return rows
+
+
+_BUILT: dict = {}
+
+
+def tiny_vlm_dir(family: str = "qwen2_vl") -> str:
+    """The folder of a tiny VLM of `family` (qwen2_vl, llava, idefics3), built once per test process (several test
+    modules share it; the folder lives until the process exits)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if family not in _BUILT:
+        build = {"qwen2_vl": build_tiny_qwen2_vl, "llava": build_tiny_llava, "idefics3": build_tiny_idefics3}[family]
+        path = tempfile.mkdtemp(prefix=f"tiny_{family}_")
+        atexit.register(shutil.rmtree, path, True)
+        _BUILT[family] = build(path)
+    return _BUILT[family]

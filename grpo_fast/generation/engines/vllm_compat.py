@@ -86,6 +86,11 @@ def model_facts(llm) -> tuple[bool, int, torch.dtype]:
     return tied, int(config.get_vocab_size()), config.dtype
 
 
+def is_multimodal(llm) -> bool:
+    """Whether the started model takes images (vLLM's model config: a multimodal architecture)."""
+    return bool(getattr(llm.llm_engine.model_config, "is_multimodal_model", False))
+
+
 # ---- the live model ------------------------------------------------------------------------------
 
 

