@@ -55,6 +55,7 @@ def build_engine(options: EngineOptions, precision, model, tokenizer, model_path
         else:
             model.save_pretrained(model_path, safe_serialization=True)
         tokenizer.save_pretrained(model_path)
+        _copy_processor_files(model, model_path)
     # max_prompt_length=None leaves the engine's context to the model's own limit
     max_model_len = options.vllm_max_model_length or context_limit(model.config) or 2048
     cuda = next(model.parameters()).is_cuda
@@ -72,6 +73,23 @@ def build_engine(options: EngineOptions, precision, model, tokenizer, model_path
     if folder is not None:  # read once, at the engine's start: removed with the engine (or at exit)
         weakref.finalize(engine, shutil.rmtree, folder, True)
     return engine
+
+
+# a VLM's image processor and processor settings: vLLM's own processor reads them from the folder it loads
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def _copy_processor_files(model, folder: str) -> None:
+    """A vision-language model written to a folder for the engine: its processor's files copied from the folder it was
+    loaded from (so vLLM expands image placeholders as the trainer's processor did)."""
+    import os
+
+    source = getattr(model, "name_or_path", None)
+    if getattr(model.config, "vision_config", None) is None or not source or not os.path.isdir(source):
+        return
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(folder, name))
 
 
 def initial_sync(engine, model, route: Optional[str]) -> None:

