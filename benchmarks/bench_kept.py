@@ -131,8 +131,38 @@ def measure(size, ks, dtype_name, device, backend, repeats, rounds):
             rows[name] = dict(best_s=min(times[name]), median_s=sorted(times[name])[len(times[name]) // 2],
                               best_cpu_s=min(cpu_times[name]), extra_peak_mb=mem.extra_bytes / 2**20,
                               workspace_mb=workspace / 2**20)
+        if backend == "cpu":
+            rows[f"topk {k}"]["row_pass_extra"] = topk_row_pass_extra(x, k, repeats * rounds) / rows["full logp"]["best_cpu_s"]
         del x
     return rows
+
+
+def topk_row_pass_extra(x, k, repeats) -> float:
+    """CPU seconds the topk pass adds to the forward's row pass over the same slabs (cpu backend): the C++
+    row_topk (lse, target logit and top k in one sweep) minus row_stats (the forward's), best of `repeats`.
+    The matmul, the same in both, is left out: on a loaded machine its time moves by more than this."""
+    import torch
+
+    from grpo_fast.objective import LogitMap
+    from grpo_fast.ops import cpu, row_ops
+
+    hidden, weight, target = x["hidden"].reshape(-1, x["hidden"].shape[-1]), x["weight"], x["target"].reshape(-1)
+    step, spans = row_ops._plan(hidden.shape[0], weight.shape[0], None, weight.element_size())
+    slabs = [(hidden[s:e] @ weight.t(), target[s:e]) for s, e in spans[:2]]  # two chunks, scaled to all below
+
+    def best(fn):
+        out = []
+        for _ in range(repeats):
+            start = time.process_time()
+            for logits, t in slabs:
+                fn(logits, t)
+            out.append(time.process_time() - start)
+        return min(out) * len(spans) / len(slabs)
+
+    with torch.no_grad():
+        stats = best(lambda logits, t: cpu.ROW_OPS.stats(logits, t, LogitMap()))
+        topk = best(lambda logits, t: cpu.row_topk(logits, k, LogitMap(), t))
+    return topk - stats
 
 
 def report(result) -> str:
@@ -153,6 +183,12 @@ def report(result) -> str:
             lines.append(f"| {name} | {row['best_s']:.4f} | {row['median_s']:.4f} | {row['best_s'] / base['best_s']:.3f} | "
                          f"{row['best_cpu_s']:.3f} | {row['best_cpu_s'] / base['best_cpu_s']:.3f} | "
                          f"{row['extra_peak_mb']:.0f} | {row['workspace_mb']:.0f} |")
+        extra = {name: row["row_pass_extra"] for name, row in rows.items() if "row_pass_extra" in row}
+        if extra:
+            lines += ["", "The topk pass's own cost, measured on its row pass alone (the C++ row_topk minus the forward's "
+                      "row_stats over the same slabs, CPU seconds, as a fraction of the full logp's): "
+                      + ", ".join(f"{name}: +{value:.3f}x" for name, value in extra.items())
+                      + " (the rest of the pass is the same matmul)."]
         lines.append("")
     return "\n".join(lines)
 
