@@ -11,7 +11,8 @@ Loaded by run.py (`-p benchmarks.trl_suite.plugin`), which sets the environment 
 
 `datasets.load_dataset` is replaced: ids under trl-internal-testing/ load the stand-ins (splits, configs and
 streaming as asked), any other id goes to the real function (which cannot reach the hub here). Tests that load
-a vision-language model or an image dataset are deselected (the vision-language issue's, not this suite's).
+a vision-language model or an image dataset are deselected (the vision-language issue's, not this suite's), unless
+TRL_SUITE_VLM=1 (vlm.py: its stand-ins built, grpo_fast's PIL Qwen-VL processors registered with AutoProcessor).
 The snapshot's helpers may import `is_<package>_available` checks the installed TRL lacks: those are supplied.
 """
 
@@ -137,6 +138,10 @@ def pytest_configure(config):
     _import_modeling_modules()
 
     datasets.load_dataset = _local_load_dataset(datasets.load_dataset, cache)
+    if os.environ.get("TRL_SUITE_VLM") == "1":
+        from .vlm import register_processors
+
+        register_processors()
     _recording(trl.GRPOTrainer)
     if mode == "backend":
         from grpo_fast.integrations.trl import FastGRPOTrainer
@@ -146,6 +151,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TRL_SUITE_VLM") == "1":  # (vlm.py: the VLM tests run)
+        return
+
     def loads_vision(item):
         try:
             source = inspect.getsource(item.obj)

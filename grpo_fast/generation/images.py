@@ -84,6 +84,24 @@ def check_image_prompts(images: Optional[Sequence], n_prompts: int) -> Optional[
     return list(images) if any(p is not None for p in images) else None
 
 
+def placeholder_tokens(images: list) -> tuple[int, ...]:
+    """The image placeholder token ids of the processors of a call's prompts (their `image_token_id`, or their
+    `image_token`'s id). `generate` makes them stop tokens: a completion that samples one ends there, the token kept
+    as its last, which no forward takes as input (the trainer's forward over prompt + completion stops before the
+    last token), so no pass looks for an image to merge where the model wrote a placeholder (a model never means to;
+    a random one does, now and then)."""
+    ids = set()
+    for p in images:
+        if p is None:
+            continue
+        token = getattr(p.processor, "image_token_id", None)
+        if token is None and getattr(p.processor, "image_token", None) is not None:
+            token = p.processor.tokenizer.convert_tokens_to_ids(p.processor.image_token)
+        if token is not None:
+            ids.add(int(token))
+    return tuple(sorted(ids))
+
+
 def processed(images: Optional[list]) -> list:
     """Each prompt's image inputs, processed once (None for a text-only prompt): what its completions share."""
     return [None if p is None else p.process() for p in images] if images is not None else []

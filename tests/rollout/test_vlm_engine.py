@@ -1,7 +1,8 @@
 """The HF engine on tiny vision-language models (issue 51): the model's own generate with each prompt's pixel inputs.
 
 - A prompt's images are processed once per group (the image processor's calls counted: one per prompt, not one per
-  completion), the result shared by the group's completions (Rollouts.image_inputs: one object per group).
+  completion), the result shared by the group's completions (Rollouts.image_inputs: one object per group); a sampled
+  image placeholder token ends its completion.
 - The engine saw the images: each sampled token's log-prob equals the model's own forward over the prompt, its images
   and the completion (temperature 1), and differs from the same tokens scored without the images.
 - Idefics3 (per-prompt pixel tensors, padded across a batch): prompts with 1 and 2 images in one batch, the same.
@@ -17,6 +18,7 @@ from grpo_fast.data.images import encode_image_prompts
 from grpo_fast.generation.batch import from_engine
 from grpo_fast.generation.engines import HFEngine
 from grpo_fast.generation.engines.base import RolloutEngine
+from grpo_fast.generation.images import placeholder_tokens
 from tests.helpers import assert_close, scaled
 from tests.tiny_vlm import image, load_tiny_vlm, tiny_vlm_dir
 
@@ -79,6 +81,8 @@ def test_images_processed_once_per_group_and_seen_by_the_engine(qwen2_vl):
         processor.image_processor = counting.inner
     assert counting.calls == len(prompts)  # one per prompt, not per completion
     batch = from_engine(groups, ids, data)
+    token = model.config.image_token_id  # a sampled placeholder ends its completion (never an input of a forward)
+    assert placeholder_tokens(prompts) == (token,) and all(token not in c[:-1] for c in batch.completion_ids)
     assert all(batch.image_inputs[i] is batch.image_inputs[(i // G) * G] for i in range(len(batch)))
     assert batch.image_inputs[0] is not batch.image_inputs[G]
     assert batch.image_inputs[G]["image_grid_thw"].shape == (3, 3)

@@ -365,14 +365,17 @@ class RolloutEngine:
         engine that cannot stream calls it for every group after the batch), in the calling thread.
         images: a vision-language model's prompts: one `generation.images.ImagePrompt` (or None: text only) per prompt;
         prompt_ids then hold each image's placeholder tokens expanded (what the trainer trains on). Each prompt's images
-        are processed once, the result shared by its n completions (`Completion.image_inputs`).
+        are processed once, the result shared by its n completions (`Completion.image_inputs`); a completion that samples
+        an image placeholder token ends there (`images.placeholder_tokens`).
         """
-        from ..images import check_image_prompts, processed
+        from ..images import check_image_prompts, placeholder_tokens, processed
 
         images = check_image_prompts(images, len(prompt_ids) if isinstance(prompt_ids, Sequence) else -1)
         if images is not None and not self.takes_images:
             raise ValueError(f"images: {type(self).__name__} does not take images (a vision-language model's prompts); "
                              f"use the HF or vLLM engine")
+        if images is not None:  # (a sampled image placeholder ends its completion: generation/images.py)
+            stop_token_ids = (*(stop_token_ids or ()), *placeholder_tokens(images))
         prompts, request = validate_request(
             prompt_ids,
             n=n,
