@@ -87,13 +87,22 @@ def is_backbone(decoder: nn.Module) -> bool:
     return hasattr(decoder, "get_image_features") and hasattr(decoder, "language_model")
 
 
-def check_placeholders_have_images(backbone: nn.Module, input_ids: torch.Tensor) -> None:
-    """A row passed without images holds no image placeholder: the decoder would read the placeholder token's own
-    embedding there, silently (a pass that did not hand the batch's image inputs on)."""
-    token = image_token_id(backbone.config)
-    if bool((input_ids == token).any()):
-        raise ValueError(f"a packed row holds image placeholder tokens (id {token}) but no images came with it: pass "
-                         f"the batch's image_inputs (Rollouts.image_inputs) to the pass that packs it")
+def check_placeholders(prompt_ids, completion_ids, images, token: int, samples) -> None:
+    """Before any forward over `samples` of a supported VLM: a prompt with image placeholders comes with its images
+    (else the decoder would read the placeholder token's own embedding there, silently: a pass that did not hand the
+    batch's image inputs on), and where the batch has images no completion holds a placeholder before its last token
+    (the backbone writes image features over every placeholder of a row; generation stops at a sampled one:
+    generation/images.py). One line naming the sample."""
+    with_images = images is not None and any(x is not None for x in images)
+    for i in samples:
+        if (images is None or images[i] is None) and token in prompt_ids[i]:
+            raise ValueError(f"sample {i}: its prompt holds {list(prompt_ids[i]).count(token)} image placeholder tokens "
+                             f"(id {token}) but no images came with it: pass the batch's image_inputs "
+                             f"(Rollouts.image_inputs) to the pass that packs it")
+        if with_images and token in completion_ids[i][:-1]:
+            raise ValueError(f"sample {i}: its completion holds the image placeholder token (id {token}) before its "
+                             f"last token, where no image is; a batch with images trains only completions that stop at "
+                             f"a sampled placeholder (the engines' stop tokens)")
 
 
 def language_model_of(decoder: nn.Module) -> nn.Module:

@@ -59,8 +59,6 @@ def completion_hidden(base, mb: PackedMicroBatch, amp_dtype: Optional[torch.dtyp
     if mb.images is not None:
         with torch.autocast(param.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
             inputs.update(image_inputs(base, mb))
-    elif vision.is_backbone(base):
-        vision.check_placeholders_have_images(base, mb.input_ids)
     if mb.attention == "mask" and attention_implementation(base.config) == "eager":
         # eager attention adds the mask to the scores: a bool mask would add 1 and 0 (a packed tiny GPT-OSS's hidden
         # states were off by up to 0.97, a Llama's by 4.5), so it gets the additive form transformers builds
@@ -122,7 +120,7 @@ class Packer:
             for i in range(len(prompt_ids))
         ]
         attention = self.attention or attention_mode(self.model)  # checkpointing may be switched on later
-        keys = self._image_keys(prompt_ids, images)
+        keys = self._image_keys(prompt_ids, completion_ids, images, [i for i, n in enumerate(lengths) if n > 0])
         plan = plan_micro_batches(lengths, self.max_tokens) if keys is None else \
             plan_group_micro_batches(lengths, keys, self.max_tokens)
         for rows in plan:
@@ -136,14 +134,18 @@ class Packer:
                 mb.kept = truncation.pack(kept, mb.rows, mb.target_ids.shape[1], device=self.device)
             yield mb
 
-    def _image_keys(self, prompt_ids, images) -> Optional[list]:
+    def _image_keys(self, prompt_ids, completion_ids, images, samples) -> Optional[list]:
         """Each sample's group key among the samples with images (`vision.group_keys`); None: no images at all.
-        Images for a model the fused path cannot train on them are refused here, before any forward."""
+        Images for a model the fused path cannot train on them, and a VLM's placeholders without their images
+        (`vision.check_placeholders`: over the packed `samples`), are refused here, before any forward."""
+        config = causal_lm_of(self.model).config
+        if images is not None and len(images) != len(prompt_ids):
+            raise ValueError(f"images: expected one entry per sample ({len(prompt_ids)}), got {len(images)}")
+        if vision.supports_images(config):
+            vision.check_placeholders(prompt_ids, completion_ids, images, vision.image_token_id(config), samples)
         if images is None or all(x is None for x in images):
             return None
-        if len(images) != len(prompt_ids):
-            raise ValueError(f"images: expected one entry per sample ({len(prompt_ids)}), got {len(images)}")
-        vision.check_images_supported(causal_lm_of(self.model).config, "the policy")
+        vision.check_images_supported(config, "the policy")
         return vision.group_keys(prompt_ids, images)
 
 

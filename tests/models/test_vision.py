@@ -9,7 +9,7 @@ tokens an image; LLaVA: a CLIP patch grid, the CLS token dropped).
 
 Reference: each sequence run alone through the VLM's own forward (its pixel inputs, its own merge and positions), the
 logits materialised, the GRPO loss from `objective.grpo_loss_reference`. The fused path: `train_step` /
-`completion_logprobs` over one packed row holding two groups of G = 4 (a prompt with 1 image, one with 3), the image
+`completion_logprobs` over one packed row holding three groups of G = 4 (prompts with 1, 3 and no image), the image
 encoder trained (freeze_vision_tower=False) so that its gradient is compared too.
 """
 
@@ -114,7 +114,8 @@ def vlm_batch(family: str, processor, n_images=(1, 3), seed: int = 0) -> Rollout
     g = torch.Generator().manual_seed(seed)
     prompts, completions, inputs = [], [], []
     for k, n in enumerate(n_images):
-        ids, shared = image_prompt(family, processor, tokenizer, n, seed=seed + 10 * k)
+        ids, shared = image_prompt(family, processor, tokenizer, n, seed=seed + 10 * k) if n else \
+            (tokenizer.encode("No picture: what now?"), None)
         for _ in range(G):
             prompts.append(ids)
             inputs.append(shared)
@@ -131,8 +132,8 @@ def vlm_batch(family: str, processor, n_images=(1, 3), seed: int = 0) -> Rollout
 def own_logits(model, prompt, completion, inputs) -> torch.Tensor:
     """[C, V]: the VLM's own forward over one sequence, its logits at the positions predicting the completion."""
     ids = torch.tensor([prompt + completion])
-    extra = dict(inputs)
-    if vision.FAMILIES[model.config.model_type]:  # M-RoPE: which tokens are image tokens (the processor's output)
+    extra = dict(inputs or {})
+    if inputs is not None and vision.FAMILIES[model.config.model_type]:  # M-RoPE: which tokens are image tokens
         extra["mm_token_type_ids"] = (ids == IMAGE).int()
     logits = model(input_ids=ids, **extra).logits[0]
     return logits[len(prompt) - 1: len(prompt) + len(completion) - 1]
@@ -191,18 +192,18 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 
 @pytest.mark.parametrize("family, merge", [(family, "backbone") for family in FAMILIES] + [("qwen2_vl", "embeddings")])
 def test_fused_path_equals_the_models_own_forward(vlms, family, merge, monkeypatch):
-    """Two groups of G = 4 (1 image, 3 images) packed into one row: per-token log-probs, the loss and every
-    gradient (the image encoder's included) equal the model's own forward, one sequence at a time. merge: the
+    """Three groups of G = 4 (1 image, 3 images, a text-only prompt) packed into one row: per-token log-probs, the
+    loss and every gradient (the image encoder's included) equal the model's own forward, one sequence at a time. merge: the
     backbone's own (mm_encoder_outputs), or `vision.merged_embeddings` (a transformers without that argument:
     the GPU machine's 5.17 may be one)."""
     if merge == "embeddings":
         monkeypatch.setattr(vision, "takes_encoder_outputs", lambda backbone: False)
     model, processor = copy.deepcopy(vlms[family][0]), vlms[family][1]
-    batch = vlm_batch(family, processor)
+    batch = vlm_batch(family, processor, n_images=(1, 3, 0))
     expected_loss, expected_logp, expected_grads = reference(model, batch, OPTIONS)
     packer = Packer(model, max_tokens=4096)
-    (mb,) = packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=batch.image_inputs)  # one row, 8 sequences
-    assert len(mb.rows) == 2 * G and len(mb.images.inputs) == 2
+    (mb,) = packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=batch.image_inputs)  # one row
+    assert len(mb.rows) == 3 * G and len(mb.images.inputs) == 2 and mb.images.of_sequence.count(-1) == G
     if vision.FAMILIES[family]:  # [4, 1, L]: text positions, then M-RoPE's three, each sequence's own from 0
         starts = mb.cu_seq_lens[:-1].long()
         assert mb.position_ids.shape == (4, 1, mb.num_tokens) and (mb.position_ids[:, 0, starts] == 0).all()
@@ -252,8 +253,16 @@ def test_bad_image_inputs_are_refused_in_one_line(vlms):
         list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=[{"pixels": 1}] * G))
     with pytest.raises(ValueError, match=r"^images: expected one entry per sample \(4\), got 1"):
         list(packer.micro_batches(batch.prompt_ids, batch.completion_ids, images=batch.image_inputs[:1]))
-    with pytest.raises(ValueError, match=r"^a packed row holds image placeholder tokens \(id 300\) but no images"):
+    with pytest.raises(ValueError, match=r"^sample 0: its prompt holds 4 image placeholder tokens \(id 300\) but no "
+                                         r"images came with it"):
         completion_logprobs(model, packer, batch.prompt_ids, batch.completion_ids, temperature=1.0, backend="cpu")
+    sampled = [c[:1] + [IMAGE] + c[1:] if i == 3 else c for i, c in enumerate(batch.completion_ids)]
+    with pytest.raises(ValueError, match=r"^sample 3: its completion holds the image placeholder token \(id 300\) "
+                                         r"before its last token"):
+        completion_logprobs(model, packer, batch.prompt_ids, sampled, temperature=1.0, backend="cpu",
+                            images=batch.image_inputs)
+    ended = [c + [IMAGE] for c in batch.completion_ids]  # (a sampled placeholder as the last token: only a target)
+    completion_logprobs(model, packer, batch.prompt_ids, ended, temperature=1.0, backend="cpu", images=batch.image_inputs)
 
 
 def test_vlms_without_support_are_refused_by_name():
