@@ -93,3 +93,39 @@ def test_a_trained_image_encoder_is_refused_on_many_ranks_by_name():
                                          r"\(WORLD_SIZE=2\) yet: a VLM's image encoder trains in one process"):
         config_checks.check_ranks(GRPOConfig(freeze_vision_tower=False), 2)
     config_checks.check_ranks(GRPOConfig(), 2)
+
+
+def test_grpo_trainer_trains_a_vlm_on_image_rows(tmp_path):
+    """The native trainer end to end (tests/tiny_vlm.py's Qwen2-VL folder, its processor, TRL's `images` column, the HF
+    engine, beta > 0): a step with a finite loss, the language model moved, the frozen encoder untouched, and the
+    training step's encoder calls one per prompt."""
+    from grpo_fast.train import step as step_stage
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.tiny_vlm import image_rows, tiny_vlm_dir
+    from tests.trainer.common import config, target_fraction
+
+    c = config(tmp_path, model=tiny_vlm_dir("qwen2_vl"), per_device_train_batch_size=8, max_steps=1,
+               max_prompt_length=None, max_completion_length=6, max_tokens_per_microbatch=512, beta=0.04,
+               eval_before_train=False, save_final=False)
+    trainer = GRPOTrainer(c, [target_fraction], image_rows(2, images_per_row=2))
+    calls, in_step = [], []
+    trainer.model.model.visual.register_forward_hook(lambda *_: calls.append(bool(in_step)))
+    train_step = step_stage.train_step
+
+    def counted(*args, **kwargs):
+        in_step.append(1)
+        try:
+            return train_step(*args, **kwargs)
+        finally:
+            in_step.clear()
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    step_stage.train_step = counted
+    try:
+        metrics = trainer.train()
+    finally:
+        step_stage.train_step = train_step
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["kl"] >= 0
+    assert sum(calls) == 2  # two prompts, G = 4 each, one micro-batch
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not any(".visual." in n for n in moved)
