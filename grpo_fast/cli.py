@@ -378,6 +378,10 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> int:
             model = lora.adapter_base(model, config.lora_base_model)
         if model not in (None, "default", DEFAULT_MODEL):  # a folder that is not there, or incomplete
             resolve_model_path(model)  # (the default model's cached conversion is left to the ranks)
+            if config.sequence_parallel_size > 1:  # the head rule of sequence parallelism, from config.json
+                from .train.ulysses import check_heads_of_folder
+
+                check_heads_of_folder(model, config.sequence_parallel_size)
     except (ValueError, FileNotFoundError) as err:
         if args.debug:
             raise

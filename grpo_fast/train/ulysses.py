@@ -59,6 +59,19 @@ def check_heads(model_config, n: int) -> None:
                          f"{', '.join(map(str, working_sizes(heads, kv)))}")
 
 
+def check_heads_of_folder(path: str, n: int) -> None:
+    """`check_heads` from a model folder's config.json alone (the launcher's check before any rank starts)."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    with open(os.path.join(path, "config.json")) as f:
+        values = json.load(f)
+    values = values.get("text_config", values)  # (a vision-language model's language part; refused later anyway)
+    if "num_attention_heads" in values:
+        check_heads(SimpleNamespace(**{k: values.get(k) for k in ("num_attention_heads", "num_key_value_heads")}), n)
+
+
 class _AllToAll(torch.autograd.Function):
     """x split into N chunks along `scatter`, chunk j sent to rank j; the N chunks received concatenated along
     `gather` in rank order. Its gradient is the inverse all-to-all."""

@@ -127,3 +127,14 @@ def test_refusals_in_one_line_before_work(model):
     sp.check_model(model, 2)  # 2 query heads, 1 KV head: fits
     with pytest.raises(ValueError, match="2 query heads, 1 KV heads"):
         sp.check_model(model, 4)
+
+
+def test_the_launcher_refuses_heads_that_do_not_scatter_before_torchrun_starts(tiny_model_dir, tmp_path, capsys):
+    """`grpo-fast train --nproc_per_node 3 --sequence_parallel_size 3` on the tiny Llama (2 query heads, 2 KV heads):
+    one line, exit status 1, no rank started."""
+    from grpo_fast import cli
+
+    code = cli.main(["train", "--nproc_per_node", "3", "--sequence_parallel_size", "3", "--model", tiny_model_dir,
+                     "--engine", "hf", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err and "2 query heads, 2 KV heads" in err and "sizes that work: 1, 2" in err
