@@ -52,13 +52,28 @@ def decoder_of(lm: nn.Module) -> nn.Module:
 
 def output_head(lm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [V, H], bias [V] or None) of the lm_head; tied embeddings share the weight Parameter."""
-    head = lm.get_output_embeddings()
+    head = _module_in_use(lm.get_output_embeddings())
     if type(head) is not nn.Linear and not _fsdp_wrapped_linear(head):  # a PEFT head (LoRA) would lose its adapter
         raise ValueError(
             f"the lm_head must be a plain torch.nn.Linear for the fused loss, got {type(head).__name__}; "
             "remove 'lm_head' from the PEFT target_modules"
         )
     return head.weight, head.bias
+
+
+def _module_in_use(head: nn.Module) -> nn.Module:
+    """PEFT's `modules_to_save=["lm_head"]` wraps the head with a trained copy per adapter: the module its forward
+    runs now (the active adapter's copy; the frozen original with adapters disabled, the KL reference's pass)."""
+    try:
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:
+        return head
+    if not isinstance(head, ModulesToSaveWrapper):
+        return head
+    active = list(head.active_adapters)
+    if head.disable_adapters or not active or any(name not in head.modules_to_save for name in active):
+        return head.original_module
+    return head.modules_to_save[active[0]]
 
 
 def _fsdp_wrapped_linear(module: nn.Module) -> bool:

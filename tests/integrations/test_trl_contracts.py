@@ -208,3 +208,33 @@ def test_qwen3_moe_with_tools_trains_like_stock(tmp_path):
     assert stock["reward_std"] > 0, "equal rewards: zero advantages, the loss would be the router loss alone"
     for key in ("tools/call_frequency", "tools/failure_frequency", "loss", "aux_loss", "entropy"):
         assert_close(fast[key], stock[key], atol=scaled(1e-6, stock[key]), rtol=1e-5, name=key)
+
+
+def test_peft_modules_to_save_lm_head_trains_like_stock(tiny_path, prompts, tmp_path):
+    """PEFT's modules_to_save=["lm_head"] (a trained copy of the head, the workaround TRL's
+    test_liger_kernel_with_peft_modules_to_save_lm_head_allowed builds): the backend reads the copy the wrapper
+    runs, and computes stock's loss and gradients, the copy's included (it was refused as a non-Linear head)."""
+    from peft import LoraConfig
+
+    config = LoraConfig(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    stock, fast = (cls(model=tiny_path, reward_funcs=length_reward, args=grpo_config(tmp_path), train_dataset=prompts,
+                       peft_config=config) for cls in (GRPOTrainer, FastGRPOTrainer))
+    fast.model.load_state_dict(stock.model.state_dict())  # (the same LoRA initialisation)
+    ids, mask, keep = _batch()
+    inputs = dict(prompt_ids=ids[:, :-keep], prompt_mask=mask[:, :-keep], completion_ids=ids[:, -keep:],
+                  completion_mask=mask[:, -keep:], advantages=torch.tensor([0.5, -0.5]),
+                  num_items_in_batch=mask[:, -keep:].sum())
+    results = []
+    for trainer in (stock, fast):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}))
+    (loss_s, grads_s), (loss_f, grads_f) = results
+    assert_close(loss_f, loss_s, atol=scaled(1e-5, loss_s), rtol=1e-5, name="loss")
+    head = [n for n in grads_s if "modules_to_save" in n]
+    assert head and grads_s.keys() == grads_f.keys(), "the head's trained copy got no gradient"
+    for name in grads_s:
+        scale = grads_s[name].abs().max().item()
+        assert_close(grads_f[name], grads_s[name], atol=1e-5 * scale + 1e-12, rtol=1e-4, name=f"grad {name}")
