@@ -156,18 +156,40 @@ def register_processors() -> None:
 
 
 def main(argv=None) -> None:
+    """run.py's two modes on the VLM tests, into --out, and compare.py's report into --md (not the text suite's)."""
     import argparse
+    import shlex
+    import shutil
+    import sys
+    import tempfile
+    import time
 
-    from . import run
+    from . import compare, run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl", type=Path, required=True, help="a TRL checkout (or its tests/test_grpo_trainer.py)")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "grpo_fast" / "trl_suite")
     parser.add_argument("--out", type=Path, default=run.REPO / "benchmarks" / "results" / "trl_suite_vlm")
+    parser.add_argument("--md", type=Path, default=run.REPO / "benchmarks" / "results" / "trl_suite_vlm" / "trl_suite.md")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per test (pytest-timeout)")
     args, rest = parser.parse_known_args(argv)
-    build(args.cache)
+    cache = build(args.cache)
     os.environ["TRL_SUITE_VLM"] = "1"  # (the plugin keeps the VLM tests and registers the processors)
-    run.main(["--cache", str(args.cache), "--out", str(args.out), *rest,
-              *([] if "-k" in rest else ["-k", "TestGRPOTrainerVLM"])])
+    rest = [*rest, *([] if "-k" in rest else ["-k", "TestGRPOTrainerVLM"])]
+    args.out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="trl_suite_vlm_"))
+    try:
+        tests = scratch / "tests"
+        shutil.copytree(run.trl_tests(args.trl), tests, ignore=shutil.ignore_patterns("__pycache__"))
+        for mode in compare.MODES:
+            code, seconds = run.run_mode(mode, tests, cache, args.out, args.timeout, rest)
+            record = dict(command=shlex.join(["python", "-m", "benchmarks.trl_suite.vlm", *(argv or sys.argv[1:])]),
+                          trl_checkout=str(args.trl), trl_commit=run._commit(args.trl), installed=run._versions(),
+                          pytest_exit=code, seconds=seconds, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+            (args.out / f"trl_suite_{mode}_run.json").write_text(json.dumps(record, indent=1) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    compare.main(["--out", str(args.out), "--md", str(args.md)])
 
 
 if __name__ == "__main__":
