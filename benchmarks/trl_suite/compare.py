@@ -10,6 +10,7 @@ and how far apart the first optimizer step's values are (relative: |a - b| / max
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -19,7 +20,7 @@ TOLERANCE = 3e-3  # the relative agreement claimed for step-1 values under TRL's
 NEAR_ZERO = 1e-4  # below this a value is a cancellation (an on-policy step-1 loss is a sum of advantages ~ 0): its
 #                   relative difference measures rounding, not agreement; the absolute difference is what to read
 TIMING = ("time", "runtime", "per_second", "flos")
-# Why a test differs or fails in both modes, as found by reading it: {test id or its name before "[": reason}
+# Why a test differs or fails in both modes, as found by reading it: {test id pattern (fnmatch): reason}, first match
 EXPLANATIONS = Path(__file__).with_name("explanations.json")
 
 
@@ -74,8 +75,13 @@ def report(out: Path) -> str:
     runs = {mode: json.loads((out / f"trl_suite_{mode}_run.json").read_text()) for mode in MODES}
     results = {mode: outcomes(out / f"trl_suite_{mode}.xml") for mode in MODES}
     recorded = {mode: logs(out / f"trl_suite_{mode}_logs.json") for mode in MODES}
-    tests = sorted(set(results["stock"]) | set(results["backend"]))
-    trained = [t for t in tests if any(r.get("log_history") for r in recorded["stock"].get(t, []))]
+    tests = sorted(set(results["stock"]) & set(results["backend"]))  # a partial run: what both modes ran
+    one_mode = {mode: sorted(set(results[mode]) - set(tests)) for mode in MODES}
+
+    def trains(mode, t):
+        return any(r.get("log_history") for r in recorded[mode].get(t, []))
+
+    trained = [t for t in tests if trains("stock", t)]
     lines = ["# TRL's GRPO test file: stock TRL vs the grpo_fast backend", "",
              "TRL's own `tests/test_grpo_trainer.py` run twice with the installed TRL on local stand-ins of its hub "
              "models and datasets (benchmarks/trl_suite/README.md): once as it is (stock), once with "
@@ -87,23 +93,34 @@ def report(out: Path) -> str:
                      f"{run['finished']}, {run['seconds']} s, pytest exit {run['pytest_exit']})")
     lines += [f"- installed: {', '.join(f'{k} {v}' for k, v in runs['stock']['installed'].items())}", ""]
 
-    lines += ["## Counts", "", "| mode | passed | failed | error | skipped | xfailed | tests that train: passed |",
+    lines += [f"## Counts ({len(tests)} tests run in both modes)", "",
+              "| mode | passed | failed | error | skipped | xfailed | tests that train: passed |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for mode in MODES:
-        got = [results[mode].get(t, ("absent", ""))[0] for t in tests]
-        passed_training = sum(results[mode].get(t, ("",))[0] == "passed" for t in trained)
+        got = [results[mode][t][0] for t in tests]
+        passed_training = sum(results[mode][t][0] == "passed" for t in trained)
         lines.append(f"| {mode} | " + " | ".join(str(got.count(k)) for k in ("passed", "failed", "error", "skipped",
                                                                           "xfailed"))
                      + f" | {passed_training} of {len(trained)} |")
     lines += ["", "A test that trains: one whose stock run called `trainer.train()` (recorded by the plugin).", ""]
+    for mode in MODES:
+        if one_mode[mode]:
+            got = [results[mode][t][0] for t in one_mode[mode]]
+            lines += [f"Run in {mode} mode only (the runs selected different tests): {len(got)}, "
+                      + ", ".join(f"{got.count(k)} {k}" for k in ("passed", "failed", "error", "skipped", "xfailed")
+                                  if got.count(k)) + ".", ""]
+            failing = [t for t in one_mode[mode] if results[mode][t][0] in ("failed", "error")]
+            if failing:
+                lines += [f"| failing in {mode} only run | first error line | why |", "| --- | --- | --- |"]
+                lines += [f"| `{t}` | {_cell(results[mode][t][1])} | {why(t)} |" for t in failing] + [""]
 
-    differing = [t for t in tests if results["stock"].get(t, ("absent",))[0] != results["backend"].get(t, ("absent",))[0]]
+    differing = [t for t in tests if results["stock"][t][0] != results["backend"][t][0]]
     lines += [f"## Tests whose outcome differs ({len(differing)})", ""]
     if differing:
         lines += ["| test | stock | backend | first error line (the failing mode's) | why |",
                   "| --- | --- | --- | --- | --- |"]
         for t in differing:
-            (s, sm), (b, bm) = results["stock"].get(t, ("absent", "")), results["backend"].get(t, ("absent", ""))
+            (s, sm), (b, bm) = results["stock"][t], results["backend"][t]
             lines.append(f"| `{t}` | {s} | {b} | {_cell(bm if b in ('failed', 'error') else sm)} | {why(t)} |")
     both = [t for t in tests if t not in differing and results["stock"][t][0] in ("failed", "error")]
     lines += ["", f"## Tests that fail in both modes ({len(both)})", ""]
@@ -112,7 +129,7 @@ def report(out: Path) -> str:
         lines += [f"| `{t}` | {_cell(results['stock'][t][1])} | {_cell(results['backend'][t][1])} | {why(t)} |"
                   for t in both]
 
-    compared = [t for t in trained if any(r.get("log_history") for r in recorded["backend"].get(t, []))]
+    compared = [t for t in trained if trains("backend", t)]
     lines += ["", f"## Metric names ({len(compared)} tests that trained in both modes)", ""]
     name_diffs = []
     for t in compared:
@@ -151,7 +168,7 @@ def report(out: Path) -> str:
 
 def why(test: str) -> str:
     reasons = json.loads(EXPLANATIONS.read_text()) if EXPLANATIONS.exists() else {}
-    return _cell(reasons.get(test) or reasons.get(test.split("[", 1)[0]) or "")
+    return _cell(next((reason for pattern, reason in reasons.items() if fnmatch.fnmatchcase(test, pattern)), ""))
 
 
 def _cell(text: str) -> str:
