@@ -169,7 +169,7 @@ def policy_pass(model, packer, batch, source: KeptSource, *, temperature: float,
     kept = [KeptTokens.none(0) for _ in range(n)] if rebuilding else None
     misses = 0
     micro_batches = packer.micro_batches(batch.prompt_ids, batch.completion_ids, routed_experts=routed_experts,
-                                         kept=None if rebuilding else batch.kept)
+                                         kept=None if rebuilding else batch.kept, images=batch.image_inputs)
     for mb in _without_dropout(model, micro_batches):
         with routing.replaying(base, mb.routing):
             hidden = completion_hidden(base, mb, packer.amp_dtype)

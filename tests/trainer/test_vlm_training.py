@@ -129,3 +129,18 @@ def test_grpo_trainer_trains_a_vlm_on_image_rows(tmp_path):
     assert sum(calls) == 2  # two prompts, G = 4 each, one micro-batch
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved and not any(".visual." in n for n in moved)
+
+
+def test_a_vlm_trains_under_truncated_sampling(tmp_path):
+    """top_k with images: the old-policy pass over the kept sets (train/kept_sets.policy_pass) runs the image encoder
+    too (it once packed the rows without their images and refused the placeholders)."""
+    from grpo_fast.trainer import GRPOTrainer
+    from tests.tiny_vlm import image_rows, tiny_vlm_dir
+    from tests.trainer.common import config, target_fraction
+
+    c = config(tmp_path, model=tiny_vlm_dir("qwen2_vl"), per_device_train_batch_size=8, max_steps=1,
+               max_prompt_length=None, max_completion_length=6, max_tokens_per_microbatch=512, beta=0.04,
+               top_k=5, num_iterations=2, sampling_check_steps=1, eval_before_train=False, save_final=False)
+    metrics = GRPOTrainer(c, [target_fraction], image_rows(2, images_per_row=1)).train()
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert abs(metrics["sampling/engine_ratio_mean"] - 1.0) < 1e-3  # fp32, the HF engine's own sets: the same numbers
