@@ -72,7 +72,7 @@ def trainer_logprobs(model, batch) -> list:
     final hidden states (one sequence at a time: the images of its prompt)."""
     import torch
 
-    from grpo_fast.integrations.trl import _completion_hidden
+    from grpo_fast.integrations.trl_vision import completion_hidden
     from grpo_fast.ops import fused_linear_logprobs
 
     out = []
@@ -84,7 +84,7 @@ def trainer_logprobs(model, batch) -> list:
                 continue
             ids = torch.tensor([prompt + completion])
             images = dict(batch.image_inputs[i]) if batch.image_inputs and batch.image_inputs[i] is not None else {}
-            hidden, _ = _completion_hidden(model, ids, torch.ones_like(ids), len(completion), None, images)
+            hidden, _ = completion_hidden(model, ids, torch.ones_like(ids), len(completion), None, images)
             out.append(fused_linear_logprobs(hidden[0].float(), weight, torch.tensor(completion), backend="cpu"))
     return out
 

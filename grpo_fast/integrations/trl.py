@@ -77,19 +77,18 @@ from ..models.adapter import (  # noqa: E402
     masked_logprobs,
     output_head,
 )
-from ..models.moe import completion_hidden_and_router_loss, router_loss  # noqa: E402
+from ..models.moe import router_loss  # noqa: E402
 from ..objective import LossOptions  # noqa: E402
 from ..ops import fused_linear_grpo_loss  # noqa: E402
+from .trl_vision import (  # noqa: E402
+    MULTIMODAL_KEYS,
+    completion_hidden,
+    image_inputs,
+    multimodal_backbone,
+    rows_image_inputs,
+)
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # the table: TRL 1.16's eight (and any registered since)
-# Model inputs of vision-language models as TRL 1.16 hands them to its log-prob passes (`num_images`: its own, the
-# images of each row), by what their first axis counts: images (or an image's patches, by image_grid_thw), or rows
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                   "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_tiles", "num_images")
-_PER_IMAGE_KEYS = ("image_grid_thw", "image_sizes", "image_position_ids")
-_PER_ROW_KEYS = ("pixel_attention_mask", "token_type_ids", "mm_token_type_ids")
-# tile-indexed layouts (LFM2-VL's spatial_shapes, InternVL's num_tiles): not checked here, refused by name
-_REFUSED_KEYS = ("spatial_shapes", "num_tiles")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,8 +116,8 @@ def check_supported_args(args) -> None:
 def check_supported_trainer(trainer) -> None:
     """Refuse, naming the option, what only shows once the trainer is built (models, distribution)."""
     check_supported_args(trainer.args)
-    if getattr(trainer, "_is_vlm", False):  # images through the model's own multimodal backbone (`_multimodal_backbone`)
-        _multimodal_backbone(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)))
+    if getattr(trainer, "_is_vlm", False):  # images through the model's own multimodal backbone (trl_vision.py)
+        multimodal_backbone(causal_lm_of(trainer.accelerator.unwrap_model(trainer.model)))
         if getattr(trainer, "aux_loss_enabled", False):
             raise ValueError("router_aux_loss_coef (the MoE router loss) with a vision-language model is not supported by "
                              "the fused path (the router logits of the multimodal backbone are untested); unset it or "
@@ -179,73 +178,6 @@ def loss_options(trainer) -> LossOptions:
 
 
 # ----------------------------------------------------------------------------------------------
-# Vision-language models: TRL's own VLM path (its processor, its batches), the fused loss in place of the logits
-# ----------------------------------------------------------------------------------------------
-
-
-def _multimodal_backbone(lm, given=()):
-    """The VLM's multimodal backbone (`lm.model`): its forward takes the image inputs, merges the image features into
-    the language model's inputs (and, for the M-RoPE families, builds the 3-D positions) and returns the final hidden
-    states, what the lm_head multiplies, so the fused ops replace exactly TRL's lm_head and log-softmax.
-    given: the image inputs at hand (named where the model has no such backbone)."""
-    backbone = lm.base_model
-    if backbone is lm or not hasattr(backbone, "get_image_features"):
-        inputs = f"multimodal inputs {sorted(given)} given, but " if given else ""
-        raise ValueError(f"{inputs}{type(lm).__name__} has no multimodal backbone (get_image_features at "
-                         f"lm.{lm.base_model_prefix}) for the fused path to run the images through; use a "
-                         f"vision-language model or trl.GRPOTrainer")
-    return backbone
-
-
-def _image_inputs(values: dict) -> dict:
-    """The multimodal model inputs among `values` (TRL's batch, or its log-prob pass's keyword arguments), given ones
-    only; the tile-indexed layouts are refused by name."""
-    given = {key: values[key] for key in MULTIMODAL_KEYS if values.get(key) is not None}
-    refused = [key for key in _REFUSED_KEYS if key in given]
-    if refused:
-        raise ValueError(f"multimodal inputs {refused} (tile-indexed images: LFM2-VL, InternVL) are not supported by the "
-                         f"fused path; use trl.GRPOTrainer")
-    return given
-
-
-def _rows_image_inputs(images: dict, start: int, end: int, rows: int) -> dict:
-    """The image inputs of rows start:end of a batch of `rows` (TRL 1.16's layouts): pixel_values by image patches
-    (image_grid_thw), by image (one entry per image: num_images), or by row; the per-image and per-row tensors by
-    their axis. num_images (TRL's own) is dropped: the model does not take it."""
-    num_images = images.get("num_images")
-    if start == 0 and end == rows:
-        return {k: v for k, v in images.items() if k != "num_images"}
-    assert num_images is not None, "a chunk of a batch with images needs TRL's num_images"
-    first, last = sum(num_images[:start]), sum(num_images[:end])
-    out = {}
-    pixels, grid = images.get("pixel_values"), images.get("image_grid_thw")
-    if pixels is not None and grid is not None:  # Qwen-VL: an image's rows of patches, grid t x h x w of them
-        patches = grid.prod(-1).tolist()
-        out["pixel_values"] = pixels[sum(patches[:first]) : sum(patches[:last])]
-    elif pixels is not None and pixels.size(0) == sum(num_images):
-        out["pixel_values"] = pixels[first:last]
-    elif pixels is not None:
-        out["pixel_values"] = pixels[start:end]
-    for key in _PER_IMAGE_KEYS:
-        if key in images:
-            out[key] = images[key][first:last]
-    for key in _PER_ROW_KEYS:
-        if key in images:
-            out[key] = images[key][start:end]
-    return out
-
-
-def _completion_hidden(lm, input_ids, attention_mask, logits_to_keep, router, images: dict):
-    """(hidden `[B, logits_to_keep, H]`, router loss or None): the text decoder's (`models.moe`), or with image
-    inputs the multimodal backbone's over the images (a VLM's router loss is refused when the trainer is built)."""
-    if not images:
-        return completion_hidden_and_router_loss(lm, input_ids, attention_mask, logits_to_keep, router)
-    out = _multimodal_backbone(lm, images)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **images)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[:, -logits_to_keep - 1 : -1], None
-
-
-# ----------------------------------------------------------------------------------------------
 # The overrides
 # ----------------------------------------------------------------------------------------------
 
@@ -273,11 +205,11 @@ class FastGRPOMixin:
         With gradients enabled the entropies carry a gradient, as stock TRL 1.16's do (its fused head returns a
         differentiable entropy whatever entropy_coef is), so a subclass may put them in its loss.
         A VLM's image inputs (TRL's keyword arguments: pixel_values, image_grid_thw, num_images, ...) go to its
-        multimodal backbone, each row chunk with its own images (`_rows_image_inputs`)."""
+        multimodal backbone, each row chunk with its own images (`trl_vision.rows_image_inputs`)."""
         unknown = sorted(set(extra) - set(MULTIMODAL_KEYS))
         if unknown:
             raise TypeError(f"_get_per_token_logps_and_entropies() got unexpected keyword arguments {unknown}")
-        images = _image_inputs(extra)
+        images = image_inputs(extra)
         options = loss_options(self)
         lm = causal_lm_of(self.accelerator.unwrap_model(model))
         weight, bias = output_head(lm)
@@ -286,9 +218,9 @@ class FastGRPOMixin:
         logps, entropies, aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):  # row chunks bound the decoder's activations
             ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            chunk = _rows_image_inputs(images, start, start + len(ids), len(input_ids)) if images else {}
+            chunk = rows_image_inputs(images, start, start + len(ids), len(input_ids)) if images else {}
             with self.accelerator.autocast():
-                hidden, aux = _completion_hidden(lm, ids, att, logits_to_keep, router, chunk)
+                hidden, aux = completion_hidden(lm, ids, att, logits_to_keep, router, chunk)
             aux_losses.append(aux)
             logp, entropy = masked_logprobs(hidden, weight, bias, ids[:, -logits_to_keep:], att[:, -logits_to_keep:],
                                             options=options,
@@ -301,7 +233,7 @@ class FastGRPOMixin:
     def _compute_loss(self, model, inputs):
         """TRL's `_compute_loss` (same loss, gradients and logged metrics) through the fused GRPO loss (a VLM's
         micro-batch with its own image inputs, as TRL splits them)."""
-        images = _rows_image_inputs(_image_inputs(inputs), 0, len(inputs["prompt_ids"]), len(inputs["prompt_ids"]))
+        images = rows_image_inputs(image_inputs(inputs), 0, len(inputs["prompt_ids"]), len(inputs["prompt_ids"]))
         mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
@@ -314,7 +246,7 @@ class FastGRPOMixin:
         weight, bias = output_head(lm)
         router = router_loss(lm, self.router_aux_loss_coef) if getattr(self, "aux_loss_enabled", False) else None
         with self.accelerator.autocast():  # (and the MoE router loss from the same decoder forward)
-            hidden, aux = _completion_hidden(lm, input_ids, attention_mask, completion_ids.size(1), router, images)
+            hidden, aux = completion_hidden(lm, input_ids, attention_mask, completion_ids.size(1), router, images)
         hidden = hidden.to(weight.dtype)
         if not torch.is_grad_enabled():  # eval: the fused op would otherwise still compute gradients
             hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))

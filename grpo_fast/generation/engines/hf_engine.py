@@ -280,9 +280,9 @@ def is_vision_language(model) -> bool:
     return getattr(model.config, "vision_config", None) is not None
 
 
-def image_token_id(config) -> int:
-    token = getattr(config, "image_token_id", None)
-    return int(token if token is not None else config.image_token_index)  # (older LLaVA configs' name)
+def image_token_id(model_config) -> int:
+    token = getattr(model_config, "image_token_id", None)
+    return int(token if token is not None else model_config.image_token_index)  # (older LLaVA configs' name)
 
 
 def batched_image_inputs(per_row: list) -> dict:
