@@ -10,7 +10,7 @@ encoded by grpo_fast.data.images with the model's processor). The policy is the 
 weights the engine samples with arrive through `update_weights`, the weight sync of a training run) and the engine
 samples `--prompts` x `--n` completions at temperature 1; the trainer scores the sampled tokens with the fused
 log-prob op over the final hidden states of the model's multimodal backbone (the TRL backend's VLM path:
-integrations/trl.py; Idefics3 is not among the native trainer's image families, models/vision.py). The text figure:
+integrations/trl_vision.py; Idefics3 is not among the native trainer's image families, models/vision.py). The text figure:
 the same model, engine and sampling on the same prompts with their images left out. The ratio is
 exp(trainer - engine) per sampled token (the IS ratio); outside: the share of tokens outside [0.9, 1.1]. Engines: vLLM
 in float32 and bfloat16 (the default run's engine dtype where the CPU has bf16 matmuls), and the HF engine (the policy
