@@ -50,21 +50,21 @@ PER_IMAGE_FIELDS = ("pooler_output",)
 PER_LAYER_PER_IMAGE_FIELDS = ("deepstack_features",)
 
 
-def is_vision_language(config) -> bool:
+def is_vision_language(model_config) -> bool:
     """A config with a vision sub-config: a transformers VLM (whether its images are supported or not)."""
-    return getattr(config, "vision_config", None) is not None
+    return getattr(model_config, "vision_config", None) is not None
 
 
-def supports_images(config) -> bool:
-    return is_vision_language(config) and getattr(config, "model_type", None) in FAMILIES
+def supports_images(model_config) -> bool:
+    return is_vision_language(model_config) and getattr(model_config, "model_type", None) in FAMILIES
 
 
-def check_images_supported(config, name: str = "model") -> None:
+def check_images_supported(model_config, name: str = "model") -> None:
     """Raise a ValueError naming the model's family unless the fused path trains it on images."""
-    kind = getattr(config, "model_type", None)
-    if supports_images(config):
+    kind = getattr(model_config, "model_type", None)
+    if supports_images(model_config):
         return
-    if not is_vision_language(config):
+    if not is_vision_language(model_config):
         raise ValueError(f"{name} ({kind}) is not a vision-language model: prompts with images need one of the "
                          f"families {sorted(FAMILIES)}")
     why = REFUSED.get(kind, "it was not checked against its own forward here")
@@ -150,8 +150,8 @@ def trains_encoder(backbone: nn.Module) -> bool:
                                            if name != "language_model" for p in child.parameters())
 
 
-def image_token_id(config) -> int:
-    return config.image_token_id
+def image_token_id(model_config) -> int:
+    return model_config.image_token_id
 
 
 # ---- a prompt's images -------------------------------------------------------------------------------------
