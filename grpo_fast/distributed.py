@@ -38,7 +38,7 @@ from .processes import die_with_launcher
 class SequenceParallelOptions:
     """How a packed row is spread over ranks (`distributed.join`)."""
 
-    sequence_parallel_size: int = option(1, "Ulysses sequence parallelism: split every packed micro-batch row into this many contiguous shards, one per rank, so one long sequence's activations are spread over N devices (verl's ulysses_sequence_parallel_size, accelerate's sp_size; world size = data-parallel size x N, under torchrun with DDP or FSDP2). Each rank still samples its own share; the N ranks of a group exchange their completions and train on the union. Attention runs after an all-to-all (sequence gathered, heads scattered), so the model's query heads must be a multiple of N and its KV heads a multiple or a divisor of N. 1: off.", bounds=INTEGER_AT_LEAST_1)
+    sequence_parallel_size: int = option(1, "Ulysses sequence parallelism: split every packed micro-batch row into this many contiguous shards, one per rank, so one long sequence's activations are spread over N devices (verl's ulysses_sequence_parallel_size, accelerate's ParallelismConfig(sp_size=...); world size = data-parallel size x N, under torchrun with DDP or FSDP2). Each rank still samples its own share; the N ranks of a group exchange their completions and train on the union. Attention runs after an all-to-all (sequence gathered, heads scattered), so the model's query heads must be a multiple of N and its KV heads a multiple or a divisor of N. 1: off.", bounds=INTEGER_AT_LEAST_1)
 
 
 @dataclass(frozen=True)

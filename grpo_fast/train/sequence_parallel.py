@@ -138,9 +138,11 @@ def packer_attention(model, n: int) -> Optional[str]:
 @dataclass
 class ShardedMicroBatch(PackedMicroBatch):
     """A packed micro-batch as one rank of its group runs it: the decoder's inputs are this rank's contiguous
-    shard of the (padded) row, `hidden_index` points into the shard (clamped where another rank owns the
-    position), `owned` (b, Tc) marks the completion positions whose predicting hidden state is here.
-    Everything else (target_ids, completion_mask, rows: the whole micro-batch) is the row's, alike on every rank."""
+    shard of the (padded) row; `owned` (b, Tc) marks the completion positions whose predicting hidden state is
+    here, and `hidden_index` (1, n_own) is where, in the shard, in `owned`'s row-major order: the hidden states a
+    forward returns are this rank's [1, n_own, H] alone, never the micro-batch's (b, Tc, H), whose size would not
+    shrink with N (`own` and `spread` move a (b, Tc) tensor to that layout and back). Everything else (target_ids,
+    completion_mask, rows: the whole micro-batch) is the row's, alike on every rank."""
 
     owned: Optional[torch.Tensor] = None
     shard_inputs: Optional[dict] = None
@@ -154,6 +156,14 @@ class ShardedMicroBatch(PackedMicroBatch):
 
     def model_inputs(self) -> dict:
         return dict(self.shard_inputs)
+
+    def own(self, values: torch.Tensor) -> torch.Tensor:
+        """(b, Tc) -> (1, n_own): the values at this rank's positions, in `hidden_index`'s order."""
+        return values[self.owned][None]
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """(1, n_own) -> (b, Tc), 0 at the positions other ranks own (differentiable)."""
+        return torch.zeros(self.owned.shape, dtype=values.dtype, device=values.device).masked_scatter(self.owned, values[0])
 
 
 def shard(mb: PackedMicroBatch, group: Group, model) -> ShardedMicroBatch:
@@ -183,7 +193,7 @@ def shard(mb: PackedMicroBatch, group: Group, model) -> ShardedMicroBatch:
     local = mb.hidden_index - start
     owned = mb.completion_mask & (local >= 0) & (local < size)
     fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(PackedMicroBatch)}
-    fields.update(hidden_index=local.clamp(0, size - 1), attention="sequence_parallel", attention_mask=None)
+    fields.update(hidden_index=local[owned][None], attention="sequence_parallel", attention_mask=None)
     return ShardedMicroBatch(**fields, owned=owned, shard_inputs=inputs, inner=inner, group=group,
                              shard_tokens=max(0, min(length - start, size)))
 
@@ -228,25 +238,30 @@ def group_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def logprobs(hidden, weight, bias, mb: ShardedMicroBatch, mask, options) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's whole (log-probs, entropies) (b, Tc) where `mask` is set, no grad: each rank's own
-    positions from its hidden states, summed over the group (train/step.py's `_logprobs` under sequence parallelism)."""
-    logp, entropy = masked_logprobs(hidden, weight, bias, mb.target_ids, mask.bool() & mb.owned, options=options)
-    return group_sum(logp, mb.group), group_sum(entropy, mb.group)
+    positions from its hidden states [1, n_own, H], summed over the group (train/step.py's `_logprobs` under
+    sequence parallelism)."""
+    logp, entropy = masked_logprobs(hidden, weight, bias, mb.own(mb.target_ids), mb.own(mask.bool()), options=options)
+    return group_sum(mb.spread(logp), mb.group), group_sum(mb.spread(entropy), mb.group)
 
 
 def loss_of(mb: ShardedMicroBatch):
-    """`ops.fused_linear_grpo_loss`'s call for a sharded micro-batch: (loss, metrics), each alike on every rank."""
+    """`ops.fused_linear_grpo_loss`'s call for a sharded micro-batch, its hidden states this rank's [1, n_own, H]
+    and every other tensor the micro-batch's (b, Tc): (loss, metrics), each alike on every rank."""
 
     def loss(hidden, weight, target_ids, advantages, mask, *, old_logp=None, ref_logp=None, is_weights=None,
              is_ratio=None, entropy_weights=None, bias=None, num_items_in_batch=None, options, kept=None):
-        objective.check_loss_inputs(hidden.shape[:2], options, target_ids=target_ids, advantages=advantages,
+        objective.check_loss_inputs(target_ids.shape, options, target_ids=target_ids, advantages=advantages,
                                     mask=mask, old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights,
                                     is_ratio=is_ratio, entropy_weights=entropy_weights)
+        if tuple(hidden.shape[:2]) != (1, int(mb.owned.sum())):
+            raise ValueError(f"hidden must be this rank's [1, {int(mb.owned.sum())}, H] (its owned positions), got "
+                             f"{list(hidden.shape)}")
         bonus = options.entropy_coef != 0.0
         logp, entropy = masked_linear_logprobs(
-            hidden.to(weight.dtype), weight, target_ids, mask.bool() & mb.owned, bias=bias,
+            hidden.to(weight.dtype), weight, mb.own(target_ids), mb.own(mask.bool()), bias=bias,
             temperature=options.temperature, logit_scale=options.logit_scale, logit_softcap=options.logit_softcap,
             backend=options.backend, return_entropy=True, differentiable_entropy=bonus)
-        logp, entropy = group_sum(logp, mb.group), group_sum(entropy, mb.group)
+        logp, entropy = group_sum(mb.spread(logp), mb.group), group_sum(mb.spread(entropy), mb.group)
         if old_logp is not None:  # masked places take the old log-prob (ratio 1), as the fused op's
             logp = torch.where(mask.bool(), logp, old_logp.detach().float())
         num_items = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32)
@@ -280,8 +295,8 @@ def completion_logprobs(model, packer, prompt_ids, completion_ids, *, temperatur
         mb = shard(mb, group, base)
         with attending(base, mb):
             hidden = completion_hidden(base, mb, packer.amp_dtype)
-        logp = masked_linear_logprobs(hidden, weight, mb.target_ids, mb.owned, bias=bias, temperature=temperature,
-                                      **logit_map, backend=backend)
-        for i, values in zip(mb.rows, mb.unpad(group_sum(logp, group)), strict=True):
+        logp = masked_linear_logprobs(hidden, weight, mb.own(mb.target_ids), mb.own(mb.owned), bias=bias,
+                                      temperature=temperature, **logit_map, backend=backend)
+        for i, values in zip(mb.rows, mb.unpad(group_sum(mb.spread(logp), group)), strict=True):
             out[i] = values.cpu()
     return out[group.own([len(part[0]) for part in parts])]

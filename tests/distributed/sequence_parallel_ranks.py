@@ -7,7 +7,8 @@ group, and trainer runs, one after another in one launch (jobs separated by `+`,
 OUT/checks-rank<r>.json with, per check, the largest relative difference against the unsharded computation that
 every rank also runs alone:
 - decoder: the tiny Llama's hidden states and parameter gradients through Ulysses (per-sequence SDPA; the dense mask
-  path with sdpa and eager attention; KV heads repeated where N > KV heads; gradient checkpointing);
+  path with sdpa and eager attention; KV heads repeated where N > KV heads; gradient checkpointing); the sharded
+  zero pass of train/step.py (its gradients 0: "grad" is the largest);
 - loss/<type>[/sequence]: each loss type's sharded loss (log-probs summed over the group, the spec on whole rows)
   against `ops.fused_linear_grpo_loss` unsharded: loss, every metric, the hidden states' and lm_head's gradients,
   with β > 0, an entropy bonus, IS weights (vespo: its IS ratio) and a shard whose tokens are all masked.
@@ -85,13 +86,21 @@ def decoder_checks(group, results: dict) -> None:
             model.zero_grad()
             mine = sp.shard(pack_sequences(prompts, completions, list(range(len(prompts))), attention=mode), group, base)
             with sp.attending(base, mine):
-                hidden = completion_hidden(base, mine)
-                (hidden * probe * mine.owned[..., None]).sum().backward()
-            worst["hidden"] = max(worst["hidden"], rel(hidden[mine.owned], whole[mine.owned]))
+                hidden = completion_hidden(base, mine)  # [1, n_own, H]: this rank's positions
+                (hidden * mine.own(probe)).sum().backward()
+            worst["hidden"] = max(worst["hidden"], rel(hidden[0], whole[mine.owned]))
             for n, p in model.named_parameters():
                 dist.all_reduce(p.grad, group=group.handle)
                 worst["grad"] = max(worst["grad"], rel(p.grad, expected[n]))
         results[f"decoder/{name}"] = worst
+    # the pass a rank with fewer micro-batches runs to meet FSDP2's collectives (train/step.py): sharded too
+    from grpo_fast.train.forward import Packer
+    from grpo_fast.train.step import _zero_backward
+
+    model = tiny_llama().train()
+    model.zero_grad()
+    _zero_backward(model, None, model.model, Packer(model, 64), group)
+    results["decoder/zero_backward"] = {"grad": max(float(p.grad.abs().max()) for p in model.parameters())}
 
 
 def loss_checks(group, results: dict) -> None:

@@ -73,7 +73,7 @@ def test_ulysses_attention_paths_equal_the_unsharded_decoder(launched):
     edges, not divisible by N, with a prompt-only shard, a sequence longer than a shard and one spanning both."""
     _, checks = launched
     names = [n for n in checks[0] if n.startswith("decoder/")]
-    assert len(names) == 5
+    assert len(names) == 6  # (and the sharded zero pass of a rank with fewer micro-batches: its gradients 0)
     for rank in checks:
         for name in names:
             assert max(rank[name].values()) <= TOLERANCE, (name, rank[name])

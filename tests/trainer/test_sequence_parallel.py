@@ -41,8 +41,9 @@ def test_each_completion_token_has_one_owner_whose_target_is_the_next_token_of_i
     assert owners.equal(mb.completion_mask.long()), "every completion token once, nothing else"
     starts = mb.cu_seq_lens.tolist()
     for r, s in enumerate(shards):
-        for j, t in s.owned.nonzero().tolist():
-            position = r * size + int(s.hidden_index[j, t])  # the row position whose hidden state predicts it
+        assert s.hidden_index.shape == (1, int(s.owned.sum())), "this rank's positions alone, not the micro-batch's"
+        for k, (j, t) in enumerate(s.owned.nonzero().tolist()):
+            position = r * size + int(s.hidden_index[0, k])  # the row position whose hidden state predicts it
             sequence = prompts[j] + completions[j]
             assert int(mb.target_ids[j, t]) == sequence[position - starts[j] + 1]
             if position == (r + 1) * size - 1 and t + 1 < len(completions[j]):  # cut at the shard edge, mid-sequence
@@ -56,10 +57,11 @@ def test_the_cases_cut_where_they_say():
         "the first sequence ends at the edge: rank 0 owns all of it (its last token a target only), rank 1 the second"
     _, _, mb, two = _cut("edge_inside_a_sequence", 2, vocab)
     assert two[0].owned[0].any() and two[1].owned[0].any(), "the first sequence spans the edge"
-    edge = int((two[0].hidden_index[0] == 8).logical_and(two[0].owned[0]).nonzero()[0, 0])  # shard 0's last position
-    assert int(mb.target_ids[0, edge]) == int(two[1].shard_inputs["input_ids"][0, 0]), "its target: rank 1's first token"
+    k = int((two[0].hidden_index[0] == 8).nonzero()[0, 0])  # shard 0's last position predicts ...
+    target = int(two[0].own(mb.target_ids)[0, k])
+    assert target == int(two[1].shard_inputs["input_ids"][0, 0]), "... rank 1's first token"
     rolled = torch.roll(two[0].shard_inputs["input_ids"][0], -1)  # labels rolled after slicing (verl#6068)
-    assert int(rolled[8]) != int(mb.target_ids[0, edge]), "a shard-local roll would mislabel it"
+    assert int(rolled[8]) != target, "a shard-local roll would mislabel it"
     _, _, mb, three = _cut("not_divisible", 3, vocab)
     assert mb.num_tokens == 7 and [s.num_tokens for s in three] == [3, 3, 1]
     _, _, _, two = _cut("prompt_only_shard", 2, vocab)
@@ -88,8 +90,9 @@ def test_the_shards_log_probs_summed_equal_the_whole_rows(case, n, model):
     padded = torch.cat([full, full.new_zeros(size * n - full.shape[0], full.shape[1])])
     for mask in (mb.completion_mask, mb.completion_mask & ~shards[-1].owned):
         expected = masked_linear_logprobs(expected_hidden, weight, mb.target_ids, mask, temperature=0.7)
-        summed = sum(masked_linear_logprobs(padded[r * size: (r + 1) * size][s.hidden_index], weight, mb.target_ids,
-                                            mask & s.owned, temperature=0.7) for r, s in enumerate(shards))
+        summed = sum(s.spread(masked_linear_logprobs(padded[r * size: (r + 1) * size][s.hidden_index], weight,
+                                                     s.own(mb.target_ids), s.own(mask), temperature=0.7))
+                     for r, s in enumerate(shards))
         torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
