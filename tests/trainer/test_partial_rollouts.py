@@ -92,6 +92,23 @@ def test_partial_rollouts_carry_over_bound_staleness_and_resume_exactly(tmp_path
         assert torch.equal(p, q), f"{name} differs between the uninterrupted and the resumed run"
 
 
+def test_truncated_partial_rollouts_resume_exactly(tmp_path, tiny_path):
+    """top_p 0.9 with groups in flight (issue 50): vLLM here returns no kept sets, so every round's are rebuilt from the
+    old policy (stale tokens' from the current one, which the run's first lines say); resuming from checkpoint-2,
+    groups in flight, equals the uninterrupted run's step 3 bit for bit, the kept-set figures included."""
+    whole, lines = _run(tmp_path, tiny_path, "whole", 3, top_p=0.9)
+    assert all(0 < r["sampling/kept_mass_mean"] < 1 for r in lines), "top_p 0.9 cuts some of the mass"
+    state = torch.load(tmp_path / "whole" / "checkpoint-2" / "trainer_state.pt", weights_only=False)["state"]
+    assert state["in_flight"], "checkpoint-2 should hold groups in flight"
+    shutil.copytree(tmp_path / "whole", tmp_path / "split")
+    resumed, resumed_lines = _run(tmp_path, tiny_path, "split", 3, printed_resume=True)
+    a, b = lines[-1], resumed_lines[-1]
+    for key in ("reward", "loss", "rollout/carried_over", "sampling/kept_mass_mean", "sampling/engine_ratio_mean"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs between the uninterrupted and the resumed run"
+
+
 def test_groups_join_a_round_as_slots_free_up(tmp_path, tiny_path):
     """Slots of 1.5 x 2 groups of 4: a fourth group joins once a group's worth of sequences has ended,
     up to (1 + 3) x 2 groups ahead of the trainer."""
