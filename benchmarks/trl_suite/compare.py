@@ -153,7 +153,10 @@ def report(out: Path) -> str:
               f"The first optimizer step's metrics (TRL's `_metrics` means) and mean micro-batch loss, per metric the "
               f"largest relative difference over the tests that trained in both modes (tolerance {TOLERANCE:g}), "
               f"values under {NEAR_ZERO:g} in magnitude left out of the relative column (a cancellation: read the "
-              f"largest absolute difference).", "",
+              f"largest absolute difference). With random hidden-8 stand-ins every next-token distribution is near "
+              f"uniform (entropy ln 151,936 = 11.93) and an on-policy step-1 loss is a cancellation of advantages, so "
+              f"the sharpest comparisons here are aux_loss and the MoE losses that contain it; the fused ops' accuracy "
+              f"on non-uniform distributions is what tests/integrations/test_trl.py checks.", "",
               "| metric | max relative difference | in test | stock | backend | max absolute difference |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name in sorted(largest_gap):
