@@ -127,8 +127,10 @@ def worker(mode: str, lengths: list[int], checkpointing: bool) -> None:
         sent = ulysses.BYTES["sent"]
         with harness.PeakMemory(reset_rss_peak=True) as memory:
             seconds = harness.time_call(step)
+        sent = ulysses.BYTES["sent"] - sent
+        tensors = torch_peak_bytes(step)  # (a step of its own: the profiler slows it)
         row = {"mode": mode, "tokens": length, "checkpointing": checkpointing, "attention": attention,
-               "extra_mb": memory.extra_bytes / 2**20, "step_s": seconds, "all_to_all_bytes": ulysses.BYTES["sent"] - sent}
+               "extra_mb": memory.extra_bytes / 2**20, "tensor_mb": tensors / 2**20, "step_s": seconds, "all_to_all_bytes": sent}
         rows = [row] if group is None else [None] * group.size
         if group is not None:
             dist.all_gather_object(rows, row)
@@ -136,8 +138,25 @@ def worker(mode: str, lengths: list[int], checkpointing: bool) -> None:
             ranks = len(rows)
             print(json.dumps({**row, "ranks": ranks, "extra_mb": max(r["extra_mb"] for r in rows),
                               "extra_mb_per_rank": [r["extra_mb"] for r in rows],
+                              "tensor_mb": max(r["tensor_mb"] for r in rows),
+                              "tensor_mb_per_rank": [r["tensor_mb"] for r in rows],
                               "step_s": max(r["step_s"] for r in rows),
                               "all_to_all_bytes_per_rank": [r["all_to_all_bytes"] for r in rows]}), flush=True)
+
+
+def torch_peak_bytes(step) -> int:
+    """The most bytes torch's tensors held at once during `step()`, over what they held at its start: the running sum
+    of every profiled op's own allocations minus its frees, in time order (op granularity: a peak inside one op is
+    its net). Free of the C allocator's caching and fragmentation, which the RSS figure carries."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
 
 
 # ---- the sweep ------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ would pack it; each packed row is then cut into N contiguous shards (`shard`), o
   the last completion token a target only, positions restarting per sequence). A completion token belongs to
   the rank holding the hidden state that predicts it, so a sequence cut at a shard edge keeps its right target
   (verl#6068 rolled the labels after slicing: one wrong label per rank and micro-batch).
-- a row N does not divide is padded at its end with a sequence of its own (never attended to, never trained).
+- a row N does not divide is padded at its end, the padding appended to its last sequence: attention is causal, so
+  no real token sees it, and no completion position reads it. (A padding sequence of its own would cost a whole
+  row: the per-sequence SDPA pads every sequence to the longest, which doubled each rank's attention memory.)
 - every per-token input (loss mask, advantages, old / reference log-probs, IS weights, tool masks) keeps the
   row's (b, Tc) layout: the same boundaries on every rank, nothing sliced apart from the hidden states.
 - the decoder runs on the shard; attention gathers the row through Ulysses' all-to-all (`train/ulysses.py`).
@@ -176,15 +178,16 @@ def shard(mb: PackedMicroBatch, group: Group, model) -> ShardedMicroBatch:
     pad = size * n - length
     start = group.rank * size
     device = mb.input_ids.device
-    lengths = (mb.cu_seq_lens[1:] - mb.cu_seq_lens[:-1]).tolist() + ([pad] if pad else [])
+    lengths = (mb.cu_seq_lens[1:] - mb.cu_seq_lens[:-1]).tolist()
+    lengths[-1] += pad  # (the padding continues the last sequence: module docstring)
     ids = torch.cat([mb.input_ids, mb.input_ids.new_zeros(1, pad)], dim=1)
-    positions = torch.cat([mb.position_ids, torch.arange(pad, device=device)[None]], dim=1)
+    positions = torch.cat([mb.position_ids, mb.position_ids[:, -1:] + 1 + torch.arange(pad, device=device)[None]], dim=1)
     inputs = {"input_ids": ids[:, start: start + size], "position_ids": positions[:, start: start + size],
               "use_cache": False}
     inner = mb.attention
     if inner in ("packed", "varlen"):
         inputs["cu_seq_lens_q"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-    else:  # the dense mask of the padded row (the padding its own block)
+    else:  # the dense mask of the padded row
         mask = block_causal_mask(lengths, device)
         if attention_implementation(model.config) == "eager":  # additive, as forward.completion_hidden makes it
             dtype = next(model.parameters()).dtype

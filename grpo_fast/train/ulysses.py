@@ -87,12 +87,17 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+    """One flat buffer each way (all_to_all_single: gloo's list form stages its own flat copies, 24 MB a rank at
+    2k tokens of the benchmark's model): chunk j of `scatter` as the j-th block, the blocks received from ranks
+    0..N-1 laid side by side along `gather`."""
     n = dist.get_world_size(group)
-    chunks = [c.contiguous() for c in x.chunk(n, dim=scatter)]
-    received = [torch.empty_like(c) for c in chunks]
-    dist.all_to_all(received, chunks, group=group)
-    BYTES["sent"] += sum(c.numel() * c.element_size() for c in chunks) * (n - 1) // n
-    return torch.cat(received, dim=gather)
+    blocks = x.movedim(scatter, 0)
+    send = blocks.reshape(n, blocks.shape[0] // n, *blocks.shape[1:]).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    BYTES["sent"] += send.numel() * send.element_size() * (n - 1) // n
+    parts = received.movedim(1, scatter + 1).movedim(0, gather)  # [..., N, gather's size, ...]
+    return parts.reshape(*parts.shape[:gather], -1, *parts.shape[gather + 2:])
 
 
 def all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
