@@ -18,11 +18,15 @@ train step's forward and backward through the decoder and the loss (dapo), three
 - "N=3": three ranks (torchrun, gloo), each a third of the row.
 
 Memory: each rank's peak RSS during the measured step (VmHWM, reset at its start) minus its RSS at the start, with
-the parameters' gradients allocated before; the step before it is a warm-up. That extra memory holds a fixed part,
-measured on a minimal row (3 tokens, one per rank): parameter-sized transients, the lm_head's and the embedding's
-[V, H] float32 gradients (113 MB each at this width) and the loss's logit slab (32 MiB), the same at any N and any
-length; and the part that grows with the row: activations and the loss's per-token memory, what sequence
-parallelism divides. Target: N=3's growing part per rank at most 1.1 x (N=1 sp's / 3).
+the parameters' gradients allocated before; the step before it is a warm-up. That extra memory holds a fixed part:
+parameter-sized transients, the lm_head's and the embedding's [V, H] float32 gradients (113 MB each at this width)
+and the loss's logit slabs (32 MiB each, row_ops.SLAB_BYTES: bounded by design, full from 171 rows a rank on), the
+same at any N and any length; and the part that grows with the row: activations and the loss's per-token memory,
+what sequence parallelism divides. The fixed part is measured on a base row of 768 tokens (256 a rank at N = 3,
+so every slab is already full: a shorter base row would count the slabs' filling up as growth, which does not
+divide by N), and the growing part is a row's memory over the base row's. Target: N=3's growing part per rank at
+most 1.1 x (N=1 sp's / 3). Memory is reported twice: RSS, and torch's own tensor bytes (the profiler's running
+sum of allocations minus frees, its peak over the step: no C allocator caching or fragmentation in it).
 Time: the measured step's wall time; three ranks share this machine's 2 cores, so N=3's times are not a speedup
 measurement (on a GPU each rank has its own device).
 
@@ -39,6 +43,7 @@ log-probs and entropies, b x Tc floats each.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -57,7 +62,7 @@ SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, n
                vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                max_position_embeddings=16384, num_hidden_layers=4)
 PROMPT = 256
-MINIMAL = 3  # a row of 3 tokens (2 prompt, 2 completion: the last a target only): one per rank at N = 3
+BASE = 768  # the base row (module docstring): 256 prompt tokens, 512 completion tokens
 TARGET = 1.1
 
 
@@ -101,25 +106,24 @@ def worker(mode: str, lengths: list[int], checkpointing: bool) -> None:
     base, weight, bias = policy_parts(model)
     options = LossOptions(loss_type="dapo")
     g = torch.Generator().manual_seed(1)
-    for length in [MINIMAL, *lengths]:
-        prompt_length = 2 if length == MINIMAL else PROMPT
-        prompt = torch.randint(3, SMOLLM2["vocab_size"], (prompt_length,), generator=g).tolist()
-        completion = torch.randint(3, SMOLLM2["vocab_size"], (length - prompt_length + 1,), generator=g).tolist()
+    for length in [BASE, *lengths]:
+        prompt = torch.randint(3, SMOLLM2["vocab_size"], (PROMPT,), generator=g).tolist()
+        completion = torch.randint(3, SMOLLM2["vocab_size"], (length - PROMPT + 1,), generator=g).tolist()
         attention = attention_mode(model) if group is None else "packed"
         mb = pack_sequences([prompt], [completion], [0], attention=attention)
         inputs = dict(advantages=torch.tensor([0.5]), mask=mb.completion_mask, options=options,
                       num_items_in_batch=mb.completion_mask.sum())
 
-        def step(mb=mb, inputs=inputs):
-            if group is None:
-                hidden = completion_hidden(base, mb)
-                loss, _ = fused_linear_grpo_loss(hidden, weight, mb.target_ids, bias=bias, **inputs)
-                loss.backward()
-                return
-            mine = sp.shard(mb, group, base)
-            with sp.attending(base, mine):
-                hidden = completion_hidden(base, mine)
-                loss, _ = sp.loss_of(mine)(hidden, weight, mine.target_ids, bias=bias, **inputs)
+        def step(mb=mb, inputs=inputs, held=None):
+            mine = None if group is None else sp.shard(mb, group, base)
+            with contextlib.nullcontext() if group is None else sp.attending(base, mine):
+                with contextlib.nullcontext() if held is None else forward_bytes(held):
+                    if group is None:
+                        hidden = completion_hidden(base, mb)
+                        loss, _ = fused_linear_grpo_loss(hidden, weight, mb.target_ids, bias=bias, **inputs)
+                    else:
+                        hidden = completion_hidden(base, mine)
+                        loss, _ = sp.loss_of(mine)(hidden, weight, mine.target_ids, bias=bias, **inputs)
                 loss.backward()
 
         step()  # warm-up
@@ -129,8 +133,11 @@ def worker(mode: str, lengths: list[int], checkpointing: bool) -> None:
             seconds = harness.time_call(step)
         sent = ulysses.BYTES["sent"] - sent
         tensors = torch_peak_bytes(step)  # (a step of its own: the profiler slows it)
+        held = []
+        step(held=held)
         row = {"mode": mode, "tokens": length, "checkpointing": checkpointing, "attention": attention,
-               "extra_mb": memory.extra_bytes / 2**20, "tensor_mb": tensors / 2**20, "step_s": seconds, "all_to_all_bytes": sent}
+               "extra_mb": memory.extra_bytes / 2**20, "tensor_mb": tensors / 2**20,
+               "held_mb": held[0] / 2**20, "held_python_mb": held[1] / 2**20, "step_s": seconds, "all_to_all_bytes": sent}
         rows = [row] if group is None else [None] * group.size
         if group is not None:
             dist.all_gather_object(rows, row)
@@ -140,8 +147,36 @@ def worker(mode: str, lengths: list[int], checkpointing: bool) -> None:
                               "extra_mb_per_rank": [r["extra_mb"] for r in rows],
                               "tensor_mb": max(r["tensor_mb"] for r in rows),
                               "tensor_mb_per_rank": [r["tensor_mb"] for r in rows],
+                              "held_mb": max(r["held_mb"] for r in rows),
+                              "held_mb_per_rank": [r["held_mb"] for r in rows],
+                              "held_python_mb": max(r["held_python_mb"] for r in rows),
+                              "held_python_mb_per_rank": [r["held_python_mb"] for r in rows],
                               "step_s": max(r["step_s"] for r in rows),
                               "all_to_all_bytes_per_rank": [r["all_to_all_bytes"] for r in rows]}), flush=True)
+
+
+@contextlib.contextmanager
+def forward_bytes(out: list):
+    """Appends to `out` the tensor bytes the block left allocated, counted two ways: (1) the profiler's allocation
+    events of the block, net (as `torch_peak_bytes`): every tensor the forward leaves for the backward (activations
+    saved or checkpointed, the loss's saved tensors), but also what other threads (gloo's) allocate meanwhile; (2)
+    the storages of the tensors Python can see that the block created (gc): under checkpointing that is everything
+    the forward keeps, the layers' checkpointed inputs, whatever threads run beside it."""
+    import gc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield
+    gc.collect()
+    storages = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and id(o) not in before and not isinstance(o, torch.nn.Parameter):
+            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+    out += [sum(event.self_cpu_memory_usage for event in prof.events()), sum(storages.values())]
 
 
 def torch_peak_bytes(step) -> int:
@@ -177,9 +212,9 @@ def launch(mode: str, lengths: list[int], checkpointing: bool) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def sweep(lengths: list[int]) -> list[dict]:
+def sweep(lengths: list[int], settings=(False, True)) -> list[dict]:
     rows = []
-    for checkpointing in (False, True):
+    for checkpointing in settings:
         for mode in ("N=1", "N=1 sp", "N=3"):
             rows += launch(mode, lengths, checkpointing)
             print(json.dumps(rows[-1]), flush=True)
@@ -187,23 +222,34 @@ def sweep(lengths: list[int]) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (checkpointing, tokens): the growing memory (over the minimal row's), its N=3 / (N=1 / 3) ratios, and the
+    """Per (checkpointing, tokens): the growing memory (over the base row's), its N=3 / (N=1 / 3) ratios, and the
     all-to-all bytes against the formula."""
     out = []
     cfg = SMOLLM2
     for checkpointing in (False, True):
-        fixed = {r["mode"]: r["extra_mb"] for r in rows if r["tokens"] == MINIMAL and r["checkpointing"] == checkpointing}
-        for tokens in sorted({r["tokens"] for r in rows} - {MINIMAL}):
+        fixed = {r["mode"]: r["extra_mb"] for r in rows if r["tokens"] == BASE and r["checkpointing"] == checkpointing}
+        for tokens in sorted({r["tokens"] for r in rows} - {BASE}):
             by = {r["mode"]: r for r in rows if r["tokens"] == tokens and r["checkpointing"] == checkpointing}
             if len(by) < 3:
                 continue
             grows = {m: r["extra_mb"] - fixed[m] for m, r in by.items()}
+            fixed_t = {r["mode"]: r["tensor_mb"] for r in rows if r["tokens"] == BASE and r["checkpointing"] == checkpointing}
+            tensors = {m: r["tensor_mb"] - fixed_t[m] for m, r in by.items()}
+            fixed_h = {r["mode"]: r["held_mb"] for r in rows if r["tokens"] == BASE and r["checkpointing"] == checkpointing}
+            held = {m: r["held_mb"] - fixed_h[m] for m, r in by.items()}
+            fixed_p = {r["mode"]: r.get("held_python_mb") for r in rows if r["tokens"] == BASE and r["checkpointing"] == checkpointing}
+            python = {m: r["held_python_mb"] - fixed_p[m] for m, r in by.items()} if "held_python_mb" in by["N=3"] else None
             formula = all_to_all_bytes(tokens, 3, layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
                                        kv_heads=cfg["num_key_value_heads"], head_dim=64, dtype_bytes=4,
                                        checkpointing=checkpointing)
             out.append({"tokens": tokens, "checkpointing": checkpointing,
                         "mb": {m: r["extra_mb"] for m, r in by.items()}, "fixed_mb": fixed, "grows_mb": grows,
                         "ratio_vs_sp": grows["N=3"] / (grows["N=1 sp"] / 3),
+                        "tensor_mb": {m: r["tensor_mb"] for m, r in by.items()}, "tensor_fixed_mb": fixed_t,
+                        "tensor_grows_mb": tensors, "tensor_ratio_vs_sp": tensors["N=3"] / (tensors["N=1 sp"] / 3),
+                        "held_grows_mb": held, "held_ratio_vs_sp": held["N=3"] / (held["N=1 sp"] / 3),
+                        "held_python_grows_mb": python,
+                        "held_python_ratio_vs_sp": python and python["N=3"] / (python["N=1 sp"] / 3),
                         "ratio_vs_today": grows["N=3"] / (grows["N=1"] / 3),
                         "step_s": {m: r["step_s"] for m, r in by.items()},
                         "bytes_measured": by["N=3"]["all_to_all_bytes_per_rank"], "bytes_formula": formula,
@@ -253,27 +299,47 @@ def project() -> list[dict]:
 # ---- the report ------------------------------------------------------------------------------------
 
 
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f} {'ok' if value <= TARGET else 'ABOVE'}"
+
+
 def markdown(result: dict) -> str:
     lines = ["# Ulysses sequence parallelism: memory per rank, step time, all-to-all bytes (CPU)", "",
              f"Command: `{result['command']}`", "", harness.describe(result["environment"]), "",
              "One packed row (one sequence: 256 prompt tokens, the rest completion), a 4-layer model of SmolLM2-135M's "
              "width (9 query heads, 3 KV heads), float32, the train step's forward + backward (dapo). Memory: each "
              "rank's peak RSS in the step over its RSS at the start (parameters and gradients already there), as "
-             "measured / the part that grows with the row (over the step on a 3-token row, whose extra memory is the "
-             "fixed column: the lm_head's and the embedding's [V, H] gradients and the loss's logit slab, at any N). "
+             "measured / the part that grows with the row (over the step on the base row of 768 tokens, whose extra memory "
+             "is the fixed column: the lm_head's and the embedding's [V, H] gradients and the loss's full logit slabs, "
+             "at any N; the module docstring says why not a shorter one). "
              "N=1: today's trainer path (under checkpointing: the dense block mask); N=1 sp: the sequence-parallel "
              "path on a group of 1 (per-sequence SDPA under checkpointing too); N=3: the largest of the 3 ranks. "
-             "Target: N=3's growing part <= 1.1 x (N=1 sp's / 3). Times: 3 ranks share 2 cores.", "",
-             "| checkpointing | tokens | N=1 MB | N=1 sp MB | N=3 MB per rank | fixed MB N=1 / sp / N=3 "
-             "| N=3 / (N=1 sp / 3), growing part | N=3 / (N=1 / 3), growing part "
-             "| step s N=1 / N=1 sp / N=3 | all-to-all bytes per rank (formula) |", "|" + " --- |" * 10]
+             "Target: N=3's growing part <= 1.1 x (N=1 sp's / 3). The same with torch's own tensor bytes (the "
+             "profiler's running sum of allocations minus frees, peak over the step: no C allocator caching or "
+             "fragmentation in it), and the tensor bytes the forward leaves for the backward (held: activations saved "
+             "or checkpointed and the loss's saved tensors, without the backward's transients; the profiler also counts "
+             "what gloo's threads allocate meanwhile), and the storages of the tensors created in the forward that "
+             "Python still holds (gc: under checkpointing, all the forward keeps: the layers' checkpointed inputs). "
+             "Times: 3 ranks share 2 cores.", "",
+             *([f"Rows with checkpointing rerun since: `{result['rerun']}`.", ""] if "rerun" in result else []),
+             "| checkpointing | tokens | RSS MB N=1 | RSS MB N=1 sp | RSS MB N=3 a rank | RSS fixed MB N=1 / sp / N=3 "
+             "| RSS: N=3 / (N=1 sp / 3), growing part | RSS: N=3 / (N=1 / 3), growing part "
+             "| tensors MB, growing part: N=1 sp / N=3 a rank | tensors: N=3 / (N=1 sp / 3) "
+             "| held MB, growing part: N=1 sp / N=3 a rank | held: N=3 / (N=1 sp / 3) "
+             "| held, Python's tensors: N=3 / (N=1 sp / 3) "
+             "| step s N=1 / N=1 sp / N=3 | all-to-all bytes a rank (formula) |", "|" + " --- |" * 15]
     for s in result["summary"]:
-        mb, t, g, f = s["mb"], s["step_s"], s["grows_mb"], s["fixed_mb"]
+        mb, t, g, f, tg, hg = s["mb"], s["step_s"], s["grows_mb"], s["fixed_mb"], s["tensor_grows_mb"], s["held_grows_mb"]
         lines.append(f"| {'on' if s['checkpointing'] else 'off'} | {s['tokens']} | {mb['N=1']:.0f} / {g['N=1']:.0f} "
                      f"| {mb['N=1 sp']:.0f} / {g['N=1 sp']:.0f} | {mb['N=3']:.0f} / {g['N=3']:.0f} "
                      f"| {f['N=1']:.0f} / {f['N=1 sp']:.0f} / {f['N=3']:.0f} "
                      f"| {s['ratio_vs_sp']:.2f} {'ok' if s['ratio_vs_sp'] <= TARGET else 'ABOVE'} "
-                     f"| {s['ratio_vs_today']:.2f} | {t['N=1']:.1f} / {t['N=1 sp']:.1f} / {t['N=3']:.1f} "
+                     f"| {s['ratio_vs_today']:.2f} | {tg['N=1 sp']:.0f} / {tg['N=3']:.0f} "
+                     f"| {s['tensor_ratio_vs_sp']:.2f} {'ok' if s['tensor_ratio_vs_sp'] <= TARGET else 'ABOVE'} "
+                     f"| {hg['N=1 sp']:.1f} / {hg['N=3']:.1f} "
+                     f"| {s['held_ratio_vs_sp']:.2f} {'ok' if s['held_ratio_vs_sp'] <= TARGET else 'ABOVE'} "
+                     f"| {_ratio(s['held_python_ratio_vs_sp'])} "
+                     f"| {t['N=1']:.1f} / {t['N=1 sp']:.1f} / {t['N=3']:.1f} "
                      f"| {s['bytes_measured'][0]} ({s['bytes_formula']}{', equal' if s['bytes_equal'] else ', DIFFER'}) |")
     lines += ["", "## A 7B model on 8 x H100 (computed, not measured)", "",
               f"{project.__doc__.split(chr(10), 1)[1].strip()}", "",
@@ -297,6 +363,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--project", action="store_true", help="the 7B projection alone")
+    parser.add_argument("--only-checkpointing", action="store_true",
+                        help="rerun the rows with checkpointing, keep the saved rows without it")
+    parser.add_argument("--report", action="store_true", help="rewrite the report from the saved json (no runs)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -307,7 +376,18 @@ def main() -> None:
     if args.project:
         print(json.dumps(result["projection"], indent=1))
         return
-    result["rows"] = sweep(args.lengths)
+    if args.report:
+        saved = json.loads(OUT.with_suffix(".json").read_text())
+        result = {**saved, "projection": project(), "verl": VERL, "summary": summary(saved["rows"])}
+        harness.write_results(OUT, result, markdown(result))
+        print(markdown(result))
+        return
+    if args.only_checkpointing:  # (the other half as saved)
+        saved = json.loads(OUT.with_suffix(".json").read_text())
+        result["rows"] = [r for r in saved["rows"] if not r["checkpointing"]] + sweep(args.lengths, (True,))
+        result["rerun"] = harness.command_line("benchmarks/bench_sequence_parallel.py")
+    else:
+        result["rows"] = sweep(args.lengths)
     result["summary"] = summary(result["rows"])
     harness.write_results(OUT, result, markdown(result))
     print(markdown(result))
