@@ -4,6 +4,8 @@ with and without gradient checkpointing; the all-to-all bytes against their form
     python benchmarks/bench_sequence_parallel.py                  # the sweep and the projection -> results/sequence_parallel_cpu.*
     python benchmarks/bench_sequence_parallel.py --lengths 2048   # a shorter sweep
     python benchmarks/bench_sequence_parallel.py --project        # the 7B projection alone (no runs)
+    python benchmarks/bench_sequence_parallel.py --only-checkpointing  # rerun the rows with checkpointing
+    python benchmarks/bench_sequence_parallel.py --report         # the report again from the saved json
 
 The model: SmolLM2-135M's width (hidden 576, 9 query heads, 3 KV heads of 64, MLP 1536, vocab 49152, tied
 embeddings) with 4 layers instead of 30 (the whole model is too slow for 8k-token rows on 2 cores), random weights,
