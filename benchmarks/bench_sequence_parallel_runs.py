@@ -117,8 +117,8 @@ def main() -> None:
                 continue
             both = [o.format(**models) for o in both]
             model = models["tool"] if any(o.startswith("tool_model=") for o in both) else models["tiny"]
-            s1, _ = train(1, ranks * per_device, engine, both, tmp / f"{name}-one", models["tiny"], [])
-            s2, seen = train(ranks, per_device, engine, [*layout, *both], tmp / f"{name}-ranks", models["tiny"], torchrun)
+            s1, _ = train(1, ranks * per_device, engine, both, tmp / f"{name}-one", model, [])
+            s2, seen = train(ranks, per_device, engine, [*layout, *both], tmp / f"{name}-ranks", model, torchrun)
             row = {"name": name, "what": what, "ranks": ranks, "options": [*layout, *both], "seconds": [s1, s2],
                    "ranks_said": seen,
                    **compare(tmp / f"{name}-one", tmp / f"{name}-ranks", load_file(Path(model) / "model.safetensors"))}
